@@ -1,0 +1,11 @@
+//! The DHCP server: `settings` (the config section and the checked plan), `leases` (the lease
+//! table), `journal` (its crash-safe file), `server` (the protocol, no I/O) and `socket` (the
+//! loop that ties them to the network).
+
+pub mod journal;
+pub mod leases;
+pub mod server;
+pub mod settings;
+mod socket;
+
+pub use socket::{DhcpService, bind_socket};

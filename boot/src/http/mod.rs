@@ -1,0 +1,389 @@
+//! The HTTP server: per-host iPXE scripts, boot files, iPXE binaries for UEFI HTTP boot, boot
+//! callbacks, timelines, health and metrics.
+//!
+//! Routes:
+//! - `GET /boot/<mac>.ipxe`: the host's iPXE script
+//! - `GET|HEAD /files/<path>`: a file under the HTTP root (Range, ETag)
+//! - `GET|HEAD /ipxe/<name>`: an iPXE binary (UEFI HTTP boot)
+//! - `POST /report/<mac>/<stage>`: a boot callback from the host
+//! - `GET /timeline` and `GET /timeline/<mac>`: boot timelines as JSON
+//! - `GET /healthz`, `GET /metrics`
+
+mod static_files;
+
+use std::convert::Infallible;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde::Deserialize;
+use siteboot_ipxe::IpxeBinaries;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::decision::ipxe_script;
+use crate::files::{FileError, FileRoot};
+use crate::inventory::Inventory;
+use crate::metrics::{HttpRoute, Metrics};
+use crate::neighbors::Neighbors;
+use crate::timeline::{Stage, Timeline};
+use crate::{Endpoints, MacAddr};
+
+pub use static_files::{RangeRequest, parse_range};
+
+pub type Body = BoxBody<Bytes, std::io::Error>;
+
+/// The `http:` section of the configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSettings {
+    #[serde(default = "default_port")]
+    pub port: u16,
+    /// Kernels, initrds and images, served at `/files/<path>`.
+    pub root: Option<PathBuf>,
+    /// Connections served at once; more wait in the listen backlog.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        Self {
+            port: default_port(),
+            root: None,
+            max_connections: default_max_connections(),
+        }
+    }
+}
+
+fn default_port() -> u16 {
+    8080
+}
+fn default_max_connections() -> usize {
+    1024
+}
+
+pub struct HttpServer {
+    endpoints: Endpoints,
+    inventory: Arc<dyn Inventory>,
+    files: Option<FileRoot>,
+    binaries: Arc<IpxeBinaries>,
+    ipxe_root: FileRoot,
+    timeline: Arc<Timeline>,
+    metrics: Arc<Metrics>,
+    neighbors: Arc<Neighbors>,
+    max_connections: usize,
+}
+
+/// A slow client gets this long to send its request headers.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl HttpServer {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        endpoints: Endpoints,
+        settings: &HttpSettings,
+        inventory: Arc<dyn Inventory>,
+        binaries: Arc<IpxeBinaries>,
+        timeline: Arc<Timeline>,
+        metrics: Arc<Metrics>,
+        neighbors: Arc<Neighbors>,
+    ) -> std::io::Result<Self> {
+        Ok(Self {
+            endpoints,
+            inventory,
+            files: settings.root.as_deref().map(FileRoot::open).transpose()?,
+            ipxe_root: FileRoot::open(binaries.dir())?,
+            binaries,
+            timeline,
+            metrics,
+            neighbors,
+            max_connections: settings.max_connections,
+        })
+    }
+
+    pub async fn run(self, listener: TcpListener) -> std::io::Result<()> {
+        let server = Arc::new(self);
+        let slots = Arc::new(Semaphore::new(server.max_connections));
+        loop {
+            let slot = slots
+                .clone()
+                .acquire_owned()
+                .await
+                .expect("semaphore never closed");
+            let (stream, remote) = listener.accept().await?;
+            let _ = stream.set_nodelay(true);
+            let server = server.clone();
+            tokio::spawn(async move {
+                let service = service_fn(|req| {
+                    let server = server.clone();
+                    async move { Ok::<_, Infallible>(server.route(req, remote).await) }
+                });
+                let result = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEADER_TIMEOUT)
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+                if let Err(e) = result {
+                    tracing::debug!(%remote, error = %e, "HTTP connection ended with an error");
+                }
+                drop(slot);
+            });
+        }
+    }
+
+    async fn route(&self, req: Request<Incoming>, remote: SocketAddr) -> Response<Body> {
+        let path = req.uri().path().to_owned();
+        let method = req.method().clone();
+        let head = method == Method::HEAD;
+        let segments: Vec<&str> = path.trim_start_matches('/').splitn(2, '/').collect();
+        let (route, response) = match (&method, segments.as_slice()) {
+            (&Method::GET, ["healthz"]) => (HttpRoute::Health, text(StatusCode::OK, "ok\n")),
+            (&Method::GET, ["metrics"]) => (HttpRoute::Metrics, self.metrics_page()),
+            (&Method::GET, ["boot", file]) => (HttpRoute::Script, self.script(file).await),
+            (&Method::GET | &Method::HEAD, ["files", rest]) => {
+                (HttpRoute::File, self.file(rest, &req, head, remote).await)
+            }
+            (&Method::GET | &Method::HEAD, ["ipxe", name]) => (
+                HttpRoute::IpxeBinary,
+                self.ipxe_binary(name, &req, head, remote).await,
+            ),
+            (&Method::POST, ["report", rest]) => (HttpRoute::Report, self.report(rest, remote)),
+            (&Method::GET, ["timeline"]) => (HttpRoute::Timeline, self.timelines()),
+            (&Method::GET, ["timeline", mac]) => (HttpRoute::Timeline, self.timeline(mac)),
+            _ => (
+                HttpRoute::NotFound,
+                text(StatusCode::NOT_FOUND, "not found\n"),
+            ),
+        };
+        self.metrics.http_request(route);
+        tracing::debug!(%remote, %method, path, status = response.status().as_u16(), "HTTP request");
+        response
+    }
+
+    fn metrics_page(&self) -> Response<Body> {
+        Response::builder()
+            .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
+            .body(full(self.metrics.render(&self.timeline)))
+            .expect("valid response")
+    }
+
+    async fn script(&self, file: &str) -> Response<Body> {
+        let Some(mac) = file
+            .strip_suffix(".ipxe")
+            .and_then(|m| m.parse::<MacAddr>().ok())
+        else {
+            return text(StatusCode::NOT_FOUND, "expected /boot/<mac>.ipxe\n");
+        };
+        match self.inventory.boot_action(mac).await {
+            Some(action) => {
+                let script = ipxe_script(&action, mac, &self.endpoints);
+                self.timeline
+                    .record(mac, Stage::IpxeScript, describe_script(&script));
+                Response::builder()
+                    .header(header::CONTENT_TYPE, "text/plain")
+                    .header(header::CACHE_CONTROL, "no-store")
+                    .body(full(script))
+                    .expect("valid response")
+            }
+            None => {
+                tracing::info!(%mac, "no boot action for this host; answering 404");
+                text(StatusCode::NOT_FOUND, "no boot action for this host\n")
+            }
+        }
+    }
+
+    async fn file(
+        &self,
+        path: &str,
+        req: &Request<Incoming>,
+        head: bool,
+        remote: SocketAddr,
+    ) -> Response<Body> {
+        let Some(root) = &self.files else {
+            return text(StatusCode::NOT_FOUND, "no http.root configured\n");
+        };
+        let decoded = percent_decode(path);
+        let Some(decoded) = decoded else {
+            return text(StatusCode::BAD_REQUEST, "bad percent-encoding\n");
+        };
+        self.serve(root.open_file(&decoded), &decoded, req, head, remote)
+            .await
+    }
+
+    async fn ipxe_binary(
+        &self,
+        name: &str,
+        req: &Request<Incoming>,
+        head: bool,
+        remote: SocketAddr,
+    ) -> Response<Body> {
+        if !self.binaries.is_binary(name) {
+            return text(StatusCode::NOT_FOUND, "not an iPXE binary served here\n");
+        }
+        self.serve(self.ipxe_root.open_file(name), name, req, head, remote)
+            .await
+    }
+
+    async fn serve(
+        &self,
+        opened: Result<(std::fs::File, u64), FileError>,
+        name: &str,
+        req: &Request<Incoming>,
+        head: bool,
+        remote: SocketAddr,
+    ) -> Response<Body> {
+        let (file, len) = match opened {
+            Ok(found) => found,
+            Err(e @ (FileError::NotFound | FileError::NotAFile)) => {
+                return text(StatusCode::NOT_FOUND, &format!("{e}\n"));
+            }
+            Err(e @ (FileError::OutsideRoot | FileError::InvalidPath(_))) => {
+                tracing::warn!(%remote, path = name, error = %e, "refused an HTTP path");
+                return text(StatusCode::FORBIDDEN, &format!("{e}\n"));
+            }
+            Err(FileError::Io(e)) => {
+                tracing::error!(%remote, path = name, error = %e, "cannot open file");
+                return text(StatusCode::INTERNAL_SERVER_ERROR, "cannot open file\n");
+            }
+        };
+        match static_files::respond(file, len, req.headers(), head, self.metrics.clone()).await {
+            Ok(response) => {
+                if let (false, Some(mac)) = (head, self.mac_of(remote)) {
+                    self.timeline.record(
+                        mac,
+                        Stage::HttpFile,
+                        format!("{name} {} ({len} bytes)", response.status().as_u16()),
+                    );
+                }
+                response
+            }
+            Err(e) => {
+                tracing::error!(%remote, path = name, error = %e, "cannot read file");
+                text(StatusCode::INTERNAL_SERVER_ERROR, "cannot read file\n")
+            }
+        }
+    }
+
+    fn report(&self, rest: &str, remote: SocketAddr) -> Response<Body> {
+        let Some((mac, stage)) = rest.split_once('/') else {
+            return text(StatusCode::NOT_FOUND, "expected /report/<mac>/<stage>\n");
+        };
+        let Ok(mac) = mac.parse::<MacAddr>() else {
+            return text(StatusCode::BAD_REQUEST, "not a MAC address\n");
+        };
+        let valid = !stage.is_empty()
+            && stage.len() <= 32
+            && stage
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !valid {
+            return text(StatusCode::BAD_REQUEST, "stage must be 1-32 of [a-z0-9-]\n");
+        }
+        self.timeline
+            .record(mac, Stage::Report, format!("{stage} from {}", remote.ip()));
+        text(StatusCode::OK, "recorded\n")
+    }
+
+    fn timelines(&self) -> Response<Body> {
+        let hosts: Vec<String> = self
+            .timeline
+            .hosts()
+            .iter()
+            .map(|m| m.to_string())
+            .collect();
+        json(&serde_json::json!({ "hosts": hosts }))
+    }
+
+    fn timeline(&self, mac: &str) -> Response<Body> {
+        let Ok(mac) = mac.parse::<MacAddr>() else {
+            return text(StatusCode::BAD_REQUEST, "not a MAC address\n");
+        };
+        json(&serde_json::json!({ "mac": mac, "events": self.timeline.events(mac) }))
+    }
+
+    fn mac_of(&self, remote: SocketAddr) -> Option<MacAddr> {
+        match remote.ip() {
+            std::net::IpAddr::V4(ip) => self.neighbors.mac_of(ip),
+            std::net::IpAddr::V6(ip) => ip
+                .to_ipv4_mapped()
+                .and_then(|ip: Ipv4Addr| self.neighbors.mac_of(ip)),
+        }
+    }
+}
+
+/// What the timeline says about a script: its first command after the banner.
+fn describe_script(script: &str) -> String {
+    script
+        .lines()
+        .find(|l| !l.starts_with("#!") && !l.starts_with("echo") && !l.trim().is_empty())
+        .unwrap_or("(empty)")
+        .chars()
+        .take(200)
+        .collect()
+}
+
+/// Decodes `%XX` escapes; `None` for a malformed escape or a result that is not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+pub(crate) fn full(body: impl Into<Bytes>) -> Body {
+    Full::new(body.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+pub(crate) fn empty() -> Body {
+    Empty::new().map_err(|never| match never {}).boxed()
+}
+
+fn text(status: StatusCode, body: &str) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "text/plain")
+        .body(full(body.to_owned()))
+        .expect("valid response")
+}
+
+fn json(value: &serde_json::Value) -> Response<Body> {
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(full(value.to_string()))
+        .expect("valid response")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("a%20b/c").as_deref(), Some("a b/c"));
+        assert_eq!(percent_decode("%2e%2e/x").as_deref(), Some("../x"));
+        assert_eq!(percent_decode("bad%2"), None);
+        assert_eq!(percent_decode("bad%zz"), None);
+        assert_eq!(percent_decode("%ff"), None);
+    }
+}

@@ -1,0 +1,200 @@
+//! Serving a file with HEAD, ETag/If-None-Match, Last-Modified and single byte ranges, streamed
+//! in chunks so a multi-gigabyte image never sits in memory.
+
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::time::{Duration, UNIX_EPOCH};
+
+use futures_util::TryStreamExt;
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+use tokio_util::io::ReaderStream;
+
+use super::{Body, empty, full};
+use crate::metrics::Metrics;
+use std::sync::Arc;
+
+/// Read size for streaming: large enough to keep a fast link busy, small enough to bound memory.
+const CHUNK: usize = 256 * 1024;
+
+/// A byte range request, resolved against the file length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RangeRequest {
+    /// No (usable) Range header: send the whole file.
+    Full,
+    /// Bytes `start..=end`.
+    Partial { start: u64, end: u64 },
+    /// A range outside the file: 416.
+    Unsatisfiable,
+}
+
+/// Parses a `Range` header for a file of `len` bytes. Multiple ranges are answered with the
+/// whole file, which RFC 9110 allows.
+pub fn parse_range(value: &str, len: u64) -> RangeRequest {
+    let Some(spec) = value.trim().strip_prefix("bytes=") else {
+        return RangeRequest::Full;
+    };
+    if spec.contains(',') {
+        return RangeRequest::Full;
+    }
+    let Some((start, end)) = spec.trim().split_once('-') else {
+        return RangeRequest::Full;
+    };
+    let parse = |s: &str| s.trim().parse::<u64>().ok();
+    match (start.trim().is_empty(), end.trim().is_empty()) {
+        // "-N": the last N bytes.
+        (true, false) => match parse(end) {
+            Some(0) | None => RangeRequest::Unsatisfiable,
+            Some(_) if len == 0 => RangeRequest::Unsatisfiable,
+            Some(n) => RangeRequest::Partial {
+                start: len.saturating_sub(n),
+                end: len - 1,
+            },
+        },
+        (false, _) => {
+            let Some(start) = parse(start) else {
+                return RangeRequest::Full;
+            };
+            let end = if end.trim().is_empty() {
+                Some(u64::MAX)
+            } else {
+                parse(end)
+            };
+            match end {
+                None => RangeRequest::Full,
+                Some(end) if end < start => RangeRequest::Full,
+                Some(_) if start >= len => RangeRequest::Unsatisfiable,
+                Some(end) => RangeRequest::Partial {
+                    start,
+                    end: end.min(len - 1),
+                },
+            }
+        }
+        (true, true) => RangeRequest::Full,
+    }
+}
+
+/// The response for `file` given the request's method and headers.
+pub async fn respond(
+    file: File,
+    len: u64,
+    request_headers: &HeaderMap,
+    head: bool,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<Response<Body>> {
+    let meta = file.metadata()?;
+    let etag = format!(
+        "\"{:x}-{:x}-{:x}.{:x}\"",
+        meta.ino(),
+        len,
+        meta.mtime(),
+        meta.mtime_nsec()
+    );
+    let modified = UNIX_EPOCH + Duration::from_secs(meta.mtime().max(0) as u64);
+
+    let header_str = |name| {
+        request_headers
+            .get(name)
+            .and_then(|v: &HeaderValue| v.to_str().ok())
+    };
+    let mut builder = Response::builder()
+        .header(header::ETAG, &etag)
+        .header(header::LAST_MODIFIED, httpdate::fmt_http_date(modified))
+        .header(header::ACCEPT_RANGES, "bytes");
+
+    if let Some(inm) = header_str(header::IF_NONE_MATCH)
+        && inm.split(',').any(|t| t.trim() == etag || t.trim() == "*")
+    {
+        return Ok(builder
+            .status(StatusCode::NOT_MODIFIED)
+            .body(empty())
+            .expect("valid response"));
+    }
+    // If-Range with a stale validator means "send everything".
+    let if_range_ok = header_str(header::IF_RANGE).is_none_or(|v| v.trim() == etag);
+    let range = match header_str(header::RANGE) {
+        Some(v) if if_range_ok => parse_range(v, len),
+        _ => RangeRequest::Full,
+    };
+    let (status, start, count) = match range {
+        RangeRequest::Full => (StatusCode::OK, 0, len),
+        RangeRequest::Partial { start, end } => {
+            builder = builder.header(header::CONTENT_RANGE, format!("bytes {start}-{end}/{len}"));
+            (StatusCode::PARTIAL_CONTENT, start, end - start + 1)
+        }
+        RangeRequest::Unsatisfiable => {
+            return Ok(builder
+                .status(StatusCode::RANGE_NOT_SATISFIABLE)
+                .header(header::CONTENT_RANGE, format!("bytes */{len}"))
+                .body(full("range not satisfiable\n"))
+                .expect("valid response"));
+        }
+    };
+    builder = builder
+        .status(status)
+        .header(header::CONTENT_LENGTH, count)
+        .header(header::CONTENT_TYPE, "application/octet-stream");
+    if head {
+        return Ok(builder.body(empty()).expect("valid response"));
+    }
+    let mut file = tokio::fs::File::from_std(file);
+    file.seek(std::io::SeekFrom::Start(start)).await?;
+    let stream = ReaderStream::with_capacity(file.take(count), CHUNK)
+        .inspect_ok(move |chunk| Metrics::add(&metrics.http_bytes, chunk.len() as u64))
+        .map_ok(Frame::data);
+    Ok(builder
+        .body(StreamBody::new(stream).boxed())
+        .expect("valid response"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn range_forms() {
+        use RangeRequest::*;
+        assert_eq!(
+            parse_range("bytes=0-99", 1000),
+            Partial { start: 0, end: 99 }
+        );
+        assert_eq!(
+            parse_range("bytes=900-", 1000),
+            Partial {
+                start: 900,
+                end: 999
+            }
+        );
+        assert_eq!(
+            parse_range("bytes=-100", 1000),
+            Partial {
+                start: 900,
+                end: 999
+            }
+        );
+        assert_eq!(
+            parse_range("bytes=-5000", 1000),
+            Partial { start: 0, end: 999 }
+        );
+        assert_eq!(
+            parse_range("bytes=990-2000", 1000),
+            Partial {
+                start: 990,
+                end: 999
+            }
+        );
+        assert_eq!(parse_range("bytes=1000-", 1000), Unsatisfiable);
+        assert_eq!(parse_range("bytes=-0", 1000), Unsatisfiable);
+        assert_eq!(parse_range("bytes=0-", 0), Unsatisfiable);
+        assert_eq!(parse_range("bytes=5-1", 1000), Full, "invalid: ignored");
+        assert_eq!(parse_range("bytes=0-1,5-6", 1000), Full);
+        assert_eq!(parse_range("items=0-1", 1000), Full);
+        assert_eq!(parse_range("bytes=x-1", 1000), Full);
+        assert_eq!(
+            parse_range("bytes=18446744073709551615-", 10),
+            Unsatisfiable
+        );
+    }
+}

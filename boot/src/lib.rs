@@ -1,0 +1,22 @@
+//! The siteboot boot plane: DHCP (full and proxy), TFTP and HTTP servers, and the boot decision
+//! that maps "this client, this firmware, this host" to what it is sent.
+//!
+//! It knows nothing of Kubernetes: what each host boots comes from an [`Inventory`], which the
+//! appliance implements from its config file (standalone) or from its Host cache.
+
+pub mod client;
+pub mod decision;
+pub mod dhcp;
+mod endpoints;
+pub mod files;
+pub mod http;
+pub mod inventory;
+mod mac;
+pub mod metrics;
+pub mod neighbors;
+pub mod tftp;
+pub mod timeline;
+
+pub use endpoints::Endpoints;
+pub use inventory::{BootAction, Inventory};
+pub use mac::{InvalidMac, MacAddr};

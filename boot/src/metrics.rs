@@ -1,0 +1,225 @@
+//! Counters for `/metrics`, in the Prometheus text format. Plain atomics: the hot paths only add.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use dhcproto::v4::MessageType;
+
+use crate::timeline::Timeline;
+
+const DHCP_TYPES: [&str; 9] = [
+    "discover", "offer", "request", "decline", "ack", "nak", "release", "inform", "other",
+];
+
+fn dhcp_type_index(t: MessageType) -> usize {
+    match t {
+        MessageType::Discover => 0,
+        MessageType::Offer => 1,
+        MessageType::Request => 2,
+        MessageType::Decline => 3,
+        MessageType::Ack => 4,
+        MessageType::Nak => 5,
+        MessageType::Release => 6,
+        MessageType::Inform => 7,
+        _ => 8,
+    }
+}
+
+/// The HTTP routes counted separately.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpRoute {
+    Script,
+    File,
+    IpxeBinary,
+    Report,
+    Timeline,
+    Health,
+    Metrics,
+    NotFound,
+}
+
+impl HttpRoute {
+    const ALL: [HttpRoute; 8] = [
+        HttpRoute::Script,
+        HttpRoute::File,
+        HttpRoute::IpxeBinary,
+        HttpRoute::Report,
+        HttpRoute::Timeline,
+        HttpRoute::Health,
+        HttpRoute::Metrics,
+        HttpRoute::NotFound,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            HttpRoute::Script => "script",
+            HttpRoute::File => "file",
+            HttpRoute::IpxeBinary => "ipxe-binary",
+            HttpRoute::Report => "report",
+            HttpRoute::Timeline => "timeline",
+            HttpRoute::Health => "health",
+            HttpRoute::Metrics => "metrics",
+            HttpRoute::NotFound => "not-found",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    dhcp_received: [AtomicU64; DHCP_TYPES.len()],
+    dhcp_sent: [AtomicU64; DHCP_TYPES.len()],
+    /// Datagrams that did not decode as DHCP, or were not for us.
+    pub dhcp_dropped: AtomicU64,
+    /// Bound, unexpired leases (a gauge, set by the DHCP server).
+    pub dhcp_leases: AtomicU64,
+    pub tftp_started: AtomicU64,
+    pub tftp_completed: AtomicU64,
+    pub tftp_failed: AtomicU64,
+    /// Requests refused: write requests, missing files, paths outside the root, over the cap.
+    pub tftp_refused: AtomicU64,
+    pub tftp_bytes: AtomicU64,
+    pub tftp_active: AtomicU64,
+    http_requests: [AtomicU64; HttpRoute::ALL.len()],
+    pub http_bytes: AtomicU64,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn dhcp_received(&self, t: MessageType) {
+        self.dhcp_received[dhcp_type_index(t)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn dhcp_sent(&self, t: MessageType) {
+        self.dhcp_sent[dhcp_type_index(t)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn http_request(&self, route: HttpRoute) {
+        self.http_requests[route.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition of every counter, plus boots by stage from `timeline`.
+    pub fn render(&self, timeline: &Timeline) -> String {
+        let mut out = String::new();
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+
+        header(
+            &mut out,
+            "siteboot_dhcp_messages_total",
+            "counter",
+            "DHCP messages by direction and type.",
+        );
+        for (direction, counters) in [("received", &self.dhcp_received), ("sent", &self.dhcp_sent)]
+        {
+            for (name, c) in DHCP_TYPES.iter().zip(counters.iter()) {
+                let _ = writeln!(
+                    out,
+                    "siteboot_dhcp_messages_total{{direction=\"{direction}\",type=\"{name}\"}} {}",
+                    get(c)
+                );
+            }
+        }
+        let scalars: [(&str, &str, &str, &AtomicU64); 9] = [
+            (
+                "siteboot_dhcp_dropped_total",
+                "counter",
+                "Datagrams on the DHCP ports that were malformed or not for this server.",
+                &self.dhcp_dropped,
+            ),
+            (
+                "siteboot_dhcp_leases",
+                "gauge",
+                "Bound, unexpired DHCP leases.",
+                &self.dhcp_leases,
+            ),
+            (
+                "siteboot_tftp_transfers_started_total",
+                "counter",
+                "TFTP read transfers started.",
+                &self.tftp_started,
+            ),
+            (
+                "siteboot_tftp_transfers_completed_total",
+                "counter",
+                "TFTP read transfers completed.",
+                &self.tftp_completed,
+            ),
+            (
+                "siteboot_tftp_transfers_failed_total",
+                "counter",
+                "TFTP transfers aborted (timeouts, client errors).",
+                &self.tftp_failed,
+            ),
+            (
+                "siteboot_tftp_requests_refused_total",
+                "counter",
+                "TFTP requests refused (writes, missing files, paths outside the root, over the transfer cap).",
+                &self.tftp_refused,
+            ),
+            (
+                "siteboot_tftp_bytes_total",
+                "counter",
+                "File bytes sent over TFTP (first transmissions).",
+                &self.tftp_bytes,
+            ),
+            (
+                "siteboot_tftp_transfers_active",
+                "gauge",
+                "TFTP transfers in progress.",
+                &self.tftp_active,
+            ),
+            (
+                "siteboot_http_bytes_total",
+                "counter",
+                "Body bytes sent over HTTP.",
+                &self.http_bytes,
+            ),
+        ];
+        for (name, kind, help, counter) in scalars {
+            header(&mut out, name, kind, help);
+            let _ = writeln!(out, "{name} {}", get(counter));
+        }
+        header(
+            &mut out,
+            "siteboot_http_requests_total",
+            "counter",
+            "HTTP requests by route.",
+        );
+        for route in HttpRoute::ALL {
+            let _ = writeln!(
+                out,
+                "siteboot_http_requests_total{{route=\"{}\"}} {}",
+                route.as_str(),
+                get(&self.http_requests[route.index()])
+            );
+        }
+        header(
+            &mut out,
+            "siteboot_boot_steps_total",
+            "counter",
+            "Boot steps recorded, by stage.",
+        );
+        for (stage, count) in timeline.stage_counts() {
+            let _ = writeln!(
+                out,
+                "siteboot_boot_steps_total{{stage=\"{}\"}} {count}",
+                stage.as_str()
+            );
+        }
+        out
+    }
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}

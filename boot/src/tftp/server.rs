@@ -1,0 +1,350 @@
+//! TFTP sockets: one listening socket for requests, and a fresh socket (a new transfer ID) per
+//! transfer, as RFC 1350 requires; each transfer is a task driving a [`Transfer`].
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Deserialize;
+use siteboot_ipxe::IpxeBinaries;
+use tokio::net::UdpSocket;
+use tokio::sync::Semaphore;
+
+use super::packet::{self, ErrorCode, Packet};
+use super::transfer::{self, Limits, Send, Transfer};
+use crate::files::{FileError, FileRoot};
+use crate::metrics::Metrics;
+use crate::neighbors::Neighbors;
+use crate::timeline::{Stage, Timeline};
+
+/// The `tftp:` section of the configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TftpSettings {
+    /// Directory of the iPXE binaries handed to firmware (default: Debian's `ipxe` package).
+    #[serde(default = "default_ipxe_dir")]
+    pub ipxe_dir: PathBuf,
+    /// Optional directory of further files served read-only.
+    pub root: Option<PathBuf>,
+    /// Transfers in progress at once; further requests are refused until one ends.
+    #[serde(default = "default_max_transfers")]
+    pub max_transfers: usize,
+    /// Largest block size a client may negotiate (RFC 2348).
+    #[serde(default = "default_max_block_size")]
+    pub max_block_size: u16,
+    /// Largest window a client may negotiate (RFC 7440).
+    #[serde(default = "default_max_window_size")]
+    pub max_window_size: u16,
+    /// Retransmission timeout when the client does not negotiate one.
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Retransmissions before a transfer is abandoned.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+}
+
+impl Default for TftpSettings {
+    fn default() -> Self {
+        Self {
+            ipxe_dir: default_ipxe_dir(),
+            root: None,
+            max_transfers: default_max_transfers(),
+            max_block_size: default_max_block_size(),
+            max_window_size: default_max_window_size(),
+            timeout: default_timeout(),
+            retries: default_retries(),
+        }
+    }
+}
+
+fn default_ipxe_dir() -> PathBuf {
+    PathBuf::from("/usr/lib/ipxe")
+}
+fn default_max_transfers() -> usize {
+    64
+}
+fn default_max_block_size() -> u16 {
+    1468
+}
+fn default_max_window_size() -> u16 {
+    64
+}
+fn default_timeout() -> Duration {
+    Duration::from_secs(1)
+}
+fn default_retries() -> u32 {
+    5
+}
+
+impl TftpSettings {
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_block_size: self.max_block_size,
+            max_window_size: self.max_window_size,
+            default_timeout: self.timeout,
+            max_retries: self.retries,
+        }
+    }
+}
+
+pub struct TftpServer {
+    address: Ipv4Addr,
+    binaries: Arc<IpxeBinaries>,
+    ipxe_root: FileRoot,
+    root: Option<FileRoot>,
+    limits: Limits,
+    slots: Arc<Semaphore>,
+    /// Clients with a transfer running: a retransmitted request must not start a second one.
+    active: Arc<Mutex<HashSet<SocketAddrV4>>>,
+    timeline: Arc<Timeline>,
+    metrics: Arc<Metrics>,
+    neighbors: Arc<Neighbors>,
+}
+
+/// The largest request we read: RFC 2347 limits a request to 512 bytes.
+const MAX_REQUEST: usize = 512;
+
+impl TftpServer {
+    pub fn new(
+        address: Ipv4Addr,
+        settings: &TftpSettings,
+        binaries: Arc<IpxeBinaries>,
+        timeline: Arc<Timeline>,
+        metrics: Arc<Metrics>,
+        neighbors: Arc<Neighbors>,
+    ) -> std::io::Result<Self> {
+        let ipxe_root = FileRoot::open(binaries.dir())?;
+        let root = settings.root.as_deref().map(FileRoot::open).transpose()?;
+        Ok(Self {
+            address,
+            binaries,
+            ipxe_root,
+            root,
+            limits: settings.limits(),
+            slots: Arc::new(Semaphore::new(settings.max_transfers)),
+            active: Arc::default(),
+            timeline,
+            metrics,
+            neighbors,
+        })
+    }
+
+    /// Serves requests arriving on `socket` (bound to port 69) until the task is dropped.
+    pub async fn run(self, socket: UdpSocket) -> std::io::Result<()> {
+        let mut buf = vec![0u8; MAX_REQUEST + 1];
+        loop {
+            let (len, from) = socket.recv_from(&mut buf).await?;
+            let SocketAddr::V4(from) = from else { continue };
+            if len > MAX_REQUEST {
+                self.refuse(
+                    &socket,
+                    from,
+                    ErrorCode::IllegalOperation,
+                    "request too long",
+                )
+                .await;
+                continue;
+            }
+            self.request(&socket, &buf[..len], from).await;
+        }
+    }
+
+    async fn request(&self, listener: &UdpSocket, bytes: &[u8], from: SocketAddrV4) {
+        let req = match packet::parse(bytes) {
+            Ok(Packet::Request(req)) => req,
+            Ok(_) => return, // stray DATA/ACK to the listening port: not a transfer of ours
+            Err(e) => {
+                tracing::debug!(%from, error = %e, "malformed TFTP request");
+                return self
+                    .refuse(listener, from, ErrorCode::IllegalOperation, &e.to_string())
+                    .await;
+            }
+        };
+        let mac = self.neighbors.mac_of(*from.ip());
+        if req.write {
+            tracing::info!(%from, file = req.filename, "refusing a TFTP write request");
+            return self
+                .refuse(
+                    listener,
+                    from,
+                    ErrorCode::AccessViolation,
+                    "read-only server",
+                )
+                .await;
+        }
+        let (file, size) = match self.open(req.filename) {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::info!(%from, file = req.filename, error = %e, "TFTP file not served");
+                let code = match e {
+                    FileError::NotFound | FileError::NotAFile => ErrorCode::FileNotFound,
+                    _ => ErrorCode::AccessViolation,
+                };
+                return self.refuse(listener, from, code, &e.to_string()).await;
+            }
+        };
+        if !self.active.lock().expect("active lock").insert(from) {
+            return; // a retransmitted request for a transfer already running
+        }
+        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+            self.active.lock().expect("active lock").remove(&from);
+            tracing::warn!(%from, "refusing a TFTP transfer: too many in progress");
+            return self
+                .refuse(
+                    listener,
+                    from,
+                    ErrorCode::NotDefined,
+                    "server busy, try again",
+                )
+                .await;
+        };
+        let negotiated = transfer::negotiate(&req.options, size, &self.limits);
+        let name = req.filename.to_owned();
+        if let Some(mac) = mac {
+            self.timeline.record(
+                mac,
+                Stage::TftpStart,
+                format!(
+                    "{name} ({size} bytes, blksize {}, windowsize {})",
+                    negotiated.block_size, negotiated.window_size
+                ),
+            );
+        }
+        let socket = match transfer_socket(self.address, from).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.active.lock().expect("active lock").remove(&from);
+                tracing::error!(%from, error = %e, "cannot open a TFTP transfer socket");
+                return;
+            }
+        };
+        Metrics::add(&self.metrics.tftp_started, 1);
+        Metrics::add(&self.metrics.tftp_active, 1);
+        let (metrics, timeline, active, limits) = (
+            self.metrics.clone(),
+            self.timeline.clone(),
+            self.active.clone(),
+            self.limits,
+        );
+        tokio::spawn(async move {
+            let result = send_file(&socket, &file, size, &negotiated, &limits, &metrics).await;
+            active.lock().expect("active lock").remove(&from);
+            metrics
+                .tftp_active
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            match (&result, mac) {
+                (Ok(()), Some(mac)) => timeline.record(mac, Stage::TftpDone, name.clone()),
+                (Err(e), Some(mac)) => {
+                    timeline.record(mac, Stage::TftpFailed, format!("{name}: {e}"))
+                }
+                _ => {}
+            }
+            match result {
+                Ok(()) => Metrics::add(&metrics.tftp_completed, 1),
+                Err(e) => {
+                    Metrics::add(&metrics.tftp_failed, 1);
+                    tracing::info!(%from, file = %name, error = %e, "TFTP transfer failed");
+                }
+            }
+            drop(slot);
+        });
+    }
+
+    /// The iPXE binaries come from their directory; anything else from the optional root.
+    fn open(&self, name: &str) -> Result<(File, u64), FileError> {
+        let trimmed = name.trim_start_matches('/');
+        if self.binaries.is_binary(trimmed) {
+            return self.ipxe_root.open_file(trimmed);
+        }
+        match &self.root {
+            Some(root) => root.open_file(name),
+            None => Err(FileError::NotFound),
+        }
+    }
+
+    async fn refuse(&self, socket: &UdpSocket, to: SocketAddrV4, code: ErrorCode, message: &str) {
+        Metrics::add(&self.metrics.tftp_refused, 1);
+        let _ = socket.send_to(&packet::error(code, message), to).await;
+    }
+}
+
+/// A new socket on the server address and an ephemeral port, connected to the client: the
+/// kernel then delivers only that client's packets to this transfer.
+async fn transfer_socket(address: Ipv4Addr, client: SocketAddrV4) -> std::io::Result<UdpSocket> {
+    let socket = UdpSocket::bind(SocketAddrV4::new(address, 0)).await?;
+    socket.connect(client).await?;
+    Ok(socket)
+}
+
+#[derive(Debug, thiserror::Error)]
+enum TransferError {
+    #[error("no ACK after {0} retransmissions")]
+    Timeout(u32),
+    #[error("client sent error {code}: {message}")]
+    Client { code: u16, message: String },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+async fn send_file(
+    socket: &UdpSocket,
+    file: &File,
+    size: u64,
+    negotiated: &transfer::Negotiated,
+    limits: &Limits,
+    metrics: &Metrics,
+) -> Result<(), TransferError> {
+    let mut transfer = Transfer::new(size, negotiated, limits);
+    let mut packet = vec![0u8; 4 + negotiated.block_size as usize];
+    let mut ack_buf = [0u8; 516];
+    let mut highest_sent = 0u64;
+    let mut send = transfer.start();
+    // The retransmission deadline moves only when we send: stale ACKs cannot keep a stalled
+    // transfer alive.
+    let mut deadline = tokio::time::Instant::now();
+    loop {
+        match send {
+            Send::Done => return Ok(()),
+            Send::GiveUp => return Err(TransferError::Timeout(limits.max_retries)),
+            Send::Oack => {
+                socket.send(&packet::oack(&negotiated.oack)).await?;
+            }
+            Send::Blocks { first, last } => {
+                for block in first..=last {
+                    let (offset, len) = transfer.block_range(block, size);
+                    packet::data_header(&mut packet, Transfer::wire_block(block));
+                    // Boot files are small and hot in the page cache: a positional read is
+                    // cheaper here than a trip through the blocking pool.
+                    file.read_exact_at(&mut packet[4..4 + len], offset)?;
+                    socket.send(&packet[..4 + len]).await?;
+                    if block > highest_sent {
+                        highest_sent = block;
+                        Metrics::add(&metrics.tftp_bytes, len as u64);
+                    }
+                }
+            }
+            Send::Nothing => {}
+        }
+        if send != Send::Nothing {
+            deadline = tokio::time::Instant::now() + negotiated.timeout;
+        }
+        send = match tokio::time::timeout_at(deadline, socket.recv(&mut ack_buf)).await {
+            Err(_elapsed) => transfer.on_timeout(),
+            Ok(Err(e)) => return Err(e.into()),
+            Ok(Ok(n)) => match packet::parse(&ack_buf[..n]) {
+                Ok(Packet::Ack { block }) => transfer.on_ack(block),
+                Ok(Packet::Error { code, message }) => {
+                    return Err(TransferError::Client {
+                        code,
+                        message: message.to_owned(),
+                    });
+                }
+                _ => Send::Nothing,
+            },
+        };
+    }
+}
