@@ -1,0 +1,488 @@
+//! The standalone configuration file: its format (the serde types, documented field by field in
+//! `examples/standalone.yaml`) and the checks that turn it into a [`Config`] the servers can run
+//! with. Every error names the file, the field and what is wrong.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use siteboot_boot::MacAddr;
+use siteboot_boot::dhcp::settings::{FieldError, NetworkPlan, Settings as DhcpSettings};
+use siteboot_boot::files::check_relative;
+use siteboot_boot::http::HttpSettings;
+use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
+use siteboot_boot::tftp::TftpSettings;
+use siteboot_ipxe::{IpxeBinaries, Word};
+
+use crate::standalone::StaticInventory;
+
+/// The file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    /// The interface DHCP answers on.
+    pub interface: String,
+    /// This appliance's IPv4 address on `interface`, advertised to clients.
+    pub address: Ipv4Addr,
+    /// Where leases and other state are kept.
+    #[serde(default = "default_state_dir")]
+    pub state_dir: PathBuf,
+    #[serde(default)]
+    pub dhcp: DhcpSettings,
+    #[serde(default)]
+    pub tftp: TftpSettings,
+    #[serde(default)]
+    pub http: HttpSettings,
+    #[serde(default)]
+    pub profiles: BTreeMap<String, ProfileFile>,
+    #[serde(default)]
+    pub hosts: Vec<HostFile>,
+    pub unknown_hosts: Option<UnknownHostsFile>,
+}
+
+fn default_state_dir() -> PathBuf {
+    PathBuf::from("/var/lib/siteboot")
+}
+
+/// A boot profile: exactly one of `kernel` (with `initrds` and `cmdline`), `script` or
+/// `local_boot`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileFile {
+    pub kernel: Option<String>,
+    #[serde(default)]
+    pub initrds: Vec<String>,
+    pub cmdline: Option<String>,
+    pub script: Option<String>,
+    pub local_boot: Option<LocalBoot>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostFile {
+    pub mac: MacAddr,
+    pub profile: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnknownHostsFile {
+    pub profile: String,
+}
+
+/// A checked configuration.
+#[derive(Debug)]
+pub struct Config {
+    pub interface: String,
+    pub address: Ipv4Addr,
+    pub state_dir: PathBuf,
+    pub dhcp: DhcpSettings,
+    pub plan: NetworkPlan,
+    pub tftp: TftpSettings,
+    pub http: HttpSettings,
+    pub binaries: IpxeBinaries,
+    pub inventory: StaticInventory,
+}
+
+/// A configuration error: the file, the field and what is wrong with it.
+#[derive(Debug)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    /// Dotted path of the field, like `dhcp.subnets[0].pools[1]`; empty for the whole file.
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "{}: {}", self.file.display(), self.message)
+        } else {
+            write!(
+                f,
+                "{}: {}: {}",
+                self.file.display(),
+                self.field,
+                self.message
+            )
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.to_owned(),
+            field: String::new(),
+            message: format!("cannot read: {e}"),
+        })?;
+        Self::parse(&text).map_err(|e| ConfigError {
+            file: path.to_owned(),
+            field: e.field,
+            message: e.message,
+        })
+    }
+
+    /// Parses and checks the text of a configuration file.
+    pub fn parse(text: &str) -> Result<Self, FieldError> {
+        let file: ConfigFile = serde_path_to_error::deserialize(
+            serde_yaml::Deserializer::from_str(text),
+        )
+        .map_err(|e| {
+            let field = e.path().to_string();
+            let field = if field == "." { String::new() } else { field };
+            FieldError::new(field, e.into_inner().to_string())
+        })?;
+        Self::check(file)
+    }
+
+    fn check(file: ConfigFile) -> Result<Self, FieldError> {
+        if file.interface.is_empty()
+            || file.interface.len() > 15
+            || file.interface.contains(['/', ' ', '\0'])
+        {
+            return Err(FieldError::new(
+                "interface",
+                format!("{:?} is not a network interface name", file.interface),
+            ));
+        }
+        if file.address.is_unspecified()
+            || file.address.is_broadcast()
+            || file.address.is_multicast()
+        {
+            return Err(FieldError::new(
+                "address",
+                format!("{} cannot be a server address", file.address),
+            ));
+        }
+        let plan = NetworkPlan::new(&file.dhcp, file.address, "dhcp")?;
+        check_tftp(&file.tftp)?;
+        if file.http.port == 0 {
+            return Err(FieldError::new("http.port", "must be 1-65535"));
+        }
+        if file.http.max_connections == 0 {
+            return Err(FieldError::new(
+                "http.max_connections",
+                "must be at least 1",
+            ));
+        }
+        if let Some(root) = &file.http.root {
+            check_dir(root, "http.root")?;
+        }
+        let binaries = IpxeBinaries::discover(&file.tftp.ipxe_dir);
+        if binaries.platforms().next().is_none() {
+            return Err(FieldError::new(
+                "tftp.ipxe_dir",
+                format!(
+                    "{} holds no iPXE binary (undionly.kpxe, snponly.efi, ipxe.efi); install Debian's ipxe package or point this at a directory that does",
+                    file.tftp.ipxe_dir.display()
+                ),
+            ));
+        }
+
+        let mut profiles: HashMap<String, BootAction> = HashMap::new();
+        for (name, profile) in &file.profiles {
+            let at = format!("profiles.{name}");
+            if name.is_empty()
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            {
+                return Err(FieldError::new(
+                    at,
+                    "profile names are letters, digits, '-', '_' and '.'",
+                ));
+            }
+            profiles.insert(name.clone(), boot_action(profile, &at)?);
+        }
+        let profile = |name: &str, field: String| {
+            profiles.get(name).cloned().ok_or_else(|| {
+                let known: Vec<&str> = file.profiles.keys().map(String::as_str).collect();
+                FieldError::new(
+                    field,
+                    format!("no profile named {name:?} (profiles: {})", known.join(", ")),
+                )
+            })
+        };
+        let mut hosts = HashMap::new();
+        for (i, host) in file.hosts.iter().enumerate() {
+            let action = profile(&host.profile, format!("hosts[{i}].profile"))?;
+            if hosts.insert(host.mac, action).is_some() {
+                return Err(FieldError::new(
+                    format!("hosts[{i}].mac"),
+                    format!("{} is listed twice", host.mac),
+                ));
+            }
+        }
+        let default = file
+            .unknown_hosts
+            .as_ref()
+            .map(|u| profile(&u.profile, "unknown_hosts.profile".into()))
+            .transpose()?;
+        Ok(Self {
+            interface: file.interface,
+            address: file.address,
+            state_dir: file.state_dir,
+            plan,
+            dhcp: file.dhcp,
+            tftp: file.tftp,
+            http: file.http,
+            binaries,
+            inventory: StaticInventory::new(hosts, default),
+        })
+    }
+}
+
+fn check_tftp(t: &TftpSettings) -> Result<(), FieldError> {
+    check_dir(&t.ipxe_dir, "tftp.ipxe_dir")?;
+    if let Some(root) = &t.root {
+        check_dir(root, "tftp.root")?;
+    }
+    if t.max_transfers == 0 {
+        return Err(FieldError::new("tftp.max_transfers", "must be at least 1"));
+    }
+    if !(512..=65464).contains(&t.max_block_size) {
+        return Err(FieldError::new(
+            "tftp.max_block_size",
+            "must be 512-65464 (RFC 2348)",
+        ));
+    }
+    if t.max_window_size == 0 {
+        return Err(FieldError::new(
+            "tftp.max_window_size",
+            "must be at least 1",
+        ));
+    }
+    if t.timeout.is_zero() || t.timeout.as_secs() > 255 {
+        return Err(FieldError::new(
+            "tftp.timeout",
+            "must be between 1s and 255s (RFC 2349)",
+        ));
+    }
+    Ok(())
+}
+
+fn check_dir(path: &Path, field: &str) -> Result<(), FieldError> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(FieldError::new(
+            field,
+            format!("{} is not a directory", path.display()),
+        )),
+        Err(e) => Err(FieldError::new(field, format!("{}: {e}", path.display()))),
+    }
+}
+
+fn boot_action(p: &ProfileFile, at: &str) -> Result<BootAction, FieldError> {
+    let kinds = [
+        p.kernel.is_some(),
+        p.script.is_some(),
+        p.local_boot.is_some(),
+    ];
+    if kinds.iter().filter(|k| **k).count() != 1 {
+        return Err(FieldError::new(
+            at,
+            "needs exactly one of kernel, script or local_boot",
+        ));
+    }
+    if p.kernel.is_none() && (!p.initrds.is_empty() || p.cmdline.is_some()) {
+        return Err(FieldError::new(at, "initrds and cmdline go with kernel"));
+    }
+    if let Some(method) = p.local_boot {
+        return Ok(BootAction::LocalDisk(method));
+    }
+    if let Some(script) = &p.script {
+        if !script.starts_with("#!ipxe") {
+            return Err(FieldError::new(
+                format!("{at}.script"),
+                "an iPXE script starts with #!ipxe",
+            ));
+        }
+        return Ok(BootAction::Script(script.clone()));
+    }
+    let kernel = source(
+        p.kernel.as_deref().expect("checked above"),
+        &format!("{at}.kernel"),
+    )?;
+    let initrds = p
+        .initrds
+        .iter()
+        .enumerate()
+        .map(|(i, s)| source(s, &format!("{at}.initrds[{i}]")))
+        .collect::<Result<_, _>>()?;
+    let cmdline = p
+        .cmdline
+        .as_deref()
+        .unwrap_or("")
+        .split_whitespace()
+        .map(|arg| {
+            Word::new(arg).map_err(|e| {
+                FieldError::new(format!("{at}.cmdline"), format!("argument {arg:?} {e}"))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(BootAction::Linux(LinuxBoot {
+        kernel,
+        initrds,
+        cmdline,
+    }))
+}
+
+/// A kernel or initrd: an `http://`/`https://` URL, or a path under `http.root`.
+fn source(s: &str, field: &str) -> Result<Source, FieldError> {
+    let err = |m: String| FieldError::new(field, m);
+    if s.starts_with("http://") || s.starts_with("https://") {
+        return Word::url(s)
+            .map(Source::Url)
+            .map_err(|e| err(format!("URL {e}")));
+    }
+    if s.contains("://") {
+        return Err(err(format!(
+            "{s:?}: only http:// and https:// URLs are fetched by iPXE here"
+        )));
+    }
+    let path = check_relative(s).map_err(|e| err(format!("{s:?}: {e}")))?;
+    Word::url(path)
+        .map(Source::File)
+        .map_err(|e| err(format!("path {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+interface: br0
+address: 10.99.0.1
+state_dir: /tmp/x
+dhcp:
+  subnets:
+    - subnet: 10.99.0.0/24
+      pools: [10.99.0.100-10.99.0.199]
+tftp:
+  ipxe_dir: IPXE
+profiles:
+  linux:
+    kernel: vmlinuz
+    initrds: [initrd.img]
+    cmdline: console=ttyS0 quiet
+  disk:
+    local_boot: exit
+hosts:
+  - mac: 52:54:00:12:34:56
+    profile: linux
+unknown_hosts:
+  profile: disk
+"#;
+
+    fn with_ipxe(text: &str) -> (tempfile::TempDir, String) {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("undionly.kpxe"), b"x").unwrap();
+        let text = text.replace("IPXE", dir.path().to_str().unwrap());
+        (dir, text)
+    }
+
+    fn error_of(text: &str) -> FieldError {
+        let (_dir, text) = with_ipxe(text);
+        Config::parse(&text).expect_err("config should be refused")
+    }
+
+    #[test]
+    fn good_config_loads() {
+        let (_dir, text) = with_ipxe(GOOD);
+        let config = Config::parse(&text).unwrap();
+        assert_eq!(config.interface, "br0");
+        assert_eq!(config.plan.subnets.len(), 1);
+        assert_eq!(config.http.port, 8080);
+        assert_eq!(config.tftp.max_transfers, 64);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases: &[(&str, &str, &str)] = &[
+            ("address: 10.99.0.1", "address: 10.99.0.300", "address"),
+            (
+                "      pools: [10.99.0.100-10.99.0.199]",
+                "      pools: [10.99.0.100-10.99.1.199]",
+                "dhcp.subnets[0].pools[0]",
+            ),
+            (
+                "      pools: [10.99.0.100-10.99.0.199]",
+                "      pools: [nonsense]",
+                "dhcp.subnets[0].pools[0]",
+            ),
+            (
+                "    cmdline: console=ttyS0 quiet",
+                "    cmdline: console=ttyS0 ${evil}",
+                "profiles.linux.cmdline",
+            ),
+            (
+                "    kernel: vmlinuz",
+                "    kernel: ../../etc/shadow",
+                "profiles.linux.kernel",
+            ),
+            (
+                "    kernel: vmlinuz",
+                "    kernel: tftp://x/vmlinuz",
+                "profiles.linux.kernel",
+            ),
+            (
+                "    profile: linux",
+                "    profile: nosuch",
+                "hosts[0].profile",
+            ),
+            (
+                "  - mac: 52:54:00:12:34:56",
+                "  - mac: 52:54:00:12:34",
+                "hosts[0].mac",
+            ),
+            (
+                "  profile: disk",
+                "  profile: nope",
+                "unknown_hosts.profile",
+            ),
+            (
+                "    local_boot: exit",
+                "    local_boot: reboot",
+                "profiles.disk.local_boot",
+            ),
+            (
+                "    local_boot: exit",
+                "    local_boot: exit\n    script: '#!ipxe'",
+                "profiles.disk",
+            ),
+            ("state_dir: /tmp/x", "state_dir: /tmp/x\nbogus: 1", "bogus"),
+            (
+                "  ipxe_dir: IPXE",
+                "  ipxe_dir: /nonexistent",
+                "tftp.ipxe_dir",
+            ),
+        ];
+        for (from, to, field) in cases {
+            assert!(GOOD.contains(from), "{from}");
+            let e = error_of(&GOOD.replace(from, to));
+            assert_eq!(&e.field, field, "{to}: got {e}");
+        }
+        let e = error_of(&GOOD.replace("state_dir: /tmp/x", "state_dir: /tmp/x\nbogus: 1"));
+        assert!(e.message.contains("unknown field `bogus`"), "{e}");
+        let e = error_of(&GOOD.replace(
+            "    cmdline: console=ttyS0 quiet",
+            "    cmdline: console=ttyS0 ${evil}",
+        ));
+        assert!(e.message.contains("'$'"), "{e}");
+    }
+
+    #[test]
+    fn load_reports_the_file() {
+        let e = Config::load(Path::new("/nonexistent/siteboot.yaml")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("/nonexistent/siteboot.yaml: cannot read"),
+            "{e}"
+        );
+    }
+}

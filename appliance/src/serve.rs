@@ -1,0 +1,142 @@
+//! `siteboot serve`: bind every socket first (so a port or interface problem fails start-up
+//! with a clear error), then run the DHCP, TFTP and HTTP servers until one fails or a signal
+//! arrives.
+
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use siteboot_boot::decision::DhcpMode;
+use siteboot_boot::dhcp::journal::Journal;
+use siteboot_boot::dhcp::leases::LeaseTable;
+use siteboot_boot::dhcp::server::{self, DhcpServer, PXE_PORT, SERVER_PORT};
+use siteboot_boot::dhcp::{DhcpService, bind_socket};
+use siteboot_boot::http::HttpServer;
+use siteboot_boot::metrics::Metrics;
+use siteboot_boot::neighbors::Neighbors;
+use siteboot_boot::tftp::TftpServer;
+use siteboot_boot::timeline::Timeline;
+use siteboot_boot::{Endpoints, Inventory};
+use tokio::net::{TcpListener, UdpSocket};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::task::JoinSet;
+
+use crate::config::Config;
+
+const TFTP_PORT: u16 = 69;
+
+pub async fn serve(config: Config) -> Result<()> {
+    let interface = &config.interface;
+    if !std::path::Path::new("/sys/class/net")
+        .join(interface)
+        .exists()
+    {
+        bail!("interface {interface:?} does not exist on this machine (see `ip link`)");
+    }
+    let endpoints = Endpoints {
+        address: config.address,
+        http_port: config.http.port,
+    };
+    let binaries = Arc::new(config.binaries);
+    for platform in binaries.platforms() {
+        tracing::info!(%platform, file = binaries.file_for(platform), dir = %binaries.dir().display(), "iPXE binary");
+    }
+    let timeline = Arc::new(Timeline::new());
+    let metrics = Arc::new(Metrics::new());
+    let neighbors = Arc::new(Neighbors::new());
+    let known_hosts = config.inventory.known_hosts();
+    let inventory: Arc<dyn Inventory> = Arc::new(config.inventory);
+
+    let http_addr = SocketAddrV4::new(config.address, config.http.port);
+    let http_listener = TcpListener::bind(http_addr).await.with_context(|| {
+        format!(
+            "binding HTTP to {http_addr} (is {} an address of this machine?)",
+            config.address
+        )
+    })?;
+    let tftp_addr = SocketAddrV4::new(config.address, TFTP_PORT);
+    let tftp_socket = UdpSocket::bind(tftp_addr)
+        .await
+        .with_context(|| format!("binding TFTP to {tftp_addr}"))?;
+
+    let mut tasks = JoinSet::new();
+    let http = HttpServer::new(
+        endpoints.clone(),
+        &config.http,
+        inventory.clone(),
+        binaries.clone(),
+        timeline.clone(),
+        metrics.clone(),
+        neighbors.clone(),
+    )
+    .context("opening the HTTP root")?;
+    tasks.spawn(async move { http.run(http_listener).await.context("HTTP server") });
+    let tftp = TftpServer::new(
+        config.address,
+        &config.tftp,
+        binaries.clone(),
+        timeline.clone(),
+        metrics.clone(),
+        neighbors.clone(),
+    )
+    .context("opening the TFTP roots")?;
+    tasks.spawn(async move { tftp.run(tftp_socket).await.context("TFTP server") });
+
+    if config.dhcp.mode != DhcpMode::Off {
+        let dhcp_socket = bind_socket(interface, SERVER_PORT)?;
+        let pxe_socket = bind_socket(interface, PXE_PORT)?;
+        let plan = Arc::new(config.plan);
+        let mut table = LeaseTable::new(plan);
+        let journal = if config.dhcp.mode == DhcpMode::Full {
+            let path = config.state_dir.join("leases.log");
+            let (journal, replay) = Journal::open(&path)?;
+            for record in &replay.records {
+                table.apply(record);
+            }
+            tracing::info!(path = %path.display(), records = replay.records.len(), torn_bytes = replay.torn_bytes, corrupt_lines = replay.corrupt_lines, "lease file replayed");
+            Some(journal)
+        } else {
+            None
+        };
+        let ctx = server::Context {
+            mode: config.dhcp.mode,
+            endpoints: endpoints.clone(),
+            binaries: binaries.clone(),
+            inventory: inventory.clone(),
+            timeline: timeline.clone(),
+            metrics: metrics.clone(),
+            neighbors: neighbors.clone(),
+        };
+        let service = DhcpService::new(DhcpServer::new(ctx, table), journal);
+        let metrics = metrics.clone();
+        tasks.spawn(async move {
+            service
+                .run(dhcp_socket, pxe_socket, metrics)
+                .await
+                .context("DHCP server")
+        });
+    }
+
+    tracing::info!(
+        interface = %interface,
+        address = %config.address,
+        dhcp = ?config.dhcp.mode,
+        http = %http_addr,
+        known_hosts,
+        "siteboot serving"
+    );
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
+        Some(ended) = tasks.join_next() => {
+            return match ended {
+                Ok(Ok(())) => bail!("a server stopped unexpectedly"),
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(e).context("a server task panicked"),
+            };
+        }
+    }
+    Ok(())
+}
