@@ -108,10 +108,9 @@ pub async fn serve(config: Config) -> Result<()> {
             neighbors: neighbors.clone(),
         };
         let service = DhcpService::new(DhcpServer::new(ctx, table), journal);
-        let metrics = metrics.clone();
         tasks.spawn(async move {
             service
-                .run(dhcp_socket, pxe_socket, metrics)
+                .run(dhcp_socket, pxe_socket)
                 .await
                 .context("DHCP server")
         });

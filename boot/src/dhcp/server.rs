@@ -81,6 +81,14 @@ impl DhcpServer {
         &self.table
     }
 
+    pub fn refresh_lease_gauge(&self, now: UnixTime) {
+        let active = self.table.active(now) as u64;
+        self.ctx
+            .metrics
+            .dhcp_leases
+            .store(active, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Handles one datagram received on `port` from `from`.
     pub fn handle(
         &mut self,
@@ -582,5 +590,526 @@ fn describe_answer(a: &Answer) -> String {
         Answer::Boot(offer) => format!("boot={}", offer.boot_file()),
         Answer::AddressOnly(reason) => format!("no boot: {reason}"),
         Answer::Ignore => "no boot".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dhcp::settings::{NetworkPlan, Reservation, Settings, SubnetSettings};
+    use crate::inventory::{BootAction, BoxFuture, LocalBoot};
+    use dhcproto::v4::Architecture;
+
+    const NOW: UnixTime = 2_000_000;
+    const SERVER: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+
+    /// Boots every MAC except those starting 02:.
+    struct TestInventory;
+    impl Inventory for TestInventory {
+        fn boots(&self, mac: MacAddr) -> bool {
+            mac.octets()[0] != 2
+        }
+        fn boot_action(&self, _: MacAddr) -> BoxFuture<'_, Option<BootAction>> {
+            Box::pin(async { Some(BootAction::LocalDisk(LocalBoot::Exit)) })
+        }
+    }
+
+    struct Harness {
+        server: DhcpServer,
+        _ipxe: tempfile::TempDir,
+    }
+
+    fn subnet(cidr: &str, pool: &str) -> SubnetSettings {
+        SubnetSettings {
+            subnet: cidr.parse().unwrap(),
+            pools: vec![pool.parse().unwrap()],
+            router: Some(cidr.replace(".0/24", ".1").parse().unwrap()),
+            dns: vec!["10.0.0.53".parse().unwrap()],
+            domain: Some("lab.example".into()),
+            lease_time: None,
+        }
+    }
+
+    fn harness(mode: DhcpMode) -> Harness {
+        let ipxe = tempfile::tempdir().unwrap();
+        std::fs::write(ipxe.path().join("undionly.kpxe"), b"x").unwrap();
+        std::fs::write(ipxe.path().join("snponly.efi"), b"x").unwrap();
+        let settings = Settings {
+            mode,
+            subnets: vec![
+                subnet("10.0.0.0/24", "10.0.0.100-10.0.0.102"),
+                subnet("10.0.5.0/24", "10.0.5.100-10.0.5.102"),
+            ],
+            reservations: vec![Reservation {
+                mac: mac(0x99),
+                address: "10.0.0.20".parse().unwrap(),
+                hostname: Some("node-r".into()),
+            }],
+            ..Settings::default()
+        };
+        let plan = NetworkPlan::new(&settings, SERVER, "dhcp").unwrap();
+        let ctx = Context {
+            mode,
+            endpoints: Endpoints {
+                address: SERVER,
+                http_port: 8080,
+            },
+            binaries: Arc::new(IpxeBinaries::discover(ipxe.path())),
+            inventory: Arc::new(TestInventory),
+            timeline: Arc::new(Timeline::new()),
+            metrics: Arc::new(Metrics::new()),
+            neighbors: Arc::new(Neighbors::new()),
+        };
+        Harness {
+            server: DhcpServer::new(ctx, LeaseTable::new(Arc::new(plan))),
+            _ipxe: ipxe,
+        }
+    }
+
+    fn mac(n: u8) -> MacAddr {
+        MacAddr::new([0x52, 0x54, 0, 0, 0, n])
+    }
+
+    fn ip(s: &str) -> Ipv4Addr {
+        s.parse().unwrap()
+    }
+
+    fn request(m: MacAddr, t: MessageType, opts: Vec<DhcpOption>) -> Message {
+        let mut msg = Message::default();
+        msg.set_chaddr(&m.octets()).set_xid(0x1234);
+        msg.opts_mut().insert(DhcpOption::MessageType(t));
+        for o in opts {
+            msg.opts_mut().insert(o);
+        }
+        msg
+    }
+
+    const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, CLIENT_PORT);
+
+    impl Harness {
+        fn send(
+            &mut self,
+            msg: &Message,
+            port: Port,
+            from: SocketAddrV4,
+        ) -> (Option<(Message, SocketAddrV4)>, Option<LeaseRecord>) {
+            let outcome = self.server.handle(&encode(msg), from, port, NOW);
+            let reply = outcome.reply.map(|r| {
+                assert!(r.bytes.len() >= MIN_REPLY_LEN);
+                (Message::decode(&mut Decoder::new(&r.bytes)).unwrap(), r.to)
+            });
+            (reply, outcome.record)
+        }
+
+        fn dora(&mut self, m: MacAddr, opts: Vec<DhcpOption>) -> Message {
+            let (offer, _) = self.send(
+                &request(m, MessageType::Discover, opts.clone()),
+                Port::Dhcp,
+                CLIENT,
+            );
+            let (offer, _) = offer.expect("an offer");
+            let mut req_opts = opts;
+            req_opts.push(DhcpOption::ServerIdentifier(SERVER));
+            req_opts.push(DhcpOption::RequestedIpAddress(offer.yiaddr()));
+            let (ack, record) = self.send(
+                &request(m, MessageType::Request, req_opts),
+                Port::Dhcp,
+                CLIENT,
+            );
+            let (ack, _) = ack.expect("an ack");
+            assert_eq!(ack.opts().msg_type(), Some(MessageType::Ack));
+            assert!(
+                matches!(record, Some(LeaseRecord::Lease(ref l)) if l.addr == ack.yiaddr() && l.mac == m)
+            );
+            ack
+        }
+    }
+
+    /// The `file` field as a string (dhcproto keeps the terminating NUL when decoding).
+    fn file(m: &Message) -> &str {
+        m.fname_str().unwrap().unwrap().trim_end_matches('\0')
+    }
+
+    fn opt<'a>(m: &'a Message, code: OptionCode) -> Option<&'a DhcpOption> {
+        m.opts().get(code)
+    }
+
+    #[test]
+    fn discover_offer_request_ack() {
+        let mut h = harness(DhcpMode::Full);
+        let (offer, record) = h.send(
+            &request(mac(1), MessageType::Discover, vec![]),
+            Port::Dhcp,
+            CLIENT,
+        );
+        let (offer, to) = offer.unwrap();
+        assert!(record.is_none(), "an offer is not durable");
+        assert_eq!(to, SocketAddrV4::new(Ipv4Addr::BROADCAST, CLIENT_PORT));
+        assert_eq!(offer.opts().msg_type(), Some(MessageType::Offer));
+        assert_eq!(offer.yiaddr(), ip("10.0.0.100"));
+        assert_eq!(offer.xid(), 0x1234);
+        assert_eq!(
+            opt(&offer, OptionCode::SubnetMask),
+            Some(&DhcpOption::SubnetMask(ip("255.255.255.0")))
+        );
+        assert_eq!(
+            opt(&offer, OptionCode::Router),
+            Some(&DhcpOption::Router(vec![ip("10.0.0.1")]))
+        );
+        assert_eq!(
+            opt(&offer, OptionCode::DomainNameServer),
+            Some(&DhcpOption::DomainNameServer(vec![ip("10.0.0.53")]))
+        );
+        assert_eq!(
+            opt(&offer, OptionCode::DomainName),
+            Some(&DhcpOption::DomainName("lab.example".into()))
+        );
+        assert_eq!(
+            opt(&offer, OptionCode::AddressLeaseTime),
+            Some(&DhcpOption::AddressLeaseTime(3600))
+        );
+        assert_eq!(
+            opt(&offer, OptionCode::Renewal),
+            Some(&DhcpOption::Renewal(1800))
+        );
+        assert_eq!(
+            opt(&offer, OptionCode::Rebinding),
+            Some(&DhcpOption::Rebinding(3150))
+        );
+        assert_eq!(
+            opt(&offer, OptionCode::ServerIdentifier),
+            Some(&DhcpOption::ServerIdentifier(SERVER))
+        );
+        assert!(offer.fname().is_none(), "an OS client gets no boot file");
+        let ack = h.dora(mac(1), vec![]);
+        assert_eq!(ack.yiaddr(), ip("10.0.0.100"));
+        assert_eq!(h.dora(mac(2), vec![]).yiaddr(), ip("10.0.0.101"));
+        assert_eq!(
+            h.dora(mac(1), vec![]).yiaddr(),
+            ip("10.0.0.100"),
+            "same MAC, same address"
+        );
+    }
+
+    #[test]
+    fn requests_for_other_servers_wrong_or_foreign_addresses() {
+        let mut h = harness(DhcpMode::Full);
+        h.dora(mac(1), vec![]);
+        // Another server's offer was chosen: silence, and the offer is dropped.
+        h.send(
+            &request(mac(2), MessageType::Discover, vec![]),
+            Port::Dhcp,
+            CLIENT,
+        );
+        let other = vec![
+            DhcpOption::ServerIdentifier(ip("10.0.0.2")),
+            DhcpOption::RequestedIpAddress(ip("10.0.0.101")),
+        ];
+        assert!(
+            h.send(
+                &request(mac(2), MessageType::Request, other),
+                Port::Dhcp,
+                CLIENT
+            )
+            .0
+            .is_none()
+        );
+        assert_eq!(h.server.table().free_count(0), 2);
+
+        let nak = |h: &mut Harness, m, addr: &str| {
+            let (r, rec) = h.send(
+                &request(
+                    m,
+                    MessageType::Request,
+                    vec![DhcpOption::RequestedIpAddress(ip(addr))],
+                ),
+                Port::Dhcp,
+                CLIENT,
+            );
+            assert!(rec.is_none());
+            let (r, to) = r.unwrap();
+            assert_eq!(
+                (r.opts().msg_type(), to.ip()),
+                (Some(MessageType::Nak), &Ipv4Addr::BROADCAST),
+                "{addr}"
+            );
+            assert_eq!(r.yiaddr(), Ipv4Addr::UNSPECIFIED);
+        };
+        nak(&mut h, mac(3), "192.168.1.5"); // not on this network (INIT-REBOOT after moving)
+        nak(&mut h, mac(3), "10.0.0.100"); // mac(1)'s lease
+        nak(&mut h, mac(3), "10.0.0.50"); // outside the pools
+        nak(&mut h, mac(3), "10.0.0.20"); // reserved for another MAC
+        nak(&mut h, mac(0x99), "10.0.0.101"); // this MAC is reserved elsewhere
+
+        // INIT-REBOOT of its own address is acknowledged.
+        let (r, rec) = h.send(
+            &request(
+                mac(1),
+                MessageType::Request,
+                vec![DhcpOption::RequestedIpAddress(ip("10.0.0.100"))],
+            ),
+            Port::Dhcp,
+            CLIENT,
+        );
+        assert_eq!(r.unwrap().0.opts().msg_type(), Some(MessageType::Ack));
+        assert!(rec.is_some());
+    }
+
+    #[test]
+    fn renew_rebind_release_decline_inform() {
+        let mut h = harness(DhcpMode::Full);
+        let addr = h.dora(mac(1), vec![]).yiaddr();
+        // RENEWING: unicast, ciaddr set, no server id or requested address.
+        let mut renew = request(mac(1), MessageType::Request, vec![]);
+        renew.set_ciaddr(addr);
+        let (r, rec) = h.send(&renew, Port::Dhcp, SocketAddrV4::new(addr, CLIENT_PORT));
+        let (ack, to) = r.unwrap();
+        assert_eq!(
+            (ack.opts().msg_type(), ack.yiaddr(), to),
+            (
+                Some(MessageType::Ack),
+                addr,
+                SocketAddrV4::new(addr, CLIENT_PORT)
+            )
+        );
+        assert!(rec.is_some(), "a renewal extends the lease durably");
+        // Another MAC renewing that address is refused.
+        let mut foreign = request(mac(2), MessageType::Request, vec![]);
+        foreign.set_ciaddr(addr);
+        let (r, _) = h.send(&foreign, Port::Dhcp, CLIENT);
+        assert_eq!(r.unwrap().0.opts().msg_type(), Some(MessageType::Nak));
+
+        // INFORM: configuration only, no address, to the client's address.
+        let mut inform = request(mac(1), MessageType::Inform, vec![]);
+        inform.set_ciaddr(addr);
+        let (r, rec) = h.send(&inform, Port::Dhcp, CLIENT);
+        let (ack, to) = r.unwrap();
+        assert!(rec.is_none());
+        assert_eq!(
+            (
+                ack.yiaddr(),
+                to.ip(),
+                opt(&ack, OptionCode::AddressLeaseTime)
+            ),
+            (Ipv4Addr::UNSPECIFIED, &addr, None)
+        );
+
+        // RELEASE: durable, no reply, and the address goes back to the pool.
+        let mut release = request(
+            mac(1),
+            MessageType::Release,
+            vec![DhcpOption::ServerIdentifier(SERVER)],
+        );
+        release.set_ciaddr(addr);
+        let (r, rec) = h.send(&release, Port::Dhcp, CLIENT);
+        assert!(r.is_none());
+        assert!(matches!(rec, Some(LeaseRecord::Lease(ref l)) if l.expires == NOW));
+        assert!(h.server.table().available_to(addr, mac(7), NOW));
+
+        // DECLINE: the address is quarantined and the client gets another one.
+        let addr = h.dora(mac(1), vec![]).yiaddr();
+        let decline = request(
+            mac(1),
+            MessageType::Decline,
+            vec![
+                DhcpOption::ServerIdentifier(SERVER),
+                DhcpOption::RequestedIpAddress(addr),
+            ],
+        );
+        let (r, rec) = h.send(&decline, Port::Dhcp, CLIENT);
+        assert!(r.is_none());
+        assert!(
+            matches!(rec, Some(LeaseRecord::Declined { addr: a, until }) if a == addr && until == NOW + 600)
+        );
+        assert_ne!(h.dora(mac(1), vec![]).yiaddr(), addr);
+    }
+
+    #[test]
+    fn reservations_get_their_address_and_hostname() {
+        let mut h = harness(DhcpMode::Full);
+        let ack = h.dora(mac(0x99), vec![]);
+        assert_eq!(ack.yiaddr(), ip("10.0.0.20"));
+        assert_eq!(
+            opt(&ack, OptionCode::Hostname),
+            Some(&DhcpOption::Hostname("node-r".into()))
+        );
+    }
+
+    #[test]
+    fn relayed_requests_use_the_relay_subnet() {
+        let mut h = harness(DhcpMode::Full);
+        let mut discover = request(mac(1), MessageType::Discover, vec![]);
+        discover.set_giaddr(ip("10.0.5.1"));
+        let relay = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
+        let (r, _) = h.send(&discover, Port::Dhcp, relay);
+        let (offer, to) = r.unwrap();
+        assert_eq!(
+            (offer.yiaddr(), to, offer.giaddr()),
+            (ip("10.0.5.100"), relay, ip("10.0.5.1"))
+        );
+        assert_eq!(
+            opt(&offer, OptionCode::Router),
+            Some(&DhcpOption::Router(vec![ip("10.0.5.1")]))
+        );
+        discover.set_giaddr(ip("172.16.0.1"));
+        assert!(
+            h.send(&discover, Port::Dhcp, relay).0.is_none(),
+            "unknown relay subnet"
+        );
+    }
+
+    fn pxe_opts(arch: u16) -> Vec<DhcpOption> {
+        vec![
+            DhcpOption::ClientSystemArchitecture(Architecture(arch)),
+            DhcpOption::ClassIdentifier(
+                format!("PXEClient:Arch:{arch:05}:UNDI:002001").into_bytes(),
+            ),
+            DhcpOption::ClientMachineIdentifier(vec![0; 17]),
+        ]
+    }
+
+    #[test]
+    fn full_mode_boot_information() {
+        let mut h = harness(DhcpMode::Full);
+        let ack = h.dora(mac(1), pxe_opts(0));
+        assert_eq!(file(&ack), "undionly.kpxe");
+        assert_eq!(ack.siaddr(), SERVER);
+        assert_eq!(
+            opt(&ack, OptionCode::ClassIdentifier),
+            Some(&DhcpOption::ClassIdentifier(b"PXEClient".to_vec()))
+        );
+        assert_eq!(file(&h.dora(mac(2), pxe_opts(7))), "snponly.efi");
+        let mut ipxe = pxe_opts(0);
+        ipxe.push(DhcpOption::UserClass(b"iPXE".to_vec()));
+        assert_eq!(
+            file(&h.dora(mac(1), ipxe)),
+            "http://10.0.0.1:8080/boot/52-54-00-00-00-01.ipxe"
+        );
+        let unknown = MacAddr::new([2, 0, 0, 0, 0, 1]);
+        let ack = h.dora(unknown, pxe_opts(0));
+        assert!(ack.fname().is_none(), "not in the inventory: address only");
+    }
+
+    #[test]
+    fn proxy_mode_answers_pxe_clients_only_and_serves_port_4011() {
+        let mut h = harness(DhcpMode::Proxy);
+        let (r, rec) = h.send(
+            &request(mac(1), MessageType::Discover, pxe_opts(7)),
+            Port::Dhcp,
+            CLIENT,
+        );
+        assert!(rec.is_none());
+        let (offer, to) = r.unwrap();
+        assert_eq!(offer.opts().msg_type(), Some(MessageType::Offer));
+        assert_eq!(
+            (offer.yiaddr(), offer.siaddr(), to.ip()),
+            (Ipv4Addr::UNSPECIFIED, SERVER, &Ipv4Addr::BROADCAST)
+        );
+        assert_eq!(file(&offer), "snponly.efi");
+        assert!(
+            opt(&offer, OptionCode::ClientMachineIdentifier).is_some(),
+            "GUID echoed"
+        );
+        assert!(opt(&offer, OptionCode::AddressLeaseTime).is_none());
+        assert!(
+            opt(&offer, OptionCode::VendorExtensions).is_none(),
+            "no option 43: UEFI asks on 4011"
+        );
+
+        assert!(
+            h.send(
+                &request(mac(1), MessageType::Discover, vec![]),
+                Port::Dhcp,
+                CLIENT
+            )
+            .0
+            .is_none(),
+            "OS client"
+        );
+        let unknown = MacAddr::new([2, 0, 0, 0, 0, 1]);
+        assert!(
+            h.send(
+                &request(unknown, MessageType::Discover, pxe_opts(0)),
+                Port::Dhcp,
+                CLIENT
+            )
+            .0
+            .is_none()
+        );
+        let mut req = pxe_opts(7);
+        req.push(DhcpOption::ServerIdentifier(ip("10.0.0.2")));
+        assert!(
+            h.send(
+                &request(mac(1), MessageType::Request, req),
+                Port::Dhcp,
+                CLIENT
+            )
+            .0
+            .is_none(),
+            "the real server's business"
+        );
+
+        let mut boot_req = request(mac(1), MessageType::Request, pxe_opts(7));
+        boot_req.set_ciaddr(ip("10.0.0.150"));
+        let from = SocketAddrV4::new(ip("10.0.0.150"), CLIENT_PORT);
+        let (r, _) = h.send(&boot_req, Port::Pxe, from);
+        let (ack, to) = r.unwrap();
+        assert_eq!(
+            (ack.opts().msg_type(), to, ack.ciaddr()),
+            (Some(MessageType::Ack), from, ip("10.0.0.150"))
+        );
+        assert_eq!(file(&ack), "snponly.efi");
+        assert_eq!(
+            h.server.ctx.neighbors.mac_of(ip("10.0.0.150")),
+            Some(mac(1))
+        );
+    }
+
+    #[test]
+    fn off_mode_says_nothing() {
+        let mut h = harness(DhcpMode::Off);
+        assert!(
+            h.send(
+                &request(mac(1), MessageType::Discover, pxe_opts(0)),
+                Port::Dhcp,
+                CLIENT
+            )
+            .0
+            .is_none()
+        );
+    }
+
+    #[test]
+    fn malformed_datagrams_are_dropped() {
+        let mut h = harness(DhcpMode::Full);
+        let good = encode(&request(mac(1), MessageType::Discover, vec![]));
+        let mut bad_hlen = good.clone();
+        bad_hlen[2] = 17; // chaddr is 16 bytes: a naive slice would panic
+        let mut bad_magic = good.clone();
+        bad_magic[236] = 0;
+        let mut reply_op = good.clone();
+        reply_op[0] = 2;
+        let mut no_type = request(mac(1), MessageType::Discover, vec![]);
+        no_type.opts_mut().remove(OptionCode::MessageType);
+        for bytes in [
+            vec![],
+            vec![1; 10],
+            good[..239].to_vec(),
+            bad_hlen,
+            bad_magic,
+            reply_op,
+            encode(&no_type),
+        ] {
+            let outcome = h.server.handle(&bytes, CLIENT, Port::Dhcp, NOW);
+            assert!(outcome.reply.is_none() && outcome.record.is_none());
+        }
+        assert_eq!(
+            h.server
+                .ctx
+                .metrics
+                .dhcp_dropped
+                .load(std::sync::atomic::Ordering::Relaxed),
+            7
+        );
     }
 }

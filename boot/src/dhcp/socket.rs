@@ -6,7 +6,7 @@
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::UdpSocket;
@@ -53,19 +53,19 @@ impl DhcpService {
     }
 
     /// Serves `dhcp` (port 67) and `pxe` (port 4011) until an I/O error.
-    pub async fn run(
-        mut self,
-        dhcp: UdpSocket,
-        pxe: UdpSocket,
-        metrics: std::sync::Arc<crate::metrics::Metrics>,
-    ) -> io::Result<()> {
+    pub async fn run(mut self, dhcp: UdpSocket, pxe: UdpSocket) -> io::Result<()> {
         let mut buf = vec![0u8; MAX_DATAGRAM];
-        let mut last_gauge = Instant::now() - Duration::from_secs(60);
+        // The lease gauge changes with time as well as with traffic: refresh it on a tick.
+        let mut gauge = tokio::time::interval(Duration::from_secs(1));
         loop {
             let mut outcomes: Vec<(Port, Outcome)> = Vec::new();
             tokio::select! {
                 r = dhcp.readable() => r?,
                 r = pxe.readable() => r?,
+                _ = gauge.tick() => {
+                    self.server.refresh_lease_gauge(unix_now());
+                    continue;
+                }
             }
             // Take whatever is queued on both ports, so one sync covers many leases under load.
             for (socket, port) in [(&pxe, Port::Pxe), (&dhcp, Port::Dhcp)] {
@@ -91,13 +91,6 @@ impl DhcpService {
                 if let Err(e) = socket.send_to(&reply.bytes, reply.to).await {
                     tracing::warn!(to = %reply.to, error = %e, "cannot send DHCP reply");
                 }
-            }
-            if last_gauge.elapsed() >= Duration::from_secs(1) {
-                last_gauge = Instant::now();
-                let active = self.server.table().active(unix_now()) as u64;
-                metrics
-                    .dhcp_leases
-                    .store(active, std::sync::atomic::Ordering::Relaxed);
             }
         }
     }
