@@ -730,7 +730,7 @@ mod tests {
         m.fname_str().unwrap().unwrap().trim_end_matches('\0')
     }
 
-    fn opt<'a>(m: &'a Message, code: OptionCode) -> Option<&'a DhcpOption> {
+    fn opt(m: &Message, code: OptionCode) -> Option<&DhcpOption> {
         m.opts().get(code)
     }
 
