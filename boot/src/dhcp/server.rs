@@ -453,14 +453,45 @@ impl DhcpServer {
     }
 }
 
+/// Options read from requests. dhcproto's decoders for some other options panic on malformed
+/// lengths (debug assertions, an unwrap), so everything else is dropped before decoding.
+const OPTIONS_READ: [u8; 12] = [12, 50, 53, 54, 55, 57, 60, 61, 77, 93, 97, 175];
+/// Where the options start: after the fixed BOOTP header and the magic cookie.
+const OPTIONS_OFFSET: usize = 240;
+
 /// Decodes a BOOTREQUEST with the DHCP magic cookie and a message type; anything else is not
 /// for us.
 fn decode(bytes: &[u8]) -> Option<Message> {
-    if bytes.get(236..240) != Some(&MAGIC_COOKIE[..]) {
+    if bytes.get(236..OPTIONS_OFFSET) != Some(&MAGIC_COOKIE[..]) {
         return None;
     }
-    let msg = Message::decode(&mut Decoder::new(bytes)).ok()?;
+    let clean = keep_read_options(bytes)?;
+    let msg = Message::decode(&mut Decoder::new(&clean)).ok()?;
     (msg.opcode() == Opcode::BootRequest && msg.opts().msg_type().is_some()).then_some(msg)
+}
+
+/// A copy of the request holding only the options in [`OPTIONS_READ`], or `None` if the
+/// options area is malformed (an option runs past the end).
+fn keep_read_options(bytes: &[u8]) -> Option<Vec<u8>> {
+    let mut clean = bytes[..OPTIONS_OFFSET].to_vec();
+    let mut rest = &bytes[OPTIONS_OFFSET..];
+    while let Some((&code, tail)) = rest.split_first() {
+        match code {
+            0 => rest = tail,
+            255 => break,
+            _ => {
+                let (&len, tail) = tail.split_first()?;
+                let value = tail.get(..len as usize)?;
+                if OPTIONS_READ.contains(&code) {
+                    clean.extend_from_slice(&[code, len]);
+                    clean.extend_from_slice(value);
+                }
+                rest = &tail[len as usize..];
+            }
+        }
+    }
+    clean.push(255);
+    Some(clean)
 }
 
 fn decode_type(bytes: &[u8]) -> Option<MessageType> {
