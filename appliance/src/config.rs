@@ -100,13 +100,7 @@ impl fmt::Display for ConfigError {
         if self.field.is_empty() {
             write!(f, "{}: {}", self.file.display(), self.message)
         } else {
-            write!(
-                f,
-                "{}: {}: {}",
-                self.file.display(),
-                self.field,
-                self.message
-            )
+            write!(f, "{}: {}: {}", self.file.display(), self.field, self.message)
         }
     }
 }
@@ -165,10 +159,7 @@ impl Config {
             return Err(FieldError::new("http.port", "must be 1-65535"));
         }
         if file.http.max_connections == 0 {
-            return Err(FieldError::new(
-                "http.max_connections",
-                "must be at least 1",
-            ));
+            return Err(FieldError::new("http.max_connections", "must be at least 1"));
         }
         if let Some(root) = &file.http.root {
             check_dir(root, "http.root")?;
@@ -188,9 +179,7 @@ impl Config {
         for (name, profile) in &file.profiles {
             let at = format!("profiles.{name}");
             if name.is_empty()
-                || !name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+                || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
             {
                 return Err(FieldError::new(
                     at,
@@ -246,22 +235,13 @@ fn check_tftp(t: &TftpSettings) -> Result<(), FieldError> {
         return Err(FieldError::new("tftp.max_transfers", "must be at least 1"));
     }
     if !(512..=65464).contains(&t.max_block_size) {
-        return Err(FieldError::new(
-            "tftp.max_block_size",
-            "must be 512-65464 (RFC 2348)",
-        ));
+        return Err(FieldError::new("tftp.max_block_size", "must be 512-65464 (RFC 2348)"));
     }
     if t.max_window_size == 0 {
-        return Err(FieldError::new(
-            "tftp.max_window_size",
-            "must be at least 1",
-        ));
+        return Err(FieldError::new("tftp.max_window_size", "must be at least 1"));
     }
     if t.timeout.is_zero() || t.timeout.as_secs() > 255 {
-        return Err(FieldError::new(
-            "tftp.timeout",
-            "must be between 1s and 255s (RFC 2349)",
-        ));
+        return Err(FieldError::new("tftp.timeout", "must be between 1s and 255s (RFC 2349)"));
     }
     Ok(())
 }
@@ -269,25 +249,15 @@ fn check_tftp(t: &TftpSettings) -> Result<(), FieldError> {
 fn check_dir(path: &Path, field: &str) -> Result<(), FieldError> {
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(FieldError::new(
-            field,
-            format!("{} is not a directory", path.display()),
-        )),
+        Ok(_) => Err(FieldError::new(field, format!("{} is not a directory", path.display()))),
         Err(e) => Err(FieldError::new(field, format!("{}: {e}", path.display()))),
     }
 }
 
 fn boot_action(p: &ProfileFile, at: &str) -> Result<BootAction, FieldError> {
-    let kinds = [
-        p.kernel.is_some(),
-        p.script.is_some(),
-        p.local_boot.is_some(),
-    ];
+    let kinds = [p.kernel.is_some(), p.script.is_some(), p.local_boot.is_some()];
     if kinds.iter().filter(|k| **k).count() != 1 {
-        return Err(FieldError::new(
-            at,
-            "needs exactly one of kernel, script or local_boot",
-        ));
+        return Err(FieldError::new(at, "needs exactly one of kernel, script or local_boot"));
     }
     if p.kernel.is_none() && (!p.initrds.is_empty() || p.cmdline.is_some()) {
         return Err(FieldError::new(at, "initrds and cmdline go with kernel"));
@@ -304,10 +274,7 @@ fn boot_action(p: &ProfileFile, at: &str) -> Result<BootAction, FieldError> {
         }
         return Ok(BootAction::Script(script.clone()));
     }
-    let kernel = source(
-        p.kernel.as_deref().expect("checked above"),
-        &format!("{at}.kernel"),
-    )?;
+    let kernel = source(p.kernel.as_deref().expect("checked above"), &format!("{at}.kernel"))?;
     let initrds = p
         .initrds
         .iter()
@@ -325,30 +292,20 @@ fn boot_action(p: &ProfileFile, at: &str) -> Result<BootAction, FieldError> {
             })
         })
         .collect::<Result<_, _>>()?;
-    Ok(BootAction::Linux(LinuxBoot {
-        kernel,
-        initrds,
-        cmdline,
-    }))
+    Ok(BootAction::Linux(LinuxBoot { kernel, initrds, cmdline }))
 }
 
 /// A kernel or initrd: an `http://`/`https://` URL, or a path under `http.root`.
 fn source(s: &str, field: &str) -> Result<Source, FieldError> {
     let err = |m: String| FieldError::new(field, m);
     if s.starts_with("http://") || s.starts_with("https://") {
-        return Word::url(s)
-            .map(Source::Url)
-            .map_err(|e| err(format!("URL {e}")));
+        return Word::url(s).map(Source::Url).map_err(|e| err(format!("URL {e}")));
     }
     if s.contains("://") {
-        return Err(err(format!(
-            "{s:?}: only http:// and https:// URLs are fetched by iPXE here"
-        )));
+        return Err(err(format!("{s:?}: only http:// and https:// URLs are fetched by iPXE here")));
     }
     let path = check_relative(s).map_err(|e| err(format!("{s:?}: {e}")))?;
-    Word::url(path)
-        .map(Source::File)
-        .map_err(|e| err(format!("path {e}")))
+    Word::url(path).map(Source::File).map_err(|e| err(format!("path {e}")))
 }
 
 #[cfg(test)]
@@ -420,47 +377,15 @@ unknown_hosts:
                 "    cmdline: console=ttyS0 ${evil}",
                 "profiles.linux.cmdline",
             ),
-            (
-                "    kernel: vmlinuz",
-                "    kernel: ../../etc/shadow",
-                "profiles.linux.kernel",
-            ),
-            (
-                "    kernel: vmlinuz",
-                "    kernel: tftp://x/vmlinuz",
-                "profiles.linux.kernel",
-            ),
-            (
-                "    profile: linux",
-                "    profile: nosuch",
-                "hosts[0].profile",
-            ),
-            (
-                "  - mac: 52:54:00:12:34:56",
-                "  - mac: 52:54:00:12:34",
-                "hosts[0].mac",
-            ),
-            (
-                "  profile: disk",
-                "  profile: nope",
-                "unknown_hosts.profile",
-            ),
-            (
-                "    local_boot: exit",
-                "    local_boot: reboot",
-                "profiles.disk.local_boot",
-            ),
-            (
-                "    local_boot: exit",
-                "    local_boot: exit\n    script: '#!ipxe'",
-                "profiles.disk",
-            ),
+            ("    kernel: vmlinuz", "    kernel: ../../etc/shadow", "profiles.linux.kernel"),
+            ("    kernel: vmlinuz", "    kernel: tftp://x/vmlinuz", "profiles.linux.kernel"),
+            ("    profile: linux", "    profile: nosuch", "hosts[0].profile"),
+            ("  - mac: 52:54:00:12:34:56", "  - mac: 52:54:00:12:34", "hosts[0].mac"),
+            ("  profile: disk", "  profile: nope", "unknown_hosts.profile"),
+            ("    local_boot: exit", "    local_boot: reboot", "profiles.disk.local_boot"),
+            ("    local_boot: exit", "    local_boot: exit\n    script: '#!ipxe'", "profiles.disk"),
             ("state_dir: /tmp/x", "state_dir: /tmp/x\nbogus: 1", "bogus"),
-            (
-                "  ipxe_dir: IPXE",
-                "  ipxe_dir: /nonexistent",
-                "tftp.ipxe_dir",
-            ),
+            ("  ipxe_dir: IPXE", "  ipxe_dir: /nonexistent", "tftp.ipxe_dir"),
         ];
         for (from, to, field) in cases {
             assert!(GOOD.contains(from), "{from}");
@@ -469,20 +394,15 @@ unknown_hosts:
         }
         let e = error_of(&GOOD.replace("state_dir: /tmp/x", "state_dir: /tmp/x\nbogus: 1"));
         assert!(e.message.contains("unknown field `bogus`"), "{e}");
-        let e = error_of(&GOOD.replace(
-            "    cmdline: console=ttyS0 quiet",
-            "    cmdline: console=ttyS0 ${evil}",
-        ));
+        let e = error_of(
+            &GOOD.replace("    cmdline: console=ttyS0 quiet", "    cmdline: console=ttyS0 ${evil}"),
+        );
         assert!(e.message.contains("'$'"), "{e}");
     }
 
     #[test]
     fn load_reports_the_file() {
         let e = Config::load(Path::new("/nonexistent/siteboot.yaml")).unwrap_err();
-        assert!(
-            e.to_string()
-                .starts_with("/nonexistent/siteboot.yaml: cannot read"),
-            "{e}"
-        );
+        assert!(e.to_string().starts_with("/nonexistent/siteboot.yaml: cannot read"), "{e}");
     }
 }

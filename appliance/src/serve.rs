@@ -27,16 +27,10 @@ const TFTP_PORT: u16 = 69;
 
 pub async fn serve(config: Config) -> Result<()> {
     let interface = &config.interface;
-    if !std::path::Path::new("/sys/class/net")
-        .join(interface)
-        .exists()
-    {
+    if !std::path::Path::new("/sys/class/net").join(interface).exists() {
         bail!("interface {interface:?} does not exist on this machine (see `ip link`)");
     }
-    let endpoints = Endpoints {
-        address: config.address,
-        http_port: config.http.port,
-    };
+    let endpoints = Endpoints { address: config.address, http_port: config.http.port };
     let binaries = Arc::new(config.binaries);
     for platform in binaries.platforms() {
         tracing::info!(%platform, file = binaries.file_for(platform), dir = %binaries.dir().display(), "iPXE binary");
@@ -49,15 +43,11 @@ pub async fn serve(config: Config) -> Result<()> {
 
     let http_addr = SocketAddrV4::new(config.address, config.http.port);
     let http_listener = TcpListener::bind(http_addr).await.with_context(|| {
-        format!(
-            "binding HTTP to {http_addr} (is {} an address of this machine?)",
-            config.address
-        )
+        format!("binding HTTP to {http_addr} (is {} an address of this machine?)", config.address)
     })?;
     let tftp_addr = SocketAddrV4::new(config.address, TFTP_PORT);
-    let tftp_socket = UdpSocket::bind(tftp_addr)
-        .await
-        .with_context(|| format!("binding TFTP to {tftp_addr}"))?;
+    let tftp_socket =
+        UdpSocket::bind(tftp_addr).await.with_context(|| format!("binding TFTP to {tftp_addr}"))?;
 
     let mut tasks = JoinSet::new();
     let http = HttpServer::new(
@@ -108,12 +98,9 @@ pub async fn serve(config: Config) -> Result<()> {
             neighbors: neighbors.clone(),
         };
         let service = DhcpService::new(DhcpServer::new(ctx, table), journal);
-        tasks.spawn(async move {
-            service
-                .run(dhcp_socket, pxe_socket)
-                .await
-                .context("DHCP server")
-        });
+        tasks.spawn(
+            async move { service.run(dhcp_socket, pxe_socket).await.context("DHCP server") },
+        );
     }
 
     tracing::info!(

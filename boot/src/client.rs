@@ -95,13 +95,7 @@ impl BootClient {
             _ => false,
         };
         let ipxe = user_class_ipxe || opts.get(OptionCode::from(IPXE_ENCAPSULATED)).is_some();
-        Some(Self {
-            mac,
-            arch,
-            firmware_boot,
-            http_client,
-            ipxe,
-        })
+        Some(Self { mac, arch, firmware_boot, http_client, ipxe })
     }
 }
 
@@ -133,8 +127,7 @@ mod tests {
     fn message(opts: Vec<DhcpOption>) -> Message {
         let mut msg = Message::default();
         msg.set_chaddr(&[0x52, 0x54, 0, 1, 2, 3]);
-        msg.opts_mut()
-            .insert(DhcpOption::MessageType(MessageType::Discover));
+        msg.opts_mut().insert(DhcpOption::MessageType(MessageType::Discover));
         for o in opts {
             msg.opts_mut().insert(o);
         }

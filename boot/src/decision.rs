@@ -82,9 +82,7 @@ pub fn boot_offer(
     // iPXE first: it may also send PXEClient and option 93, and sending it the iPXE binary
     // again would loop forever.
     if client.ipxe {
-        return Ok(BootOffer::Script {
-            url: endpoints.script_url(client.mac),
-        });
+        return Ok(BootOffer::Script { url: endpoints.script_url(client.mac) });
     }
     if !client.firmware_boot {
         return Err(NoBoot::NotNetworkBoot);
@@ -92,17 +90,11 @@ pub fn boot_offer(
     // PXE 2.1 clients that predate RFC 4578 send no option 93: they are x86 BIOS.
     let arch = client.arch.unwrap_or(ClientArch::Bios);
     let platform = arch.platform().ok_or(NoBoot::UnsupportedArch(arch))?;
-    let file = binaries
-        .file_for(platform)
-        .ok_or(NoBoot::NoBinary(platform))?;
+    let file = binaries.file_for(platform).ok_or(NoBoot::NoBinary(platform))?;
     if arch.is_http_boot() || client.http_client {
-        Ok(BootOffer::HttpBoot {
-            url: endpoints.ipxe_binary_url(file),
-        })
+        Ok(BootOffer::HttpBoot { url: endpoints.ipxe_binary_url(file) })
     } else {
-        Ok(BootOffer::Tftp {
-            file: file.to_owned(),
-        })
+        Ok(BootOffer::Tftp { file: file.to_owned() })
     }
 }
 
@@ -138,12 +130,7 @@ pub fn ipxe_script(action: &BootAction, mac: MacAddr, endpoints: &Endpoints) -> 
         BootAction::Script(text) => return text.clone(),
         BootAction::LocalDisk(method) => {
             let mut script = Script::new();
-            script.echo(&[
-                word("siteboot:"),
-                word("booting"),
-                word("local"),
-                word("disk"),
-            ]);
+            script.echo(&[word("siteboot:"), word("booting"), word("local"), word("disk")]);
             match method {
                 LocalBoot::Exit => script.exit(),
                 LocalBoot::Sanboot => script.sanboot_local_disk(),
@@ -164,10 +151,8 @@ pub fn ipxe_script(action: &BootAction, mac: MacAddr, endpoints: &Endpoints) -> 
         .map(|(i, source)| (url(source), initrd_name(i, source)))
         .collect();
 
-    let mut args: Vec<Word> = initrds
-        .iter()
-        .map(|(_, name)| word(&format!("initrd={name}")))
-        .collect();
+    let mut args: Vec<Word> =
+        initrds.iter().map(|(_, name)| word(&format!("initrd={name}"))).collect();
     args.extend(linux.cmdline.iter().cloned());
     args.push(Word::url(&format!("siteboot.url={}", endpoints.http_base())).expect("safe"));
     args.push(word(&format!("siteboot.mac={}", mac.hyphenated())));
@@ -188,11 +173,7 @@ fn initrd_name(index: usize, source: &Source) -> Word {
     let path = match source {
         Source::File(w) | Source::Url(w) => w.as_str(),
     };
-    let base = path
-        .rsplit('/')
-        .next()
-        .filter(|b| !b.is_empty())
-        .unwrap_or("initrd");
+    let base = path.rsplit('/').next().filter(|b| !b.is_empty()).unwrap_or("initrd");
     let base = base.split(['?', '#']).next().unwrap_or("initrd");
     Word::url(&format!("{index}-{base}")).expect("index prefix makes it non-empty")
 }
@@ -208,10 +189,7 @@ mod tests {
     use crate::inventory::LinuxBoot;
 
     fn endpoints() -> Endpoints {
-        Endpoints {
-            address: "10.0.0.1".parse().unwrap(),
-            http_port: 8080,
-        }
+        Endpoints { address: "10.0.0.1".parse().unwrap(), http_port: 8080 }
     }
 
     /// The x86 binaries of Debian's ipxe package, no arm64 build.
@@ -241,33 +219,15 @@ mod tests {
         let script = "http://10.0.0.1:8080/boot/52-54-00-00-00-01.ipxe".to_owned();
         let tftp = |f: &str| Answer::Boot(BootOffer::Tftp { file: f.into() });
         let http = |f: &str| {
-            Answer::Boot(BootOffer::HttpBoot {
-                url: format!("http://10.0.0.1:8080/ipxe/{f}"),
-            })
+            Answer::Boot(BootOffer::HttpBoot { url: format!("http://10.0.0.1:8080/ipxe/{f}") })
         };
         // (arch, vendor class, expected firmware-stage offer in full mode)
         let archs: [(Option<u16>, &str, Answer); 8] = [
-            (
-                Some(0),
-                "PXEClient:Arch:00000:UNDI:002001",
-                tftp("undionly.kpxe"),
-            ),
+            (Some(0), "PXEClient:Arch:00000:UNDI:002001", tftp("undionly.kpxe")),
             (None, "PXEClient", tftp("undionly.kpxe")),
-            (
-                Some(7),
-                "PXEClient:Arch:00007:UNDI:003000",
-                tftp("snponly.efi"),
-            ),
-            (
-                Some(9),
-                "PXEClient:Arch:00009:UNDI:003000",
-                tftp("snponly.efi"),
-            ),
-            (
-                Some(16),
-                "HTTPClient:Arch:00016:UNDI:003001",
-                http("snponly.efi"),
-            ),
+            (Some(7), "PXEClient:Arch:00007:UNDI:003000", tftp("snponly.efi")),
+            (Some(9), "PXEClient:Arch:00009:UNDI:003000", tftp("snponly.efi")),
+            (Some(16), "HTTPClient:Arch:00016:UNDI:003001", http("snponly.efi")),
             (
                 Some(11),
                 "PXEClient:Arch:00011:UNDI:003000",
@@ -289,9 +249,7 @@ mod tests {
                         let full = if !known {
                             Answer::AddressOnly(NoBoot::NotInInventory)
                         } else if ipxe {
-                            Answer::Boot(BootOffer::Script {
-                                url: script.clone(),
-                            })
+                            Answer::Boot(BootOffer::Script { url: script.clone() })
                         } else {
                             firmware_full.clone()
                         };
@@ -338,14 +296,7 @@ mod tests {
         let mac = "52:54:00:00:00:01".parse().unwrap();
         let exit = ipxe_script(&BootAction::LocalDisk(LocalBoot::Exit), mac, &endpoints());
         assert!(exit.ends_with("\nexit\n"), "{exit}");
-        let san = ipxe_script(
-            &BootAction::LocalDisk(LocalBoot::Sanboot),
-            mac,
-            &endpoints(),
-        );
-        assert!(
-            san.ends_with("\nsanboot --no-describe --drive 0x80\n"),
-            "{san}"
-        );
+        let san = ipxe_script(&BootAction::LocalDisk(LocalBoot::Sanboot), mac, &endpoints());
+        assert!(san.ends_with("\nsanboot --no-describe --drive 0x80\n"), "{san}");
     }
 }

@@ -24,11 +24,7 @@ impl Endpoints {
 
     /// A file under the HTTP root; `path` is relative and already checked by the caller.
     pub fn file_url(&self, path: &str) -> String {
-        format!(
-            "{}/files/{}",
-            self.http_base(),
-            path.trim_start_matches('/')
-        )
+        format!("{}/files/{}", self.http_base(), path.trim_start_matches('/'))
     }
 
     /// An iPXE binary, for UEFI HTTP boot clients.

@@ -40,10 +40,7 @@ impl FileRoot {
             OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )?;
-        Ok(Self {
-            dir,
-            path: path.to_owned(),
-        })
+        Ok(Self { dir, path: path.to_owned() })
     }
 
     pub fn path(&self) -> &Path {
@@ -111,11 +108,7 @@ mod tests {
         std::fs::write(dir.path().join("sub/file"), b"hello").unwrap();
         symlink("sub/file", dir.path().join("inner-link")).unwrap();
         symlink(outside.path().join("secret"), dir.path().join("abs-link")).unwrap();
-        symlink(
-            "../../../../../../../../etc/passwd",
-            dir.path().join("rel-link"),
-        )
-        .unwrap();
+        symlink("../../../../../../../../etc/passwd", dir.path().join("rel-link")).unwrap();
         symlink(outside.path(), dir.path().join("dir-link")).unwrap();
         let root = FileRoot::open(dir.path()).unwrap();
 
@@ -123,44 +116,17 @@ mod tests {
         let mut s = String::new();
         f.read_to_string(&mut s).unwrap();
         assert_eq!((s.as_str(), len), ("hello", 5));
-        assert!(
-            root.open_file("/sub/file").is_ok(),
-            "leading slash is the root"
-        );
-        assert!(
-            root.open_file("inner-link").is_ok(),
-            "symlinks inside the root are fine"
-        );
+        assert!(root.open_file("/sub/file").is_ok(), "leading slash is the root");
+        assert!(root.open_file("inner-link").is_ok(), "symlinks inside the root are fine");
 
-        for bad in [
-            "../secret",
-            "sub/../../secret",
-            "abs-link",
-            "rel-link",
-            "dir-link/secret",
-        ] {
-            assert!(
-                matches!(root.open_file(bad), Err(FileError::OutsideRoot)),
-                "{bad}"
-            );
+        for bad in ["../secret", "sub/../../secret", "abs-link", "rel-link", "dir-link/secret"] {
+            assert!(matches!(root.open_file(bad), Err(FileError::OutsideRoot)), "{bad}");
         }
-        assert!(matches!(
-            root.open_file("/etc/passwd"),
-            Err(FileError::NotFound)
-        ));
+        assert!(matches!(root.open_file("/etc/passwd"), Err(FileError::NotFound)));
         assert!(matches!(root.open_file("sub"), Err(FileError::NotAFile)));
-        assert!(matches!(
-            root.open_file("missing"),
-            Err(FileError::NotFound)
-        ));
+        assert!(matches!(root.open_file("missing"), Err(FileError::NotFound)));
         assert!(matches!(root.open_file(""), Err(FileError::InvalidPath(_))));
-        assert!(matches!(
-            root.open_file("a\0b"),
-            Err(FileError::InvalidPath(_))
-        ));
-        assert!(matches!(
-            root.open_file("sub//file"),
-            Err(FileError::InvalidPath(_))
-        ));
+        assert!(matches!(root.open_file("a\0b"), Err(FileError::InvalidPath(_))));
+        assert!(matches!(root.open_file("sub//file"), Err(FileError::InvalidPath(_))));
     }
 }

@@ -7,9 +7,8 @@ use dhcproto::v4::MessageType;
 
 use crate::timeline::Timeline;
 
-const DHCP_TYPES: [&str; 9] = [
-    "discover", "offer", "request", "decline", "ack", "nak", "release", "inform", "other",
-];
+const DHCP_TYPES: [&str; 9] =
+    ["discover", "offer", "request", "decline", "ack", "nak", "release", "inform", "other"];
 
 fn dhcp_type_index(t: MessageType) -> usize {
     match t {
@@ -136,12 +135,7 @@ impl Metrics {
                 "Datagrams on the DHCP ports that were malformed or not for this server.",
                 &self.dhcp_dropped,
             ),
-            (
-                "siteboot_dhcp_leases",
-                "gauge",
-                "Bound, unexpired DHCP leases.",
-                &self.dhcp_leases,
-            ),
+            ("siteboot_dhcp_leases", "gauge", "Bound, unexpired DHCP leases.", &self.dhcp_leases),
             (
                 "siteboot_tftp_transfers_started_total",
                 "counter",
@@ -189,12 +183,7 @@ impl Metrics {
             header(&mut out, name, kind, help);
             let _ = writeln!(out, "{name} {}", get(counter));
         }
-        header(
-            &mut out,
-            "siteboot_http_requests_total",
-            "counter",
-            "HTTP requests by route.",
-        );
+        header(&mut out, "siteboot_http_requests_total", "counter", "HTTP requests by route.");
         for route in HttpRoute::ALL {
             let _ = writeln!(
                 out,
@@ -203,18 +192,10 @@ impl Metrics {
                 get(&self.http_requests[route.index()])
             );
         }
-        header(
-            &mut out,
-            "siteboot_boot_steps_total",
-            "counter",
-            "Boot steps recorded, by stage.",
-        );
+        header(&mut out, "siteboot_boot_steps_total", "counter", "Boot steps recorded, by stage.");
         for (stage, count) in timeline.stage_counts() {
-            let _ = writeln!(
-                out,
-                "siteboot_boot_steps_total{{stage=\"{}\"}} {count}",
-                stage.as_str()
-            );
+            let _ =
+                writeln!(out, "siteboot_boot_steps_total{{stage=\"{}\"}} {count}", stage.as_str());
         }
         out
     }

@@ -62,11 +62,7 @@ mod tests {
             arp_lookup(table, "10.99.0.100".parse().unwrap()),
             Some("52:54:00:12:34:56".parse().unwrap())
         );
-        assert_eq!(
-            arp_lookup(table, "10.99.0.101".parse().unwrap()),
-            None,
-            "incomplete entry"
-        );
+        assert_eq!(arp_lookup(table, "10.99.0.101".parse().unwrap()), None, "incomplete entry");
         assert_eq!(arp_lookup(table, "10.99.0.102".parse().unwrap()), None);
     }
 

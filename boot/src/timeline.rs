@@ -71,10 +71,7 @@ impl Stage {
     }
 
     fn index(self) -> usize {
-        Stage::ALL
-            .iter()
-            .position(|s| *s == self)
-            .expect("ALL lists every stage")
+        Stage::ALL.iter().position(|s| *s == self).expect("ALL lists every stage")
     }
 }
 
@@ -122,16 +119,9 @@ impl Timeline {
         tracing::info!(%mac, stage = stage.as_str(), "{detail}");
         self.stage_counts[stage.index()].fetch_add(1, Ordering::Relaxed);
         let now = SystemTime::now();
-        let at_ms = now
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
-        let event = Event {
-            at: rfc3339(now),
-            at_ms,
-            stage,
-            detail,
-        };
+        let at_ms =
+            now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let event = Event { at: rfc3339(now), at_ms, stage, detail };
 
         let mut inner = self.inner.lock().expect("timeline lock");
         let seq = inner.next_seq;
@@ -142,10 +132,7 @@ impl Timeline {
         {
             inner.hosts.remove(&oldest);
         }
-        let host = inner.hosts.entry(mac).or_insert_with(|| Host {
-            seq,
-            events: VecDeque::new(),
-        });
+        let host = inner.hosts.entry(mac).or_insert_with(|| Host { seq, events: VecDeque::new() });
         let previous = std::mem::replace(&mut host.seq, seq);
         if host.events.len() >= MAX_EVENTS_PER_HOST {
             host.events.pop_front();
@@ -158,11 +145,7 @@ impl Timeline {
     /// The events recorded for `mac`, oldest first.
     pub fn events(&self, mac: MacAddr) -> Vec<Event> {
         let inner = self.inner.lock().expect("timeline lock");
-        inner
-            .hosts
-            .get(&mac)
-            .map(|h| h.events.iter().cloned().collect())
-            .unwrap_or_default()
+        inner.hosts.get(&mac).map(|h| h.events.iter().cloned().collect()).unwrap_or_default()
     }
 
     /// MACs with a timeline, most recently active first.
@@ -173,9 +156,7 @@ impl Timeline {
 
     /// `(stage, count)` for every stage, for `/metrics`.
     pub fn stage_counts(&self) -> impl Iterator<Item = (Stage, u64)> + '_ {
-        Stage::ALL
-            .iter()
-            .map(|s| (*s, self.stage_counts[s.index()].load(Ordering::Relaxed)))
+        Stage::ALL.iter().map(|s| (*s, self.stage_counts[s.index()].load(Ordering::Relaxed)))
     }
 }
 
@@ -231,21 +212,11 @@ mod tests {
         assert_eq!(events[0].detail, "10");
         for i in 0..(MAX_HOSTS as u32 + 5) {
             let b = i.to_be_bytes();
-            tl.record(
-                MacAddr::new([2, 0, b[0], b[1], b[2], b[3]]),
-                Stage::Report,
-                "x",
-            );
+            tl.record(MacAddr::new([2, 0, b[0], b[1], b[2], b[3]]), Stage::Report, "x");
         }
         assert_eq!(tl.hosts().len(), MAX_HOSTS);
-        assert!(
-            tl.events(mac).is_empty(),
-            "the least recently active host was evicted"
-        );
+        assert!(tl.events(mac).is_empty(), "the least recently active host was evicted");
         let counts: HashMap<Stage, u64> = tl.stage_counts().collect();
-        assert_eq!(
-            counts[&Stage::DhcpDiscover],
-            MAX_EVENTS_PER_HOST as u64 + 10
-        );
+        assert_eq!(counts[&Stage::DhcpDiscover], MAX_EVENTS_PER_HOST as u64 + 10);
     }
 }

@@ -29,10 +29,7 @@ impl fmt::Display for Platform {
 const CANDIDATES: &[(Platform, &[&str])] = &[
     (Platform::Bios, &["undionly.kpxe"]),
     (Platform::UefiX64, &["snponly.efi", "ipxe.efi"]),
-    (
-        Platform::UefiArm64,
-        &["snponly-arm64.efi", "ipxe-arm64.efi", "arm64/snponly.efi"],
-    ),
+    (Platform::UefiArm64, &["snponly-arm64.efi", "ipxe-arm64.efi", "arm64/snponly.efi"]),
 ];
 
 /// The iPXE binaries found in a directory, by platform.
@@ -55,10 +52,7 @@ impl IpxeBinaries {
                     .map(|name| (*platform, (*name).to_owned()))
             })
             .collect();
-        Self {
-            dir: dir.to_owned(),
-            found,
-        }
+        Self { dir: dir.to_owned(), found }
     }
 
     pub fn dir(&self) -> &Path {
@@ -67,10 +61,7 @@ impl IpxeBinaries {
 
     /// The file name (relative to [`dir`](Self::dir)) of the binary for `platform`.
     pub fn file_for(&self, platform: Platform) -> Option<&str> {
-        self.found
-            .iter()
-            .find(|(p, _)| *p == platform)
-            .map(|(_, name)| name.as_str())
+        self.found.iter().find(|(p, _)| *p == platform).map(|(_, name)| name.as_str())
     }
 
     /// Whether `name` is one of the binaries served (so TFTP/HTTP can serve it from `dir`).
@@ -100,10 +91,7 @@ mod tests {
         assert!(bins.is_binary("ipxe.efi"));
         assert!(!bins.is_binary("../etc/passwd"));
         std::fs::write(dir.join("snponly.efi"), b"x").unwrap();
-        assert_eq!(
-            IpxeBinaries::discover(&dir).file_for(Platform::UefiX64),
-            Some("snponly.efi")
-        );
+        assert_eq!(IpxeBinaries::discover(&dir).file_for(Platform::UefiX64), Some("snponly.efi"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -103,9 +103,7 @@ impl Default for Script {
 
 impl Script {
     pub fn new() -> Self {
-        Self {
-            text: String::from("#!ipxe\n"),
-        }
+        Self { text: String::from("#!ipxe\n") }
     }
 
     fn line(&mut self, command: &str, args: &[&Word]) -> &mut Self {
@@ -168,12 +166,7 @@ mod tests {
 
     #[test]
     fn plain_words_pass() {
-        for s in [
-            "console=ttyS0,115200n8",
-            "http://10.0.0.1:8080/files/vmlinuz",
-            "ro",
-            "a&b",
-        ] {
+        for s in ["console=ttyS0,115200n8", "http://10.0.0.1:8080/files/vmlinuz", "ro", "a&b"] {
             assert_eq!(Word::new(s).unwrap().as_str(), s);
         }
     }
@@ -203,16 +196,10 @@ mod tests {
     fn url_encoding_makes_anything_a_single_safe_word() {
         let hostile = "http://h/a b\n${x}||#\"'\\é";
         let word = Word::url(hostile).unwrap();
-        assert_eq!(
-            word.as_str(),
-            "http://h/a%20b%0A%24%7Bx%7D%7C%7C%23%22%27%5C%C3%A9"
-        );
+        assert_eq!(word.as_str(), "http://h/a%20b%0A%24%7Bx%7D%7C%7C%23%22%27%5C%C3%A9");
         assert_eq!(Word::url("-x").unwrap().as_str(), "%2Dx");
         assert_eq!(Word::url("&&").unwrap().as_str(), "%26%26");
-        assert_eq!(
-            Word::url("http://h/a%20b").unwrap().as_str(),
-            "http://h/a%20b"
-        );
+        assert_eq!(Word::url("http://h/a%20b").unwrap().as_str(), "http://h/a%20b");
         assert_eq!(Word::url(""), Err(UnsafeWord::Empty));
     }
 
@@ -223,13 +210,7 @@ mod tests {
         let name = Word::new("initrd.img").unwrap();
         let mut script = Script::new();
         script
-            .kernel(
-                &url,
-                &[
-                    Word::new("initrd=initrd.img").unwrap(),
-                    Word::new("quiet").unwrap(),
-                ],
-            )
+            .kernel(&url, &[Word::new("initrd=initrd.img").unwrap(), Word::new("quiet").unwrap()])
             .initrd(&initrd, &name)
             .boot();
         assert_eq!(

@@ -45,19 +45,12 @@ pub enum JournalError {
 impl Journal {
     /// Opens (creating if needed) and replays the journal at `path`, taking its lock.
     pub fn open(path: &Path) -> Result<(Self, Replay), JournalError> {
-        let io_err = |source| JournalError::Io {
-            path: path.to_owned(),
-            source,
-        };
+        let io_err = |source| JournalError::Io { path: path.to_owned(), source };
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).map_err(io_err)?;
         }
-        let mut file = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .open(path)
-            .map_err(io_err)?;
+        let mut file =
+            OpenOptions::new().read(true).append(true).create(true).open(path).map_err(io_err)?;
         rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive)
             .map_err(|_| JournalError::Locked(path.to_owned()))?;
 
@@ -69,11 +62,8 @@ impl Journal {
             file.set_len(keep).map_err(io_err)?;
             file.sync_data().map_err(io_err)?;
         }
-        let mut journal = Self {
-            path: path.to_owned(),
-            file,
-            records_in_file: replay.records.len(),
-        };
+        let mut journal =
+            Self { path: path.to_owned(), file, records_in_file: replay.records.len() };
         if replay.corrupt_lines > 0 {
             tracing::error!(path = %path.display(), lines = replay.corrupt_lines, "lease file had corrupt lines; they were skipped and the file is rewritten");
             journal.compact(&replay.records)?;
@@ -90,10 +80,7 @@ impl Journal {
         for r in records {
             encode_line(&mut buf, r);
         }
-        let io_err = |source| JournalError::Io {
-            path: self.path.clone(),
-            source,
-        };
+        let io_err = |source| JournalError::Io { path: self.path.clone(), source };
         self.file.write_all(&buf).map_err(io_err)?;
         self.file.sync_data().map_err(io_err)?;
         self.records_in_file += records.len();
@@ -107,10 +94,7 @@ impl Journal {
 
     /// Replaces the file's contents with `live`, atomically.
     pub fn compact(&mut self, live: &[LeaseRecord]) -> Result<(), JournalError> {
-        let io_err = |source| JournalError::Io {
-            path: self.path.clone(),
-            source,
-        };
+        let io_err = |source| JournalError::Io { path: self.path.clone(), source };
         let tmp = self.path.with_extension("compacting");
         {
             let mut w = BufWriter::new(File::create(&tmp).map_err(io_err)?);
@@ -123,11 +107,7 @@ impl Journal {
             let f = w.into_inner().map_err(|e| io_err(e.into_error()))?;
             f.sync_all().map_err(io_err)?;
         }
-        let new = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .open(&tmp)
-            .map_err(io_err)?;
+        let new = OpenOptions::new().read(true).append(true).open(&tmp).map_err(io_err)?;
         // Lock the new file before it replaces the old one, so the lock is never absent.
         rustix::fs::flock(&new, FlockOperation::NonBlockingLockExclusive)
             .map_err(|_| JournalError::Locked(self.path.clone()))?;
@@ -150,11 +130,7 @@ fn encode_line(buf: &mut Vec<u8>, record: &LeaseRecord) {
 }
 
 fn parse(bytes: &[u8]) -> Replay {
-    let mut replay = Replay {
-        records: Vec::new(),
-        corrupt_lines: 0,
-        torn_bytes: 0,
-    };
+    let mut replay = Replay { records: Vec::new(), corrupt_lines: 0, torn_bytes: 0 };
     let mut rest = bytes;
     while !rest.is_empty() {
         let Some(end) = rest.iter().position(|b| *b == b'\n') else {
@@ -229,14 +205,7 @@ mod tests {
         for n in 1..=3 {
             encode_line(&mut full, &record(n));
         }
-        let two = full
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| **b == b'\n')
-            .nth(1)
-            .unwrap()
-            .0
-            + 1;
+        let two = full.iter().enumerate().filter(|(_, b)| **b == b'\n').nth(1).unwrap().0 + 1;
         // A crash can stop the last write at any byte: only the finished lines survive.
         for cut in two..full.len() {
             std::fs::write(&path, &full[..cut]).unwrap();
@@ -265,8 +234,7 @@ mod tests {
         let path = dir.path().join("leases.log");
         let (mut j, _) = Journal::open(&path).unwrap();
         for _ in 0..300 {
-            j.append(&[record(1), record(2), record(3), record(4)])
-                .unwrap();
+            j.append(&[record(1), record(2), record(3), record(4)]).unwrap();
         }
         assert!(j.should_compact(2));
         j.compact(&[record(1), record(2)]).unwrap();

@@ -62,11 +62,8 @@ pub struct LeaseTable {
 
 impl LeaseTable {
     pub fn new(plan: Arc<NetworkPlan>) -> Self {
-        let reserved: HashMap<Ipv4Addr, MacAddr> = plan
-            .reservations
-            .iter()
-            .map(|r| (r.address, r.mac))
-            .collect();
+        let reserved: HashMap<Ipv4Addr, MacAddr> =
+            plan.reservations.iter().map(|r| (r.address, r.mac)).collect();
         let subnets = plan
             .subnets
             .iter()
@@ -100,10 +97,7 @@ impl LeaseTable {
     }
 
     fn subnet_of(&self, addr: Ipv4Addr) -> Option<usize> {
-        self.plan
-            .subnets
-            .iter()
-            .position(|s| s.subnet.contains(addr))
+        self.plan.subnets.iter().position(|s| s.subnet.contains(addr))
     }
 
     /// Takes `addr` out of its subnet's free set.
@@ -134,9 +128,7 @@ impl LeaseTable {
             self.lease_of.remove(&lease.mac);
         }
         if let Some(s) = self.subnet_of(addr) {
-            self.subnets[s]
-                .by_expiry
-                .remove(&(lease.expires, u32::from(addr)));
+            self.subnets[s].by_expiry.remove(&(lease.expires, u32::from(addr)));
         }
         Some(lease)
     }
@@ -159,11 +151,7 @@ impl LeaseTable {
                     tracing::warn!(%addr, mac = %lease.mac, "dropping a stored lease outside every configured subnet");
                     return;
                 }
-                if self
-                    .reserved
-                    .get(&addr)
-                    .is_some_and(|owner| *owner != lease.mac)
-                {
+                if self.reserved.get(&addr).is_some_and(|owner| *owner != lease.mac) {
                     tracing::warn!(%addr, mac = %lease.mac, "dropping a stored lease on an address now reserved for another MAC");
                     return;
                 }
@@ -183,9 +171,7 @@ impl LeaseTable {
                 }
                 self.occupy(addr);
                 let s = self.subnet_of(addr).expect("checked above");
-                self.subnets[s]
-                    .by_expiry
-                    .insert((lease.expires, u32::from(addr)));
+                self.subnets[s].by_expiry.insert((lease.expires, u32::from(addr)));
                 self.lease_of.insert(lease.mac, addr);
                 self.leases.insert(addr, lease.clone());
             }
@@ -231,11 +217,7 @@ impl LeaseTable {
         if self.declined.contains_key(&addr) {
             return false;
         }
-        if self
-            .offers
-            .get(&addr)
-            .is_some_and(|(other, until)| *other != mac && *until > now)
-        {
+        if self.offers.get(&addr).is_some_and(|(other, until)| *other != mac && *until > now) {
             return false;
         }
         match self.leases.get(&addr) {
@@ -260,11 +242,8 @@ impl LeaseTable {
         {
             return self.available_to(r.address, mac, now).then_some(r.address);
         }
-        let candidates = [
-            self.offer_of.get(&mac).copied(),
-            self.lease_of.get(&mac).copied(),
-            requested,
-        ];
+        let candidates =
+            [self.offer_of.get(&mac).copied(), self.lease_of.get(&mac).copied(), requested];
         for addr in candidates.into_iter().flatten() {
             if plan.in_pool(addr) && self.available_to(addr, mac, now) {
                 return Some(addr);
@@ -322,14 +301,8 @@ impl LeaseTable {
 
     /// `mac` gives `addr` back. `None` if it does not hold it.
     pub fn release(&mut self, mac: MacAddr, addr: Ipv4Addr, now: UnixTime) -> Option<LeaseRecord> {
-        let lease = self
-            .leases
-            .get(&addr)
-            .filter(|l| l.mac == mac && l.expires > now)?;
-        Some(self.bind(Lease {
-            expires: now,
-            ..lease.clone()
-        }))
+        let lease = self.leases.get(&addr).filter(|l| l.mac == mac && l.expires > now)?;
+        Some(self.bind(Lease { expires: now, ..lease.clone() }))
     }
 
     /// `mac` found `addr` in use. `None` unless `mac` holds or was offered it.
@@ -355,10 +328,7 @@ impl LeaseTable {
         let declined = self
             .declined
             .iter()
-            .map(|(addr, until)| LeaseRecord::Declined {
-                addr: *addr,
-                until: *until,
-            });
+            .map(|(addr, until)| LeaseRecord::Declined { addr: *addr, until: *until });
         leases.chain(declined).collect()
     }
 
@@ -406,20 +376,13 @@ mod tests {
             reservations,
             ..Settings::default()
         };
-        LeaseTable::new(Arc::new(
-            NetworkPlan::new(&settings, ip("10.0.0.1"), "dhcp").unwrap(),
-        ))
+        LeaseTable::new(Arc::new(NetworkPlan::new(&settings, ip("10.0.0.1"), "dhcp").unwrap()))
     }
 
     fn lease(t: &mut LeaseTable, m: MacAddr, expires: UnixTime) -> Ipv4Addr {
         let addr = t.choose(m, 0, None, NOW).expect("an address");
         t.offer(m, addr, NOW + 30);
-        t.bind(Lease {
-            addr,
-            mac: m,
-            expires,
-            hostname: None,
-        });
+        t.bind(Lease { addr, mac: m, expires, hostname: None });
         addr
     }
 
@@ -429,16 +392,9 @@ mod tests {
         let a = lease(&mut t, mac(1), NOW + 3600);
         let b = lease(&mut t, mac(2), NOW + 3600);
         let c = lease(&mut t, mac(3), NOW + 3600);
-        assert_eq!(
-            [a, b, c],
-            [ip("10.0.0.10"), ip("10.0.0.11"), ip("10.0.0.12")]
-        );
+        assert_eq!([a, b, c], [ip("10.0.0.10"), ip("10.0.0.11"), ip("10.0.0.12")]);
         assert_eq!(t.choose(mac(4), 0, None, NOW), None, "pool exhausted");
-        assert_eq!(
-            t.choose(mac(2), 0, None, NOW),
-            Some(b),
-            "a MAC keeps its address"
-        );
+        assert_eq!(t.choose(mac(2), 0, None, NOW), Some(b), "a MAC keeps its address");
     }
 
     #[test]
@@ -452,11 +408,7 @@ mod tests {
             Some(b),
             "released MAC gets its address back"
         );
-        assert_eq!(
-            t.choose(mac(3), 0, None, NOW + 1),
-            Some(b),
-            "released address is reclaimable"
-        );
+        assert_eq!(t.choose(mac(3), 0, None, NOW + 1), Some(b), "released address is reclaimable");
         assert_eq!(
             t.choose(mac(3), 0, None, NOW + 11),
             Some(b),
@@ -481,10 +433,7 @@ mod tests {
     #[test]
     fn requested_address_is_honoured_when_free() {
         let t = table("10.0.0.10-10.0.0.20", vec![]);
-        assert_eq!(
-            t.choose(mac(1), 0, Some(ip("10.0.0.15")), NOW),
-            Some(ip("10.0.0.15"))
-        );
+        assert_eq!(t.choose(mac(1), 0, Some(ip("10.0.0.15")), NOW), Some(ip("10.0.0.15")));
         assert_eq!(
             t.choose(mac(1), 0, Some(ip("10.0.0.99")), NOW),
             Some(ip("10.0.0.10")),
@@ -494,22 +443,11 @@ mod tests {
 
     #[test]
     fn reservations_are_kept_for_their_mac() {
-        let r = Reservation {
-            mac: mac(9),
-            address: ip("10.0.0.10"),
-            hostname: None,
-        };
+        let r = Reservation { mac: mac(9), address: ip("10.0.0.10"), hostname: None };
         let mut t = table("10.0.0.10-10.0.0.11", vec![r]);
-        assert_eq!(
-            t.choose(mac(1), 0, Some(ip("10.0.0.10")), NOW),
-            Some(ip("10.0.0.11"))
-        );
+        assert_eq!(t.choose(mac(1), 0, Some(ip("10.0.0.10")), NOW), Some(ip("10.0.0.11")));
         assert_eq!(lease(&mut t, mac(1), NOW + 60), ip("10.0.0.11"));
-        assert_eq!(
-            t.choose(mac(2), 0, None, NOW),
-            None,
-            "the reserved address is not in the pool"
-        );
+        assert_eq!(t.choose(mac(2), 0, None, NOW), None, "the reserved address is not in the pool");
         assert_eq!(t.choose(mac(9), 0, None, NOW), Some(ip("10.0.0.10")));
     }
 
@@ -517,10 +455,7 @@ mod tests {
     fn declined_addresses_are_quarantined() {
         let mut t = table("10.0.0.10-10.0.0.11", vec![]);
         let a = lease(&mut t, mac(1), NOW + 3600);
-        assert!(
-            t.decline(mac(2), a, NOW + 600).is_none(),
-            "only the holder can decline"
-        );
+        assert!(t.decline(mac(2), a, NOW + 600).is_none(), "only the holder can decline");
         assert!(t.decline(mac(1), a, NOW + 600).is_some());
         assert!(t.lease_of(mac(1)).is_none());
         assert_eq!(t.choose(mac(1), 0, None, NOW), Some(ip("10.0.0.11")));
@@ -534,12 +469,7 @@ mod tests {
     fn a_mac_moving_address_frees_the_old_one() {
         let mut t = table("10.0.0.10-10.0.0.11", vec![]);
         let a = lease(&mut t, mac(1), NOW + 3600);
-        t.bind(Lease {
-            addr: ip("10.0.0.11"),
-            mac: mac(1),
-            expires: NOW + 3600,
-            hostname: None,
-        });
+        t.bind(Lease { addr: ip("10.0.0.11"), mac: mac(1), expires: NOW + 3600, hostname: None });
         assert!(t.lease(a).is_none());
         assert_eq!(t.free_count(0), 1);
         assert_eq!(t.active(NOW), 1);
@@ -551,12 +481,7 @@ mod tests {
         let mut journal = Vec::new();
         for n in 1..=5 {
             let addr = t.choose(mac(n), 0, None, NOW).unwrap();
-            journal.push(t.bind(Lease {
-                addr,
-                mac: mac(n),
-                expires: NOW + 100,
-                hostname: None,
-            }));
+            journal.push(t.bind(Lease { addr, mac: mac(n), expires: NOW + 100, hostname: None }));
         }
         journal.push(t.release(mac(2), ip("10.0.0.11"), NOW).unwrap());
         journal.push(t.decline(mac(3), ip("10.0.0.12"), NOW + 600).unwrap());

@@ -83,10 +83,7 @@ impl DhcpServer {
 
     pub fn refresh_lease_gauge(&self, now: UnixTime) {
         let active = self.table.active(now) as u64;
-        self.ctx
-            .metrics
-            .dhcp_leases
-            .store(active, std::sync::atomic::Ordering::Relaxed);
+        self.ctx.metrics.dhcp_leases.store(active, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Handles one datagram received on `port` from `from`.
@@ -98,25 +95,16 @@ impl DhcpServer {
         now: UnixTime,
     ) -> Outcome {
         let Some(msg) = decode(bytes) else {
-            self.ctx
-                .metrics
-                .dhcp_dropped
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::debug!(%from, len = bytes.len(), "dropping a datagram that is not a DHCP request");
             return Outcome::default();
         };
         let Some(client) = BootClient::from_message(&msg) else {
-            self.ctx
-                .metrics
-                .dhcp_dropped
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::debug!(%from, htype = ?msg.htype(), hlen = msg.hlen(), "dropping a request from a non-Ethernet client");
             return Outcome::default();
         };
-        let msg_type = msg
-            .opts()
-            .msg_type()
-            .expect("decode checked the message type");
+        let msg_type = msg.opts().msg_type().expect("decode checked the message type");
         self.ctx.metrics.dhcp_received(msg_type);
         self.table.sweep(now);
         let outcome = match (self.ctx.mode, port) {
@@ -135,13 +123,7 @@ impl DhcpServer {
 
     fn answer(&self, client: &BootClient) -> Answer {
         let known = self.ctx.inventory.boots(client.mac);
-        decision::answer(
-            self.ctx.mode,
-            client,
-            known,
-            &self.ctx.binaries,
-            &self.ctx.endpoints,
-        )
+        decision::answer(self.ctx.mode, client, known, &self.ctx.binaries, &self.ctx.endpoints)
     }
 
     fn record(&self, mac: MacAddr, stage: Stage, detail: String) {
@@ -191,15 +173,8 @@ impl DhcpServer {
         self.table.offer(mac, addr, now + OFFER_HOLD_SECS);
         let answer = self.answer(client);
         let reply = self.lease_reply(msg, MessageType::Offer, addr, subnet, client, &answer);
-        self.record(
-            mac,
-            Stage::DhcpOffer,
-            format!("{addr} {}", describe_answer(&answer)),
-        );
-        Outcome {
-            reply: Some(reply),
-            record: None,
-        }
+        self.record(mac, Stage::DhcpOffer, format!("{addr} {}", describe_answer(&answer)));
+        Outcome { reply: Some(reply), record: None }
     }
 
     fn request(
@@ -235,11 +210,8 @@ impl DhcpServer {
         {
             return self.nak(msg, mac, &format!("{mac} is reserved {}", r.address));
         }
-        let reserved_for_mac = self
-            .table
-            .plan()
-            .reservation_for(mac)
-            .is_some_and(|r| r.address == addr);
+        let reserved_for_mac =
+            self.table.plan().reservation_for(mac).is_some_and(|r| r.address == addr);
         let ours = self.table.lease(addr).is_some_and(|l| l.mac == mac);
         if !(reserved_for_mac || ours || plan.in_pool(addr)) {
             return self.nak(msg, mac, &format!("{addr} is not in a pool"));
@@ -248,17 +220,8 @@ impl DhcpServer {
             return self.nak(msg, mac, &format!("{addr} belongs to another client"));
         }
         let lease_secs = plan.lease_time.as_secs();
-        let hostname = self
-            .table
-            .plan()
-            .reservation_for(mac)
-            .and_then(|r| r.hostname.clone());
-        let record = self.table.bind(Lease {
-            addr,
-            mac,
-            expires: now + lease_secs,
-            hostname,
-        });
+        let hostname = self.table.plan().reservation_for(mac).and_then(|r| r.hostname.clone());
+        let record = self.table.bind(Lease { addr, mac, expires: now + lease_secs, hostname });
         self.ctx.neighbors.learn(addr, mac);
         let answer = self.answer(client);
         let reply = self.lease_reply(msg, MessageType::Ack, addr, subnet, client, &answer);
@@ -267,10 +230,7 @@ impl DhcpServer {
             Stage::DhcpAck,
             format!("{addr} for {lease_secs}s {}", describe_answer(&answer)),
         );
-        Outcome {
-            reply: Some(reply),
-            record: Some(record),
-        }
+        Outcome { reply: Some(reply), record: Some(record) }
     }
 
     fn decline(&mut self, msg: &Message, mac: MacAddr, now: UnixTime) -> Outcome {
@@ -286,10 +246,7 @@ impl DhcpServer {
             tracing::warn!(%mac, %addr, "client declined the address (in use by someone else?); quarantined");
             self.record(mac, Stage::DhcpDecline, format!("{addr} quarantined"));
         }
-        Outcome {
-            reply: None,
-            record,
-        }
+        Outcome { reply: None, record }
     }
 
     fn release(&mut self, msg: &Message, mac: MacAddr, now: UnixTime) -> Outcome {
@@ -301,10 +258,7 @@ impl DhcpServer {
         if record.is_some() {
             self.record(mac, Stage::DhcpRelease, format!("{addr}"));
         }
-        Outcome {
-            reply: None,
-            record,
-        }
+        Outcome { reply: None, record }
     }
 
     fn inform(&mut self, msg: &Message, client: &BootClient, subnet: usize) -> Outcome {
@@ -314,13 +268,7 @@ impl DhcpServer {
             add_boot_options(&mut reply, &offer, client, self.ctx.endpoints.address);
         }
         let to = destination(msg, MessageType::Ack);
-        Outcome {
-            reply: Some(Reply {
-                bytes: encode(&reply),
-                to,
-            }),
-            record: None,
-        }
+        Outcome { reply: Some(Reply { bytes: encode(&reply), to }), record: None }
     }
 
     fn lease_reply(
@@ -336,11 +284,8 @@ impl DhcpServer {
         let plan = &self.table.plan().subnets[subnet];
         let mut reply = base_reply(msg, t, server);
         reply.set_yiaddr(addr);
-        let hostname = self
-            .table
-            .plan()
-            .reservation_for(client.mac)
-            .and_then(|r| r.hostname.as_deref());
+        let hostname =
+            self.table.plan().reservation_for(client.mac).and_then(|r| r.hostname.as_deref());
         add_network_options(&mut reply, plan, hostname);
         let secs = u32::try_from(plan.lease_time.as_secs()).unwrap_or(u32::MAX);
         let opts = reply.opts_mut();
@@ -350,10 +295,7 @@ impl DhcpServer {
         if let Answer::Boot(offer) = answer {
             add_boot_options(&mut reply, offer, client, server);
         }
-        Reply {
-            bytes: encode(&reply),
-            to: destination(msg, t),
-        }
+        Reply { bytes: encode(&reply), to: destination(msg, t) }
     }
 
     fn nak(&self, msg: &Message, mac: MacAddr, why: &str) -> Outcome {
@@ -365,13 +307,7 @@ impl DhcpServer {
         }
         self.record(mac, Stage::DhcpNak, why.to_owned());
         let to = destination(msg, MessageType::Nak);
-        Outcome {
-            reply: Some(Reply {
-                bytes: encode(&reply),
-                to,
-            }),
-            record: None,
-        }
+        Outcome { reply: Some(Reply { bytes: encode(&reply), to }), record: None }
     }
 
     // ----- proxy mode and the PXE boot server -----
@@ -389,21 +325,12 @@ impl DhcpServer {
         let reply = self.boot_only_reply(msg, MessageType::Offer, &offer, client);
         self.record(client.mac, Stage::ProxyOffer, offer.boot_file().to_owned());
         let to = destination(msg, MessageType::Offer);
-        Outcome {
-            reply: Some(Reply {
-                bytes: encode(&reply),
-                to,
-            }),
-            record: None,
-        }
+        Outcome { reply: Some(Reply { bytes: encode(&reply), to }), record: None }
     }
 
     /// Port 4011: a PXE client asking the boot server directly (unicast, it has an address).
     fn boot_server(&mut self, msg: &Message, client: &BootClient, from: SocketAddrV4) -> Outcome {
-        if !matches!(
-            msg.opts().msg_type(),
-            Some(MessageType::Request | MessageType::Inform)
-        ) {
+        if !matches!(msg.opts().msg_type(), Some(MessageType::Request | MessageType::Inform)) {
             return Outcome::default();
         }
         // The boot decision is the proxy one whatever the mode: only boot information here.
@@ -422,13 +349,7 @@ impl DhcpServer {
         reply.set_ciaddr(msg.ciaddr());
         self.ctx.neighbors.learn(*from.ip(), client.mac);
         self.record(client.mac, Stage::ProxyAck, offer.boot_file().to_owned());
-        Outcome {
-            reply: Some(Reply {
-                bytes: encode(&reply),
-                to: from,
-            }),
-            record: None,
-        }
+        Outcome { reply: Some(Reply { bytes: encode(&reply), to: from }), record: None }
     }
 
     fn boot_only_reply(
@@ -445,9 +366,7 @@ impl DhcpServer {
         if let Some(DhcpOption::ClientMachineIdentifier(id)) =
             msg.opts().get(OptionCode::ClientMachineIdentifier)
         {
-            reply
-                .opts_mut()
-                .insert(DhcpOption::ClientMachineIdentifier(id.clone()));
+            reply.opts_mut().insert(DhcpOption::ClientMachineIdentifier(id.clone()));
         }
         reply
     }
@@ -495,16 +414,12 @@ fn keep_read_options(bytes: &[u8]) -> Option<Vec<u8>> {
 }
 
 fn decode_type(bytes: &[u8]) -> Option<MessageType> {
-    Message::decode(&mut Decoder::new(bytes))
-        .ok()?
-        .opts()
-        .msg_type()
+    Message::decode(&mut Decoder::new(bytes)).ok()?.opts().msg_type()
 }
 
 fn encode(msg: &Message) -> Vec<u8> {
     let mut buf = Vec::with_capacity(MIN_REPLY_LEN);
-    msg.encode(&mut Encoder::new(&mut buf))
-        .expect("encoding into a Vec cannot fail");
+    msg.encode(&mut Encoder::new(&mut buf)).expect("encoding into a Vec cannot fail");
     if buf.len() < MIN_REPLY_LEN {
         buf.resize(MIN_REPLY_LEN, 0);
     }
@@ -536,9 +451,7 @@ fn base_reply(msg: &Message, t: MessageType, server: Ipv4Addr) -> Message {
         .set_giaddr(msg.giaddr())
         .set_chaddr(msg.chaddr());
     reply.opts_mut().insert(DhcpOption::MessageType(t));
-    reply
-        .opts_mut()
-        .insert(DhcpOption::ServerIdentifier(server));
+    reply.opts_mut().insert(DhcpOption::ServerIdentifier(server));
     reply
 }
 
@@ -566,29 +479,21 @@ fn add_boot_options(reply: &mut Message, offer: &BootOffer, client: &BootClient,
     if file.len() < 128 {
         reply.set_fname_str(file);
     }
-    reply
-        .opts_mut()
-        .insert(DhcpOption::BootfileName(file.as_bytes().to_vec()));
+    reply.opts_mut().insert(DhcpOption::BootfileName(file.as_bytes().to_vec()));
     match offer {
         BootOffer::Tftp { .. } => {
             reply.set_siaddr(server);
-            reply
-                .opts_mut()
-                .insert(DhcpOption::TFTPServerName(server.to_string().into_bytes()));
+            reply.opts_mut().insert(DhcpOption::TFTPServerName(server.to_string().into_bytes()));
         }
         BootOffer::HttpBoot { .. } => {
             // UEFI HTTP boot ignores offers that do not echo its vendor class.
-            reply
-                .opts_mut()
-                .insert(DhcpOption::ClassIdentifier(HTTP_CLIENT.to_vec()));
+            reply.opts_mut().insert(DhcpOption::ClassIdentifier(HTTP_CLIENT.to_vec()));
         }
         BootOffer::Script { .. } => {}
     }
     if client.firmware_boot && !matches!(offer, BootOffer::HttpBoot { .. }) {
         // EDK2 and PXE ROMs treat an offer without "PXEClient" as carrying no boot server.
-        reply
-            .opts_mut()
-            .insert(DhcpOption::ClassIdentifier(PXE_CLIENT.to_vec()));
+        reply.opts_mut().insert(DhcpOption::ClassIdentifier(PXE_CLIENT.to_vec()));
     }
 }
 
@@ -610,10 +515,7 @@ fn describe_client(c: &BootClient) -> String {
         Some(a) => format!("{a:?}"),
         None => "none".to_owned(),
     };
-    format!(
-        "arch={arch} ipxe={} firmware-boot={}",
-        c.ipxe, c.firmware_boot
-    )
+    format!("arch={arch} ipxe={} firmware-boot={}", c.ipxe, c.firmware_boot)
 }
 
 fn describe_answer(a: &Answer) -> String {
@@ -681,20 +583,14 @@ mod tests {
         let plan = NetworkPlan::new(&settings, SERVER, "dhcp").unwrap();
         let ctx = Context {
             mode,
-            endpoints: Endpoints {
-                address: SERVER,
-                http_port: 8080,
-            },
+            endpoints: Endpoints { address: SERVER, http_port: 8080 },
             binaries: Arc::new(IpxeBinaries::discover(ipxe.path())),
             inventory: Arc::new(TestInventory),
             timeline: Arc::new(Timeline::new()),
             metrics: Arc::new(Metrics::new()),
             neighbors: Arc::new(Neighbors::new()),
         };
-        Harness {
-            server: DhcpServer::new(ctx, LeaseTable::new(Arc::new(plan))),
-            _ipxe: ipxe,
-        }
+        Harness { server: DhcpServer::new(ctx, LeaseTable::new(Arc::new(plan))), _ipxe: ipxe }
     }
 
     fn mac(n: u8) -> MacAddr {
@@ -733,20 +629,14 @@ mod tests {
         }
 
         fn dora(&mut self, m: MacAddr, opts: Vec<DhcpOption>) -> Message {
-            let (offer, _) = self.send(
-                &request(m, MessageType::Discover, opts.clone()),
-                Port::Dhcp,
-                CLIENT,
-            );
+            let (offer, _) =
+                self.send(&request(m, MessageType::Discover, opts.clone()), Port::Dhcp, CLIENT);
             let (offer, _) = offer.expect("an offer");
             let mut req_opts = opts;
             req_opts.push(DhcpOption::ServerIdentifier(SERVER));
             req_opts.push(DhcpOption::RequestedIpAddress(offer.yiaddr()));
-            let (ack, record) = self.send(
-                &request(m, MessageType::Request, req_opts),
-                Port::Dhcp,
-                CLIENT,
-            );
+            let (ack, record) =
+                self.send(&request(m, MessageType::Request, req_opts), Port::Dhcp, CLIENT);
             let (ack, _) = ack.expect("an ack");
             assert_eq!(ack.opts().msg_type(), Some(MessageType::Ack));
             assert!(
@@ -768,11 +658,8 @@ mod tests {
     #[test]
     fn discover_offer_request_ack() {
         let mut h = harness(DhcpMode::Full);
-        let (offer, record) = h.send(
-            &request(mac(1), MessageType::Discover, vec![]),
-            Port::Dhcp,
-            CLIENT,
-        );
+        let (offer, record) =
+            h.send(&request(mac(1), MessageType::Discover, vec![]), Port::Dhcp, CLIENT);
         let (offer, to) = offer.unwrap();
         assert!(record.is_none(), "an offer is not durable");
         assert_eq!(to, SocketAddrV4::new(Ipv4Addr::BROADCAST, CLIENT_PORT));
@@ -799,14 +686,8 @@ mod tests {
             opt(&offer, OptionCode::AddressLeaseTime),
             Some(&DhcpOption::AddressLeaseTime(3600))
         );
-        assert_eq!(
-            opt(&offer, OptionCode::Renewal),
-            Some(&DhcpOption::Renewal(1800))
-        );
-        assert_eq!(
-            opt(&offer, OptionCode::Rebinding),
-            Some(&DhcpOption::Rebinding(3150))
-        );
+        assert_eq!(opt(&offer, OptionCode::Renewal), Some(&DhcpOption::Renewal(1800)));
+        assert_eq!(opt(&offer, OptionCode::Rebinding), Some(&DhcpOption::Rebinding(3150)));
         assert_eq!(
             opt(&offer, OptionCode::ServerIdentifier),
             Some(&DhcpOption::ServerIdentifier(SERVER))
@@ -815,11 +696,7 @@ mod tests {
         let ack = h.dora(mac(1), vec![]);
         assert_eq!(ack.yiaddr(), ip("10.0.0.100"));
         assert_eq!(h.dora(mac(2), vec![]).yiaddr(), ip("10.0.0.101"));
-        assert_eq!(
-            h.dora(mac(1), vec![]).yiaddr(),
-            ip("10.0.0.100"),
-            "same MAC, same address"
-        );
+        assert_eq!(h.dora(mac(1), vec![]).yiaddr(), ip("10.0.0.100"), "same MAC, same address");
     }
 
     #[test]
@@ -827,33 +704,19 @@ mod tests {
         let mut h = harness(DhcpMode::Full);
         h.dora(mac(1), vec![]);
         // Another server's offer was chosen: silence, and the offer is dropped.
-        h.send(
-            &request(mac(2), MessageType::Discover, vec![]),
-            Port::Dhcp,
-            CLIENT,
-        );
+        h.send(&request(mac(2), MessageType::Discover, vec![]), Port::Dhcp, CLIENT);
         let other = vec![
             DhcpOption::ServerIdentifier(ip("10.0.0.2")),
             DhcpOption::RequestedIpAddress(ip("10.0.0.101")),
         ];
         assert!(
-            h.send(
-                &request(mac(2), MessageType::Request, other),
-                Port::Dhcp,
-                CLIENT
-            )
-            .0
-            .is_none()
+            h.send(&request(mac(2), MessageType::Request, other), Port::Dhcp, CLIENT).0.is_none()
         );
         assert_eq!(h.server.table().free_count(0), 2);
 
         let nak = |h: &mut Harness, m, addr: &str| {
             let (r, rec) = h.send(
-                &request(
-                    m,
-                    MessageType::Request,
-                    vec![DhcpOption::RequestedIpAddress(ip(addr))],
-                ),
+                &request(m, MessageType::Request, vec![DhcpOption::RequestedIpAddress(ip(addr))]),
                 Port::Dhcp,
                 CLIENT,
             );
@@ -897,11 +760,7 @@ mod tests {
         let (ack, to) = r.unwrap();
         assert_eq!(
             (ack.opts().msg_type(), ack.yiaddr(), to),
-            (
-                Some(MessageType::Ack),
-                addr,
-                SocketAddrV4::new(addr, CLIENT_PORT)
-            )
+            (Some(MessageType::Ack), addr, SocketAddrV4::new(addr, CLIENT_PORT))
         );
         assert!(rec.is_some(), "a renewal extends the lease durably");
         // Another MAC renewing that address is refused.
@@ -917,20 +776,13 @@ mod tests {
         let (ack, to) = r.unwrap();
         assert!(rec.is_none());
         assert_eq!(
-            (
-                ack.yiaddr(),
-                to.ip(),
-                opt(&ack, OptionCode::AddressLeaseTime)
-            ),
+            (ack.yiaddr(), to.ip(), opt(&ack, OptionCode::AddressLeaseTime)),
             (Ipv4Addr::UNSPECIFIED, &addr, None)
         );
 
         // RELEASE: durable, no reply, and the address goes back to the pool.
-        let mut release = request(
-            mac(1),
-            MessageType::Release,
-            vec![DhcpOption::ServerIdentifier(SERVER)],
-        );
+        let mut release =
+            request(mac(1), MessageType::Release, vec![DhcpOption::ServerIdentifier(SERVER)]);
         release.set_ciaddr(addr);
         let (r, rec) = h.send(&release, Port::Dhcp, CLIENT);
         assert!(r.is_none());
@@ -942,10 +794,7 @@ mod tests {
         let decline = request(
             mac(1),
             MessageType::Decline,
-            vec![
-                DhcpOption::ServerIdentifier(SERVER),
-                DhcpOption::RequestedIpAddress(addr),
-            ],
+            vec![DhcpOption::ServerIdentifier(SERVER), DhcpOption::RequestedIpAddress(addr)],
         );
         let (r, rec) = h.send(&decline, Port::Dhcp, CLIENT);
         assert!(r.is_none());
@@ -960,10 +809,7 @@ mod tests {
         let mut h = harness(DhcpMode::Full);
         let ack = h.dora(mac(0x99), vec![]);
         assert_eq!(ack.yiaddr(), ip("10.0.0.20"));
-        assert_eq!(
-            opt(&ack, OptionCode::Hostname),
-            Some(&DhcpOption::Hostname("node-r".into()))
-        );
+        assert_eq!(opt(&ack, OptionCode::Hostname), Some(&DhcpOption::Hostname("node-r".into())));
     }
 
     #[test]
@@ -974,19 +820,13 @@ mod tests {
         let relay = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
         let (r, _) = h.send(&discover, Port::Dhcp, relay);
         let (offer, to) = r.unwrap();
-        assert_eq!(
-            (offer.yiaddr(), to, offer.giaddr()),
-            (ip("10.0.5.100"), relay, ip("10.0.5.1"))
-        );
+        assert_eq!((offer.yiaddr(), to, offer.giaddr()), (ip("10.0.5.100"), relay, ip("10.0.5.1")));
         assert_eq!(
             opt(&offer, OptionCode::Router),
             Some(&DhcpOption::Router(vec![ip("10.0.5.1")]))
         );
         discover.set_giaddr(ip("172.16.0.1"));
-        assert!(
-            h.send(&discover, Port::Dhcp, relay).0.is_none(),
-            "unknown relay subnet"
-        );
+        assert!(h.send(&discover, Port::Dhcp, relay).0.is_none(), "unknown relay subnet");
     }
 
     fn pxe_opts(arch: u16) -> Vec<DhcpOption> {
@@ -1012,10 +852,7 @@ mod tests {
         assert_eq!(file(&h.dora(mac(2), pxe_opts(7))), "snponly.efi");
         let mut ipxe = pxe_opts(0);
         ipxe.push(DhcpOption::UserClass(b"iPXE".to_vec()));
-        assert_eq!(
-            file(&h.dora(mac(1), ipxe)),
-            "http://10.0.0.1:8080/boot/52-54-00-00-00-01.ipxe"
-        );
+        assert_eq!(file(&h.dora(mac(1), ipxe)), "http://10.0.0.1:8080/boot/52-54-00-00-00-01.ipxe");
         let unknown = MacAddr::new([2, 0, 0, 0, 0, 1]);
         let ack = h.dora(unknown, pxe_opts(0));
         assert!(ack.fname().is_none(), "not in the inventory: address only");
@@ -1024,11 +861,8 @@ mod tests {
     #[test]
     fn proxy_mode_answers_pxe_clients_only_and_serves_port_4011() {
         let mut h = harness(DhcpMode::Proxy);
-        let (r, rec) = h.send(
-            &request(mac(1), MessageType::Discover, pxe_opts(7)),
-            Port::Dhcp,
-            CLIENT,
-        );
+        let (r, rec) =
+            h.send(&request(mac(1), MessageType::Discover, pxe_opts(7)), Port::Dhcp, CLIENT);
         assert!(rec.is_none());
         let (offer, to) = r.unwrap();
         assert_eq!(offer.opts().msg_type(), Some(MessageType::Offer));
@@ -1037,10 +871,7 @@ mod tests {
             (Ipv4Addr::UNSPECIFIED, SERVER, &Ipv4Addr::BROADCAST)
         );
         assert_eq!(file(&offer), "snponly.efi");
-        assert!(
-            opt(&offer, OptionCode::ClientMachineIdentifier).is_some(),
-            "GUID echoed"
-        );
+        assert!(opt(&offer, OptionCode::ClientMachineIdentifier).is_some(), "GUID echoed");
         assert!(opt(&offer, OptionCode::AddressLeaseTime).is_none());
         assert!(
             opt(&offer, OptionCode::VendorExtensions).is_none(),
@@ -1048,35 +879,19 @@ mod tests {
         );
 
         assert!(
-            h.send(
-                &request(mac(1), MessageType::Discover, vec![]),
-                Port::Dhcp,
-                CLIENT
-            )
-            .0
-            .is_none(),
+            h.send(&request(mac(1), MessageType::Discover, vec![]), Port::Dhcp, CLIENT).0.is_none(),
             "OS client"
         );
         let unknown = MacAddr::new([2, 0, 0, 0, 0, 1]);
         assert!(
-            h.send(
-                &request(unknown, MessageType::Discover, pxe_opts(0)),
-                Port::Dhcp,
-                CLIENT
-            )
-            .0
-            .is_none()
+            h.send(&request(unknown, MessageType::Discover, pxe_opts(0)), Port::Dhcp, CLIENT)
+                .0
+                .is_none()
         );
         let mut req = pxe_opts(7);
         req.push(DhcpOption::ServerIdentifier(ip("10.0.0.2")));
         assert!(
-            h.send(
-                &request(mac(1), MessageType::Request, req),
-                Port::Dhcp,
-                CLIENT
-            )
-            .0
-            .is_none(),
+            h.send(&request(mac(1), MessageType::Request, req), Port::Dhcp, CLIENT).0.is_none(),
             "the real server's business"
         );
 
@@ -1090,23 +905,16 @@ mod tests {
             (Some(MessageType::Ack), from, ip("10.0.0.150"))
         );
         assert_eq!(file(&ack), "snponly.efi");
-        assert_eq!(
-            h.server.ctx.neighbors.mac_of(ip("10.0.0.150")),
-            Some(mac(1))
-        );
+        assert_eq!(h.server.ctx.neighbors.mac_of(ip("10.0.0.150")), Some(mac(1)));
     }
 
     #[test]
     fn off_mode_says_nothing() {
         let mut h = harness(DhcpMode::Off);
         assert!(
-            h.send(
-                &request(mac(1), MessageType::Discover, pxe_opts(0)),
-                Port::Dhcp,
-                CLIENT
-            )
-            .0
-            .is_none()
+            h.send(&request(mac(1), MessageType::Discover, pxe_opts(0)), Port::Dhcp, CLIENT)
+                .0
+                .is_none()
         );
     }
 
@@ -1134,13 +942,27 @@ mod tests {
             let outcome = h.server.handle(&bytes, CLIENT, Port::Dhcp, NOW);
             assert!(outcome.reply.is_none() && outcome.record.is_none());
         }
-        assert_eq!(
-            h.server
-                .ctx
-                .metrics
-                .dhcp_dropped
-                .load(std::sync::atomic::Ordering::Relaxed),
-            7
-        );
+        assert_eq!(h.server.ctx.metrics.dhcp_dropped.load(std::sync::atomic::Ordering::Relaxed), 7);
+    }
+
+    /// Found by the fuzzer: dhcproto's decoders for options 94 and 152 (and others) assert on
+    /// their length; such options are dropped before decoding and the request still answered.
+    #[test]
+    fn options_dhcproto_cannot_decode_safely_are_ignored() {
+        let mut h = harness(DhcpMode::Full);
+        let good = encode(&request(mac(1), MessageType::Discover, vec![]));
+        let end = OPTIONS_OFFSET + good[OPTIONS_OFFSET..].iter().position(|b| *b == 255).unwrap();
+        for hostile in [&[94u8, 1, 0][..], &[152, 1, 0], &[81, 1, 0], &[121, 2, 40, 1], &[80, 1, 0]]
+        {
+            let mut bytes = good[..end].to_vec();
+            bytes.extend_from_slice(hostile);
+            bytes.push(255);
+            let outcome = h.server.handle(&bytes, CLIENT, Port::Dhcp, NOW);
+            assert!(outcome.reply.is_some(), "option {hostile:?}");
+        }
+        // An option running past the end of the datagram: not a DHCP message.
+        let mut truncated = good[..end].to_vec();
+        truncated.extend_from_slice(&[60, 200, b'P']);
+        assert!(h.server.handle(&truncated, CLIENT, Port::Dhcp, NOW).reply.is_none());
     }
 }

@@ -93,11 +93,7 @@ impl Ipv4Subnet {
     }
 
     fn mask_bits(&self) -> u32 {
-        if self.prefix == 0 {
-            0
-        } else {
-            u32::MAX << (32 - self.prefix)
-        }
+        if self.prefix == 0 { 0 } else { u32::MAX << (32 - self.prefix) }
     }
 
     pub fn network(&self) -> Ipv4Addr {
@@ -132,9 +128,8 @@ impl FromStr for Ipv4Subnet {
         let (addr, prefix) = s
             .split_once('/')
             .ok_or_else(|| format!("{s:?} is not in CIDR form like 10.0.0.0/24"))?;
-        let addr: Ipv4Addr = addr
-            .parse()
-            .map_err(|_| format!("{addr:?} is not an IPv4 address"))?;
+        let addr: Ipv4Addr =
+            addr.parse().map_err(|_| format!("{addr:?} is not an IPv4 address"))?;
         let prefix: u8 = prefix
             .parse()
             .ok()
@@ -217,9 +212,7 @@ macro_rules! deserialize_from_str {
     ($t:ty) => {
         impl<'de> Deserialize<'de> for $t {
             fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                String::deserialize(d)?
-                    .parse()
-                    .map_err(serde::de::Error::custom)
+                String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
             }
         }
     };
@@ -238,10 +231,7 @@ pub struct FieldError {
 
 impl FieldError {
     pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            field: field.into(),
-            message: message.into(),
-        }
+        Self { field: field.into(), message: message.into() }
     }
 }
 
@@ -285,10 +275,7 @@ impl NetworkPlan {
             ));
         }
         if settings.lease_time < Duration::from_secs(60) {
-            return Err(FieldError::new(
-                format!("{field}.lease_time"),
-                "must be at least 1m",
-            ));
+            return Err(FieldError::new(format!("{field}.lease_time"), "must be at least 1m"));
         }
         let mut subnets: Vec<SubnetPlan> = Vec::new();
         let mut total = 0u64;
@@ -322,10 +309,7 @@ impl NetworkPlan {
                 total += pool.size();
             }
             if settings.mode == DhcpMode::Full && s.pools.is_empty() {
-                return Err(FieldError::new(
-                    format!("{at}.pools"),
-                    "full mode needs a pool",
-                ));
+                return Err(FieldError::new(format!("{at}.pools"), "full mode needs a pool"));
             }
             if let Some(router) = s.router
                 && !s.subnet.is_host(router)
@@ -345,10 +329,7 @@ impl NetworkPlan {
             }
             let lease_time = s.lease_time.unwrap_or(settings.lease_time);
             if lease_time < Duration::from_secs(60) {
-                return Err(FieldError::new(
-                    format!("{at}.lease_time"),
-                    "must be at least 1m",
-                ));
+                return Err(FieldError::new(format!("{at}.lease_time"), "must be at least 1m"));
             }
             subnets.push(SubnetPlan {
                 subnet: s.subnet,
@@ -370,10 +351,7 @@ impl NetworkPlan {
             if !subnets.iter().any(|s| s.subnet.is_host(r.address)) {
                 return Err(FieldError::new(
                     format!("{at}.address"),
-                    format!(
-                        "{} is not a host address of any configured subnet",
-                        r.address
-                    ),
+                    format!("{} is not a host address of any configured subnet", r.address),
                 ));
             }
             if r.address == server {
@@ -382,18 +360,13 @@ impl NetworkPlan {
                     "is the server's own address",
                 ));
             }
-            if let Some(j) = settings.reservations[..i]
-                .iter()
-                .position(|o| o.mac == r.mac)
-            {
+            if let Some(j) = settings.reservations[..i].iter().position(|o| o.mac == r.mac) {
                 return Err(FieldError::new(
                     format!("{at}.mac"),
                     format!("{} is already reserved in reservations[{j}]", r.mac),
                 ));
             }
-            if let Some(j) = settings.reservations[..i]
-                .iter()
-                .position(|o| o.address == r.address)
+            if let Some(j) = settings.reservations[..i].iter().position(|o| o.address == r.address)
             {
                 return Err(FieldError::new(
                     format!("{at}.address"),
@@ -447,9 +420,7 @@ fn is_domain_name(s: &str) -> bool {
                 && label.len() <= 63
                 && !label.starts_with('-')
                 && !label.ends_with('-')
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
         })
 }
 
@@ -475,18 +446,10 @@ mod tests {
         assert_eq!(s.broadcast(), Ipv4Addr::new(10, 99, 0, 255));
         assert!(s.is_host("10.99.0.1".parse().unwrap()));
         assert!(!s.is_host("10.99.0.0".parse().unwrap()));
-        assert!(
-            "10.99.0.1/24"
-                .parse::<Ipv4Subnet>()
-                .unwrap_err()
-                .contains("host bits")
-        );
+        assert!("10.99.0.1/24".parse::<Ipv4Subnet>().unwrap_err().contains("host bits"));
         assert!("10.99.0.0/33".parse::<Ipv4Subnet>().is_err());
         assert!("10.99.0.0".parse::<Ipv4Subnet>().is_err());
-        assert_eq!(
-            "0.0.0.0/0".parse::<Ipv4Subnet>().unwrap().mask(),
-            Ipv4Addr::UNSPECIFIED
-        );
+        assert_eq!("0.0.0.0/0".parse::<Ipv4Subnet>().unwrap().mask(), Ipv4Addr::UNSPECIFIED);
     }
 
     #[test]
@@ -501,10 +464,7 @@ mod tests {
     fn plan_errors_name_the_field() {
         let server: Ipv4Addr = "10.0.0.1".parse().unwrap();
         let mut s = Settings::default();
-        assert_eq!(
-            NetworkPlan::new(&s, server, "dhcp").unwrap_err().field,
-            "dhcp.subnets"
-        );
+        assert_eq!(NetworkPlan::new(&s, server, "dhcp").unwrap_err().field, "dhcp.subnets");
 
         s.subnets = vec![subnet("10.0.0.0/24", &["10.0.1.10-10.0.1.20"])];
         assert_eq!(
@@ -512,10 +472,7 @@ mod tests {
             "dhcp.subnets[0].pools[0]"
         );
 
-        s.subnets = vec![subnet(
-            "10.0.0.0/24",
-            &["10.0.0.10-10.0.0.20", "10.0.0.15-10.0.0.30"],
-        )];
+        s.subnets = vec![subnet("10.0.0.0/24", &["10.0.0.10-10.0.0.20", "10.0.0.15-10.0.0.30"])];
         let e = NetworkPlan::new(&s, server, "dhcp").unwrap_err();
         assert_eq!(
             (e.field.as_str(), e.message.contains("overlaps pools[0]")),
@@ -530,10 +487,8 @@ mod tests {
                 .contains("server's own address")
         );
 
-        s.subnets = vec![
-            subnet("10.0.0.0/24", &["10.0.0.10-10.0.0.20"]),
-            subnet("10.0.0.0/16", &[]),
-        ];
+        s.subnets =
+            vec![subnet("10.0.0.0/24", &["10.0.0.10-10.0.0.20"]), subnet("10.0.0.0/16", &[])];
         assert_eq!(
             NetworkPlan::new(&s, server, "dhcp").unwrap_err().field,
             "dhcp.subnets[1].subnet"
@@ -542,16 +497,8 @@ mod tests {
         s.subnets = vec![subnet("10.0.0.0/24", &["10.0.0.10-10.0.0.20"])];
         let mac: MacAddr = "52:54:00:00:00:01".parse().unwrap();
         s.reservations = vec![
-            Reservation {
-                mac,
-                address: "10.0.0.5".parse().unwrap(),
-                hostname: Some("a".into()),
-            },
-            Reservation {
-                mac,
-                address: "10.0.0.6".parse().unwrap(),
-                hostname: None,
-            },
+            Reservation { mac, address: "10.0.0.5".parse().unwrap(), hostname: Some("a".into()) },
+            Reservation { mac, address: "10.0.0.6".parse().unwrap(), hostname: None },
         ];
         assert_eq!(
             NetworkPlan::new(&s, server, "dhcp").unwrap_err().field,

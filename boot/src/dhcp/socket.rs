@@ -30,14 +30,9 @@ pub fn bind_socket(interface: &str, port: u16) -> io::Result<UdpSocket> {
         .bind_device(Some(interface.as_bytes()))
         .map_err(|e| io::Error::new(e.kind(), format!("binding to interface {interface}: {e}")))?;
     socket.set_nonblocking(true)?;
-    socket
-        .bind(&SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port).into())
-        .map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("binding UDP port {port} on {interface}: {e}"),
-            )
-        })?;
+    socket.bind(&SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port).into()).map_err(|e| {
+        io::Error::new(e.kind(), format!("binding UDP port {port} on {interface}: {e}"))
+    })?;
     UdpSocket::from_std(socket.into())
 }
 
@@ -109,10 +104,7 @@ impl DhcpService {
     /// Appends the batch's records and syncs them. `false` if that failed (the replies that
     /// depend on them are then not sent; the clients retry).
     async fn commit(&mut self, outcomes: &[(Port, Outcome)]) -> bool {
-        let records: Vec<_> = outcomes
-            .iter()
-            .filter_map(|(_, o)| o.record.clone())
-            .collect();
+        let records: Vec<_> = outcomes.iter().filter_map(|(_, o)| o.record.clone()).collect();
         if records.is_empty() {
             return true;
         }
@@ -120,9 +112,8 @@ impl DhcpService {
             return true;
         };
         let live = self.server.table().durable_count();
-        let snapshot = journal
-            .should_compact(live + records.len())
-            .then(|| self.server.table().records());
+        let snapshot =
+            journal.should_compact(live + records.len()).then(|| self.server.table().records());
         let (journal, result) = tokio::task::spawn_blocking(move || {
             let mut result = journal.append(&records);
             if result.is_ok()
@@ -146,8 +137,5 @@ impl DhcpService {
 }
 
 fn unix_now() -> UnixTime {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }

@@ -56,11 +56,7 @@ pub struct HttpSettings {
 
 impl Default for HttpSettings {
     fn default() -> Self {
-        Self {
-            port: default_port(),
-            root: None,
-            max_connections: default_max_connections(),
-        }
+        Self { port: default_port(), root: None, max_connections: default_max_connections() }
     }
 }
 
@@ -114,11 +110,7 @@ impl HttpServer {
         let server = Arc::new(self);
         let slots = Arc::new(Semaphore::new(server.max_connections));
         loop {
-            let slot = slots
-                .clone()
-                .acquire_owned()
-                .await
-                .expect("semaphore never closed");
+            let slot = slots.clone().acquire_owned().await.expect("semaphore never closed");
             let (stream, remote) = listener.accept().await?;
             let _ = stream.set_nodelay(true);
             let server = server.clone();
@@ -152,17 +144,13 @@ impl HttpServer {
             (&Method::GET | &Method::HEAD, ["files", rest]) => {
                 (HttpRoute::File, self.file(rest, &req, head, remote).await)
             }
-            (&Method::GET | &Method::HEAD, ["ipxe", name]) => (
-                HttpRoute::IpxeBinary,
-                self.ipxe_binary(name, &req, head, remote).await,
-            ),
+            (&Method::GET | &Method::HEAD, ["ipxe", name]) => {
+                (HttpRoute::IpxeBinary, self.ipxe_binary(name, &req, head, remote).await)
+            }
             (&Method::POST, ["report", rest]) => (HttpRoute::Report, self.report(rest, remote)),
             (&Method::GET, ["timeline"]) => (HttpRoute::Timeline, self.timelines()),
             (&Method::GET, ["timeline", mac]) => (HttpRoute::Timeline, self.timeline(mac)),
-            _ => (
-                HttpRoute::NotFound,
-                text(StatusCode::NOT_FOUND, "not found\n"),
-            ),
+            _ => (HttpRoute::NotFound, text(StatusCode::NOT_FOUND, "not found\n")),
         };
         self.metrics.http_request(route);
         tracing::debug!(%remote, %method, path, status = response.status().as_u16(), "HTTP request");
@@ -177,17 +165,13 @@ impl HttpServer {
     }
 
     async fn script(&self, file: &str) -> Response<Body> {
-        let Some(mac) = file
-            .strip_suffix(".ipxe")
-            .and_then(|m| m.parse::<MacAddr>().ok())
-        else {
+        let Some(mac) = file.strip_suffix(".ipxe").and_then(|m| m.parse::<MacAddr>().ok()) else {
             return text(StatusCode::NOT_FOUND, "expected /boot/<mac>.ipxe\n");
         };
         match self.inventory.boot_action(mac).await {
             Some(action) => {
                 let script = ipxe_script(&action, mac, &self.endpoints);
-                self.timeline
-                    .record(mac, Stage::IpxeScript, describe_script(&script));
+                self.timeline.record(mac, Stage::IpxeScript, describe_script(&script));
                 Response::builder()
                     .header(header::CONTENT_TYPE, "text/plain")
                     .header(header::CACHE_CONTROL, "no-store")
@@ -215,8 +199,7 @@ impl HttpServer {
         let Some(decoded) = decoded else {
             return text(StatusCode::BAD_REQUEST, "bad percent-encoding\n");
         };
-        self.serve(root.open_file(&decoded), &decoded, req, head, remote)
-            .await
+        self.serve(root.open_file(&decoded), &decoded, req, head, remote).await
     }
 
     async fn ipxe_binary(
@@ -229,8 +212,7 @@ impl HttpServer {
         if !self.binaries.is_binary(name) {
             return text(StatusCode::NOT_FOUND, "not an iPXE binary served here\n");
         }
-        self.serve(self.ipxe_root.open_file(name), name, req, head, remote)
-            .await
+        self.serve(self.ipxe_root.open_file(name), name, req, head, remote).await
     }
 
     async fn serve(
@@ -282,24 +264,16 @@ impl HttpServer {
         };
         let valid = !stage.is_empty()
             && stage.len() <= 32
-            && stage
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+            && stage.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
         if !valid {
             return text(StatusCode::BAD_REQUEST, "stage must be 1-32 of [a-z0-9-]\n");
         }
-        self.timeline
-            .record(mac, Stage::Report, format!("{stage} from {}", remote.ip()));
+        self.timeline.record(mac, Stage::Report, format!("{stage} from {}", remote.ip()));
         text(StatusCode::OK, "recorded\n")
     }
 
     fn timelines(&self) -> Response<Body> {
-        let hosts: Vec<String> = self
-            .timeline
-            .hosts()
-            .iter()
-            .map(|m| m.to_string())
-            .collect();
+        let hosts: Vec<String> = self.timeline.hosts().iter().map(|m| m.to_string()).collect();
         json(&serde_json::json!({ "hosts": hosts }))
     }
 
@@ -313,9 +287,9 @@ impl HttpServer {
     fn mac_of(&self, remote: SocketAddr) -> Option<MacAddr> {
         match remote.ip() {
             std::net::IpAddr::V4(ip) => self.neighbors.mac_of(ip),
-            std::net::IpAddr::V6(ip) => ip
-                .to_ipv4_mapped()
-                .and_then(|ip: Ipv4Addr| self.neighbors.mac_of(ip)),
+            std::net::IpAddr::V6(ip) => {
+                ip.to_ipv4_mapped().and_then(|ip: Ipv4Addr| self.neighbors.mac_of(ip))
+            }
         }
     }
 }
@@ -350,9 +324,7 @@ fn percent_decode(s: &str) -> Option<String> {
 }
 
 pub(crate) fn full(body: impl Into<Bytes>) -> Body {
-    Full::new(body.into())
-        .map_err(|never| match never {})
-        .boxed()
+    Full::new(body.into()).map_err(|never| match never {}).boxed()
 }
 
 pub(crate) fn empty() -> Body {

@@ -48,28 +48,18 @@ pub fn parse_range(value: &str, len: u64) -> RangeRequest {
         (true, false) => match parse(end) {
             Some(0) | None => RangeRequest::Unsatisfiable,
             Some(_) if len == 0 => RangeRequest::Unsatisfiable,
-            Some(n) => RangeRequest::Partial {
-                start: len.saturating_sub(n),
-                end: len - 1,
-            },
+            Some(n) => RangeRequest::Partial { start: len.saturating_sub(n), end: len - 1 },
         },
         (false, _) => {
             let Some(start) = parse(start) else {
                 return RangeRequest::Full;
             };
-            let end = if end.trim().is_empty() {
-                Some(u64::MAX)
-            } else {
-                parse(end)
-            };
+            let end = if end.trim().is_empty() { Some(u64::MAX) } else { parse(end) };
             match end {
                 None => RangeRequest::Full,
                 Some(end) if end < start => RangeRequest::Full,
                 Some(_) if start >= len => RangeRequest::Unsatisfiable,
-                Some(end) => RangeRequest::Partial {
-                    start,
-                    end: end.min(len - 1),
-                },
+                Some(end) => RangeRequest::Partial { start, end: end.min(len - 1) },
             }
         }
         (true, true) => RangeRequest::Full,
@@ -85,20 +75,10 @@ pub async fn respond(
     metrics: Arc<Metrics>,
 ) -> std::io::Result<Response<Body>> {
     let meta = file.metadata()?;
-    let etag = format!(
-        "\"{:x}-{:x}-{:x}.{:x}\"",
-        meta.ino(),
-        len,
-        meta.mtime(),
-        meta.mtime_nsec()
-    );
+    let etag = format!("\"{:x}-{:x}-{:x}.{:x}\"", meta.ino(), len, meta.mtime(), meta.mtime_nsec());
     let modified = UNIX_EPOCH + Duration::from_secs(meta.mtime().max(0) as u64);
 
-    let header_str = |name| {
-        request_headers
-            .get(name)
-            .and_then(|v: &HeaderValue| v.to_str().ok())
-    };
+    let header_str = |name| request_headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok());
     let mut builder = Response::builder()
         .header(header::ETAG, &etag)
         .header(header::LAST_MODIFIED, httpdate::fmt_http_date(modified))
@@ -107,10 +87,7 @@ pub async fn respond(
     if let Some(inm) = header_str(header::IF_NONE_MATCH)
         && inm.split(',').any(|t| t.trim() == etag || t.trim() == "*")
     {
-        return Ok(builder
-            .status(StatusCode::NOT_MODIFIED)
-            .body(empty())
-            .expect("valid response"));
+        return Ok(builder.status(StatusCode::NOT_MODIFIED).body(empty()).expect("valid response"));
     }
     // If-Range with a stale validator means "send everything".
     let if_range_ok = header_str(header::IF_RANGE).is_none_or(|v| v.trim() == etag);
@@ -144,9 +121,7 @@ pub async fn respond(
     let stream = ReaderStream::with_capacity(file.take(count), CHUNK)
         .inspect_ok(move |chunk| Metrics::add(&metrics.http_bytes, chunk.len() as u64))
         .map_ok(Frame::data);
-    Ok(builder
-        .body(StreamBody::new(stream).boxed())
-        .expect("valid response"))
+    Ok(builder.body(StreamBody::new(stream).boxed()).expect("valid response"))
 }
 
 #[cfg(test)]
@@ -156,35 +131,11 @@ mod tests {
     #[test]
     fn range_forms() {
         use RangeRequest::*;
-        assert_eq!(
-            parse_range("bytes=0-99", 1000),
-            Partial { start: 0, end: 99 }
-        );
-        assert_eq!(
-            parse_range("bytes=900-", 1000),
-            Partial {
-                start: 900,
-                end: 999
-            }
-        );
-        assert_eq!(
-            parse_range("bytes=-100", 1000),
-            Partial {
-                start: 900,
-                end: 999
-            }
-        );
-        assert_eq!(
-            parse_range("bytes=-5000", 1000),
-            Partial { start: 0, end: 999 }
-        );
-        assert_eq!(
-            parse_range("bytes=990-2000", 1000),
-            Partial {
-                start: 990,
-                end: 999
-            }
-        );
+        assert_eq!(parse_range("bytes=0-99", 1000), Partial { start: 0, end: 99 });
+        assert_eq!(parse_range("bytes=900-", 1000), Partial { start: 900, end: 999 });
+        assert_eq!(parse_range("bytes=-100", 1000), Partial { start: 900, end: 999 });
+        assert_eq!(parse_range("bytes=-5000", 1000), Partial { start: 0, end: 999 });
+        assert_eq!(parse_range("bytes=990-2000", 1000), Partial { start: 990, end: 999 });
         assert_eq!(parse_range("bytes=1000-", 1000), Unsatisfiable);
         assert_eq!(parse_range("bytes=-0", 1000), Unsatisfiable);
         assert_eq!(parse_range("bytes=0-", 0), Unsatisfiable);
@@ -192,9 +143,6 @@ mod tests {
         assert_eq!(parse_range("bytes=0-1,5-6", 1000), Full);
         assert_eq!(parse_range("items=0-1", 1000), Full);
         assert_eq!(parse_range("bytes=x-1", 1000), Full);
-        assert_eq!(
-            parse_range("bytes=18446744073709551615-", 10),
-            Unsatisfiable
-        );
+        assert_eq!(parse_range("bytes=18446744073709551615-", 10), Unsatisfiable);
     }
 }

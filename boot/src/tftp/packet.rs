@@ -98,9 +98,8 @@ fn parse_request(write: bool, body: &[u8]) -> Result<Request<'_>, PacketError> {
     };
     let mut options: Vec<(&str, &str)> = Vec::new();
     while let Some(name) = fields.next_str()? {
-        let value = fields
-            .next_str()?
-            .ok_or_else(|| PacketError::OptionWithoutValue(name.to_owned()))?;
+        let value =
+            fields.next_str()?.ok_or_else(|| PacketError::OptionWithoutValue(name.to_owned()))?;
         if options.len() == MAX_OPTIONS {
             return Err(PacketError::TooManyOptions);
         }
@@ -109,12 +108,7 @@ fn parse_request(write: bool, body: &[u8]) -> Result<Request<'_>, PacketError> {
         }
         options.push((name, value));
     }
-    Ok(Request {
-        write,
-        filename,
-        mode,
-        options,
-    })
+    Ok(Request { write, filename, mode, options })
 }
 
 /// NUL-terminated strings, one after another.
@@ -125,11 +119,7 @@ impl<'a> Strings<'a> {
         if self.0.is_empty() {
             return Ok(None);
         }
-        let end = self
-            .0
-            .iter()
-            .position(|b| *b == 0)
-            .ok_or(PacketError::Unterminated)?;
+        let end = self.0.iter().position(|b| *b == 0).ok_or(PacketError::Unterminated)?;
         let s = std::str::from_utf8(&self.0[..end]).map_err(|_| PacketError::NotUtf8)?;
         self.0 = &self.0[end + 1..];
         Ok(Some(s))
@@ -210,10 +200,7 @@ mod tests {
             (b"\x00\x09", PacketError::UnknownOpcode(9)),
             (b"\x00\x01file", PacketError::Unterminated),
             (b"\x00\x01file\x00", PacketError::Truncated),
-            (
-                b"\x00\x01file\x00mail\x00",
-                PacketError::BadMode("mail".into()),
-            ),
+            (b"\x00\x01file\x00mail\x00", PacketError::BadMode("mail".into())),
             (
                 b"\x00\x01file\x00octet\x00blksize\x00",
                 PacketError::OptionWithoutValue("blksize".into()),
@@ -231,21 +218,12 @@ mod tests {
             many.extend_from_slice(format!("o{i}\x001\x00").as_bytes());
         }
         assert_eq!(parse(&many), Err(PacketError::TooManyOptions));
-        assert_eq!(
-            parse(b"\x00\x01\xff\x00octet\x00"),
-            Err(PacketError::NotUtf8)
-        );
+        assert_eq!(parse(b"\x00\x01\xff\x00octet\x00"), Err(PacketError::NotUtf8));
         assert_eq!(parse(b"\x00\x04\x00"), Err(PacketError::Truncated));
-        assert_eq!(
-            parse(b"\x00\x04\x12\x34").unwrap(),
-            Packet::Ack { block: 0x1234 }
-        );
+        assert_eq!(parse(b"\x00\x04\x12\x34").unwrap(), Packet::Ack { block: 0x1234 });
         assert_eq!(
             parse(b"\x00\x05\x00\x01oops").unwrap(),
-            Packet::Error {
-                code: 1,
-                message: "oops"
-            }
+            Packet::Error { code: 1, message: "oops" }
         );
     }
 }

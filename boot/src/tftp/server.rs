@@ -140,13 +140,7 @@ impl TftpServer {
             let (len, from) = socket.recv_from(&mut buf).await?;
             let SocketAddr::V4(from) = from else { continue };
             if len > MAX_REQUEST {
-                self.refuse(
-                    &socket,
-                    from,
-                    ErrorCode::IllegalOperation,
-                    "request too long",
-                )
-                .await;
+                self.refuse(&socket, from, ErrorCode::IllegalOperation, "request too long").await;
                 continue;
             }
             self.request(&socket, &buf[..len], from).await;
@@ -168,12 +162,7 @@ impl TftpServer {
         if req.write {
             tracing::info!(%from, file = req.filename, "refusing a TFTP write request");
             return self
-                .refuse(
-                    listener,
-                    from,
-                    ErrorCode::AccessViolation,
-                    "read-only server",
-                )
+                .refuse(listener, from, ErrorCode::AccessViolation, "read-only server")
                 .await;
         }
         let (file, size) = match self.open(req.filename) {
@@ -194,12 +183,7 @@ impl TftpServer {
             self.active.lock().expect("active lock").remove(&from);
             tracing::warn!(%from, "refusing a TFTP transfer: too many in progress");
             return self
-                .refuse(
-                    listener,
-                    from,
-                    ErrorCode::NotDefined,
-                    "server busy, try again",
-                )
+                .refuse(listener, from, ErrorCode::NotDefined, "server busy, try again")
                 .await;
         };
         let negotiated = transfer::negotiate(&req.options, size, &self.limits);
@@ -224,18 +208,12 @@ impl TftpServer {
         };
         Metrics::add(&self.metrics.tftp_started, 1);
         Metrics::add(&self.metrics.tftp_active, 1);
-        let (metrics, timeline, active, limits) = (
-            self.metrics.clone(),
-            self.timeline.clone(),
-            self.active.clone(),
-            self.limits,
-        );
+        let (metrics, timeline, active, limits) =
+            (self.metrics.clone(), self.timeline.clone(), self.active.clone(), self.limits);
         tokio::spawn(async move {
             let result = send_file(&socket, &file, size, &negotiated, &limits, &metrics).await;
             active.lock().expect("active lock").remove(&from);
-            metrics
-                .tftp_active
-                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            metrics.tftp_active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             match (&result, mac) {
                 (Ok(()), Some(mac)) => timeline.record(mac, Stage::TftpDone, name.clone()),
                 (Err(e), Some(mac)) => {
@@ -338,10 +316,7 @@ async fn send_file(
             Ok(Ok(n)) => match packet::parse(&ack_buf[..n]) {
                 Ok(Packet::Ack { block }) => transfer.on_ack(block),
                 Ok(Packet::Error { code, message }) => {
-                    return Err(TransferError::Client {
-                        code,
-                        message: message.to_owned(),
-                    });
+                    return Err(TransferError::Client { code, message: message.to_owned() });
                 }
                 _ => Send::Nothing,
             },

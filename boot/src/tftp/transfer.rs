@@ -52,11 +52,7 @@ pub fn negotiate(options: &[(&str, &str)], file_size: u64, limits: &Limits) -> N
         let name = name.to_ascii_lowercase();
         match name.as_str() {
             "blksize" => {
-                if let Some(v) = value
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|v| (8..=65464).contains(v))
-                {
+                if let Some(v) = value.parse::<u32>().ok().filter(|v| (8..=65464).contains(v)) {
                     n.block_size = v.min(u32::from(limits.max_block_size)) as u16;
                     n.oack.push(("blksize", n.block_size.to_string()));
                 }
@@ -143,11 +139,7 @@ impl Transfer {
 
     /// What to send first.
     pub fn start(&mut self) -> Send {
-        if self.oack_pending {
-            Send::Oack
-        } else {
-            self.next_window()
-        }
+        if self.oack_pending { Send::Oack } else { self.next_window() }
     }
 
     fn next_window(&mut self) -> Send {
@@ -171,9 +163,7 @@ impl Transfer {
             return self.next_window();
         }
         // The outstanding blocks are acked+1..=sent; find the one this ACK names.
-        let Some(block) = (self.acked + 1..=self.sent)
-            .rev()
-            .find(|b| Self::wire_block(*b) == wire)
+        let Some(block) = (self.acked + 1..=self.sent).rev().find(|b| Self::wire_block(*b) == wire)
         else {
             // A duplicate or stale ACK: resending now would double traffic (Sorcerer's
             // Apprentice); the timeout covers real loss.
@@ -192,11 +182,7 @@ impl Transfer {
         if self.retries > self.max_retries {
             return Send::GiveUp;
         }
-        if self.oack_pending {
-            Send::Oack
-        } else {
-            self.next_window()
-        }
+        if self.oack_pending { Send::Oack } else { self.next_window() }
     }
 }
 
@@ -221,10 +207,7 @@ mod tests {
             1234,
             &limits(),
         );
-        assert_eq!(
-            (n.block_size, n.window_size, n.timeout),
-            (1468, 64, Duration::from_secs(3))
-        );
+        assert_eq!((n.block_size, n.window_size, n.timeout), (1468, 64, Duration::from_secs(3)));
         assert_eq!(
             n.oack,
             vec![
@@ -235,20 +218,12 @@ mod tests {
             ]
         );
         let n = negotiate(
-            &[
-                ("blksize", "7"),
-                ("timeout", "0"),
-                ("windowsize", "0"),
-                ("blksize2", "1"),
-            ],
+            &[("blksize", "7"), ("timeout", "0"), ("windowsize", "0"), ("blksize2", "1")],
             0,
             &limits(),
         );
         assert_eq!((n.block_size, n.window_size, n.oack.len()), (512, 1, 0));
-        assert_eq!(
-            negotiate(&[("blksize", "99999999999")], 0, &limits()).block_size,
-            512
-        );
+        assert_eq!(negotiate(&[("blksize", "99999999999")], 0, &limits()).block_size, 512);
     }
 
     fn plain(size: u64) -> (Transfer, Negotiated) {
@@ -278,19 +253,9 @@ mod tests {
         assert_eq!(t.start(), Send::Oack);
         assert_eq!(t.on_ack(5), Send::Nothing, "only ACK 0 answers an OACK");
         assert_eq!(t.on_ack(0), Send::Blocks { first: 1, last: 4 });
-        assert_eq!(
-            t.on_ack(2),
-            Send::Blocks { first: 3, last: 6 },
-            "blocks 3-4 were lost"
-        );
+        assert_eq!(t.on_ack(2), Send::Blocks { first: 3, last: 6 }, "blocks 3-4 were lost");
         assert_eq!(t.on_ack(6), Send::Blocks { first: 7, last: 10 });
-        assert_eq!(
-            t.on_ack(10),
-            Send::Blocks {
-                first: 11,
-                last: 11
-            }
-        );
+        assert_eq!(t.on_ack(10), Send::Blocks { first: 11, last: 11 });
         assert_eq!(t.on_ack(11), Send::Done);
     }
 
