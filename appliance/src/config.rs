@@ -305,7 +305,8 @@ fn source(s: &str, field: &str) -> Result<Source, FieldError> {
         return Err(err(format!("{s:?}: only http:// and https:// URLs are fetched by iPXE here")));
     }
     let path = check_relative(s).map_err(|e| err(format!("{s:?}: {e}")))?;
-    Word::url(path).map(Source::File).map_err(|e| err(format!("path {e}")))
+    // A literal '%' in a file name must reach the server as %25, not start an escape.
+    Word::url(&path.replace('%', "%25")).map(Source::File).map_err(|e| err(format!("path {e}")))
 }
 
 #[cfg(test)]
