@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use siteboot_boot::inventory::{BoxFuture, Inventory};
+use siteboot_boot::inventory::{BootRequest, BoxFuture, Inventory};
 use siteboot_boot::{BootAction, MacAddr};
 
 #[derive(Debug)]
@@ -31,8 +31,8 @@ impl Inventory for StaticInventory {
         self.lookup(mac).is_some()
     }
 
-    fn boot_action(&self, mac: MacAddr) -> BoxFuture<'_, Option<BootAction>> {
-        let action = self.lookup(mac).cloned();
+    fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
+        let action = self.lookup(request.mac).cloned();
         Box::pin(async move { action })
     }
 }

@@ -2,6 +2,7 @@
 //! from its config file, the Kubernetes mode from its Host cache.
 
 use std::future::Future;
+use std::net::Ipv4Addr;
 use std::pin::Pin;
 
 use siteboot_ipxe::Word;
@@ -50,11 +51,65 @@ pub enum LocalBoot {
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// Who asks for a boot script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BootRequest {
+    /// The MAC named in the URL.
+    pub mac: MacAddr,
+    pub remote: Ipv4Addr,
+    /// Whether `remote` is the address this appliance knows that MAC by (its DHCP lease, or
+    /// the neighbour table). Secrets go only to requests where it is.
+    pub remote_holds_mac: bool,
+}
+
+/// A request to `/agent/...`: the deploy ramdisk's API.
+#[derive(Debug, Clone)]
+pub struct AgentRequest {
+    pub method: http::Method,
+    /// The path after `/agent/`.
+    pub path: String,
+    /// The `Authorization: Bearer` token, if any.
+    pub token: Option<String>,
+    pub remote: Ipv4Addr,
+    /// The MAC this appliance knows `remote` by, if any.
+    pub remote_mac: Option<MacAddr>,
+    pub body: bytes::Bytes,
+}
+
+#[derive(Debug, Clone)]
+pub struct AgentResponse {
+    pub status: http::StatusCode,
+    pub content_type: &'static str,
+    pub body: bytes::Bytes,
+}
+
+impl AgentResponse {
+    pub fn text(status: http::StatusCode, body: impl Into<String>) -> Self {
+        Self { status, content_type: "text/plain", body: bytes::Bytes::from(body.into()) }
+    }
+
+    pub fn json(value: &serde_json::Value) -> Self {
+        Self {
+            status: http::StatusCode::OK,
+            content_type: "application/json",
+            body: bytes::Bytes::from(value.to_string()),
+        }
+    }
+}
+
 pub trait Inventory: Send + Sync + 'static {
     /// Whether DHCP gives `mac` boot information at all. Called on the DHCP path, so it must
     /// answer from memory.
     fn boots(&self, mac: MacAddr) -> bool;
 
-    /// What `mac` boots now; asked when its iPXE fetches `/boot/<mac>.ipxe`. `None` answers 404.
-    fn boot_action(&self, mac: MacAddr) -> BoxFuture<'_, Option<BootAction>>;
+    /// What `request.mac` boots now; asked when its iPXE fetches `/boot/<mac>.ipxe`. `None`
+    /// answers 404.
+    fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>>;
+
+    /// Serves the deploy ramdisk's API under `/agent/`. The standalone inventory has none.
+    fn agent(&self, _request: AgentRequest) -> BoxFuture<'_, AgentResponse> {
+        Box::pin(async {
+            AgentResponse::text(http::StatusCode::NOT_FOUND, "no agent API in standalone mode\n")
+        })
+    }
 }

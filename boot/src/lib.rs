@@ -18,5 +18,5 @@ pub mod tftp;
 pub mod timeline;
 
 pub use endpoints::Endpoints;
-pub use inventory::{BootAction, Inventory};
+pub use inventory::{BootAction, BootRequest, Inventory};
 pub use mac::{InvalidMac, MacAddr};

@@ -31,6 +31,7 @@ pub enum HttpRoute {
     File,
     IpxeBinary,
     Report,
+    Agent,
     Timeline,
     Health,
     Metrics,
@@ -38,11 +39,12 @@ pub enum HttpRoute {
 }
 
 impl HttpRoute {
-    const ALL: [HttpRoute; 8] = [
+    const ALL: [HttpRoute; 9] = [
         HttpRoute::Script,
         HttpRoute::File,
         HttpRoute::IpxeBinary,
         HttpRoute::Report,
+        HttpRoute::Agent,
         HttpRoute::Timeline,
         HttpRoute::Health,
         HttpRoute::Metrics,
@@ -55,6 +57,7 @@ impl HttpRoute {
             HttpRoute::File => "file",
             HttpRoute::IpxeBinary => "ipxe-binary",
             HttpRoute::Report => "report",
+            HttpRoute::Agent => "agent",
             HttpRoute::Timeline => "timeline",
             HttpRoute::Health => "health",
             HttpRoute::Metrics => "metrics",

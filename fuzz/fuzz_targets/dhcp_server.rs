@@ -11,7 +11,7 @@ use siteboot_boot::decision::DhcpMode;
 use siteboot_boot::dhcp::leases::LeaseTable;
 use siteboot_boot::dhcp::server::{Context, DhcpServer, Port};
 use siteboot_boot::dhcp::settings::{NetworkPlan, Settings, SubnetSettings};
-use siteboot_boot::inventory::{BootAction, BoxFuture, Inventory, LocalBoot};
+use siteboot_boot::inventory::{BootAction, BootRequest, BoxFuture, Inventory, LocalBoot};
 use siteboot_boot::metrics::Metrics;
 use siteboot_boot::neighbors::Neighbors;
 use siteboot_boot::timeline::Timeline;
@@ -23,7 +23,7 @@ impl Inventory for BootsEven {
     fn boots(&self, mac: MacAddr) -> bool {
         mac.octets()[5] % 2 == 0
     }
-    fn boot_action(&self, _: MacAddr) -> BoxFuture<'_, Option<BootAction>> {
+    fn boot_action(&self, _: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
         Box::pin(async { Some(BootAction::LocalDisk(LocalBoot::Exit)) })
     }
 }

@@ -530,7 +530,7 @@ fn describe_answer(a: &Answer) -> String {
 mod tests {
     use super::*;
     use crate::dhcp::settings::{NetworkPlan, Reservation, Settings, SubnetSettings};
-    use crate::inventory::{BootAction, BoxFuture, LocalBoot};
+    use crate::inventory::{BootAction, BootRequest, BoxFuture, LocalBoot};
     use dhcproto::v4::Architecture;
 
     const NOW: UnixTime = 2_000_000;
@@ -542,7 +542,7 @@ mod tests {
         fn boots(&self, mac: MacAddr) -> bool {
             mac.octets()[0] != 2
         }
-        fn boot_action(&self, _: MacAddr) -> BoxFuture<'_, Option<BootAction>> {
+        fn boot_action(&self, _: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
             Box::pin(async { Some(BootAction::LocalDisk(LocalBoot::Exit)) })
         }
     }

@@ -20,7 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Empty, Full};
+use http_body_util::{BodyExt, Empty, Full, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -31,7 +31,7 @@ use tokio::sync::Semaphore;
 
 use crate::decision::ipxe_script;
 use crate::files::{FileError, FileRoot};
-use crate::inventory::Inventory;
+use crate::inventory::{AgentRequest, BootRequest, Inventory};
 use crate::metrics::{HttpRoute, Metrics};
 use crate::neighbors::Neighbors;
 use crate::timeline::{Stage, Timeline};
@@ -40,6 +40,9 @@ use crate::{Endpoints, MacAddr};
 pub use static_files::{RangeRequest, parse_range};
 
 pub type Body = BoxBody<Bytes, std::io::Error>;
+
+/// Largest request body the agent API accepts (inspection reports are a few KiB).
+const MAX_AGENT_BODY: usize = 1024 * 1024;
 
 /// The `http:` section of the configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -140,7 +143,11 @@ impl HttpServer {
         let (route, response) = match (&method, segments.as_slice()) {
             (&Method::GET, ["healthz"]) => (HttpRoute::Health, text(StatusCode::OK, "ok\n")),
             (&Method::GET, ["metrics"]) => (HttpRoute::Metrics, self.metrics_page()),
-            (&Method::GET, ["boot", file]) => (HttpRoute::Script, self.script(file).await),
+            (&Method::GET, ["boot", file]) => (HttpRoute::Script, self.script(file, remote).await),
+            (_, ["agent", rest]) => {
+                let rest = (*rest).to_owned();
+                (HttpRoute::Agent, self.agent(req, rest, remote).await)
+            }
             (&Method::GET | &Method::HEAD, ["files", rest]) => {
                 (HttpRoute::File, self.file(rest, &req, head, remote).await)
             }
@@ -164,11 +171,19 @@ impl HttpServer {
             .expect("valid response")
     }
 
-    async fn script(&self, file: &str) -> Response<Body> {
+    async fn script(&self, file: &str, remote: SocketAddr) -> Response<Body> {
         let Some(mac) = file.strip_suffix(".ipxe").and_then(|m| m.parse::<MacAddr>().ok()) else {
             return text(StatusCode::NOT_FOUND, "expected /boot/<mac>.ipxe\n");
         };
-        match self.inventory.boot_action(mac).await {
+        let Some(remote_ip) = ipv4(remote) else {
+            return text(StatusCode::NOT_FOUND, "boot scripts are served over IPv4\n");
+        };
+        let request = BootRequest {
+            mac,
+            remote: remote_ip,
+            remote_holds_mac: self.neighbors.mac_of(remote_ip) == Some(mac),
+        };
+        match self.inventory.boot_action(request).await {
             Some(action) => {
                 let script = ipxe_script(&action, mac, &self.endpoints);
                 self.timeline.record(mac, Stage::IpxeScript, describe_script(&script));
@@ -255,6 +270,43 @@ impl HttpServer {
         }
     }
 
+    async fn agent(
+        &self,
+        req: Request<Incoming>,
+        path: String,
+        remote: SocketAddr,
+    ) -> Response<Body> {
+        let Some(remote_ip) = ipv4(remote) else {
+            return text(StatusCode::FORBIDDEN, "the agent API is served over IPv4\n");
+        };
+        let token = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(|t| t.trim().to_owned());
+        let method = req.method().clone();
+        let body = match Limited::new(req.into_body(), MAX_AGENT_BODY).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(_) => return text(StatusCode::PAYLOAD_TOO_LARGE, "request body too large\n"),
+        };
+        let request = AgentRequest {
+            method,
+            path,
+            token,
+            remote: remote_ip,
+            remote_mac: self.neighbors.mac_of(remote_ip),
+            body,
+        };
+        let response = self.inventory.agent(request).await;
+        Response::builder()
+            .status(response.status)
+            .header(header::CONTENT_TYPE, response.content_type)
+            .header(header::CACHE_CONTROL, "no-store")
+            .body(full(response.body))
+            .expect("valid response")
+    }
+
     fn report(&self, rest: &str, remote: SocketAddr) -> Response<Body> {
         let Some((mac, stage)) = rest.split_once('/') else {
             return text(StatusCode::NOT_FOUND, "expected /report/<mac>/<stage>\n");
@@ -294,15 +346,34 @@ impl HttpServer {
     }
 }
 
-/// What the timeline says about a script: its first command after the banner.
+fn ipv4(remote: SocketAddr) -> Option<Ipv4Addr> {
+    match remote.ip() {
+        std::net::IpAddr::V4(ip) => Some(ip),
+        std::net::IpAddr::V6(ip) => ip.to_ipv4_mapped(),
+    }
+}
+
+/// A script's kernel-command-line secret: never logged.
+const TOKEN_ARG: &str = "siteboot.token=";
+
+/// What the timeline says about a script: its first command after the banner, with any token
+/// redacted (timelines and logs are not secret).
 fn describe_script(script: &str) -> String {
-    script
+    let line = script
         .lines()
         .find(|l| !l.starts_with("#!") && !l.starts_with("echo") && !l.trim().is_empty())
-        .unwrap_or("(empty)")
-        .chars()
-        .take(200)
-        .collect()
+        .unwrap_or("(empty)");
+    let redacted: Vec<String> =
+        line.split(' ')
+            .map(|w| {
+                if w.starts_with(TOKEN_ARG) {
+                    format!("{TOKEN_ARG}<redacted>")
+                } else {
+                    w.to_owned()
+                }
+            })
+            .collect();
+    redacted.join(" ").chars().take(300).collect()
 }
 
 /// Decodes `%XX` escapes; `None` for a malformed escape or a result that is not UTF-8.
@@ -349,6 +420,12 @@ fn json(value: &serde_json::Value) -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn script_descriptions_redact_tokens() {
+        let script = "#!ipxe\necho hi\nkernel http://h/k siteboot.token=s3cret quiet\nboot\n";
+        assert_eq!(describe_script(script), "kernel http://h/k siteboot.token=<redacted> quiet");
+    }
 
     #[test]
     fn percent_decoding() {
