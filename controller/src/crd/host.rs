@@ -1,0 +1,230 @@
+//! `Host`: the persistent inventory record of one physical machine. It outlives every Cluster
+//! API Machine it is allocated to: deleting a Machine deprovisions and releases its Host, never
+//! deletes it.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::common::{Conditions, Image, MachineAddress};
+
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "siteboot.dev",
+    version = "v1alpha1",
+    kind = "Host",
+    namespaced,
+    status = "HostStatus",
+    shortname = "sbhost",
+    derive = "PartialEq",
+    printcolumn = r#"{"name":"State","type":"string","jsonPath":".status.state"}"#,
+    printcolumn = r#"{"name":"Power","type":"string","jsonPath":".status.power"}"#,
+    printcolumn = r#"{"name":"Consumer","type":"string","jsonPath":".spec.consumerRef.name"}"#,
+    printcolumn = r#"{"name":"Site","type":"string","jsonPath":".metadata.labels.siteboot\\.dev/site"}"#,
+    printcolumn = r#"{"name":"Maintenance","type":"boolean","jsonPath":".spec.maintenance","priority":1}"#,
+    printcolumn = r#"{"name":"MAC","type":"string","jsonPath":".spec.bootMACAddress","priority":1}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct HostSpec {
+    /// The MAC address of the NIC the host network-boots from (lower case, colon-separated).
+    #[serde(rename = "bootMACAddress")]
+    #[schemars(regex(pattern = r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$"))]
+    pub boot_mac_address: String,
+    /// Whether the host should be powered on. Default true.
+    #[serde(default = "default_true")]
+    pub online: bool,
+    /// Cordon: a host in maintenance is never claimed for a Machine.
+    #[serde(default)]
+    pub maintenance: bool,
+    /// How siteboot controls the host's power and boot device. Absent: the host is expected to
+    /// network-boot by itself (PXE first in its boot order).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bmc: Option<Bmc>,
+    /// The object this host is allocated to (a SitebootMachine). Set by a compare-and-swap on the
+    /// Host's resourceVersion, so a host is never claimed twice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumer_ref: Option<ConsumerRef>,
+    /// What to install. Set by the consumer; removing it deprovisions the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provisioning: Option<Provisioning>,
+    /// How disks are wiped when the host is deprovisioned. Default `quick`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wipe: Option<WipePolicy>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Bmc {
+    /// `redfish+https://host[:port]/redfish/v1/Systems/<id>` and similar (the imaging milestone
+    /// brings the Redfish driver).
+    pub address: String,
+    /// A Secret in the Host's namespace with `username` and `password`.
+    pub credentials_name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumerRef {
+    pub api_version: String,
+    pub kind: String,
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Provisioning {
+    pub image: Image,
+    /// The Machine's bootstrap data Secret (key `value`, optional `format`). Only a reference:
+    /// the data itself never appears in a Host.
+    pub bootstrap_data_secret: SecretRef,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WipePolicy {
+    /// Partition tables and signatures at the start and end of every disk.
+    Quick,
+    /// Every block of every disk.
+    Full,
+    /// Nothing: for disposable test hosts only.
+    None,
+}
+
+/// Where a host is in its lifecycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum HostState {
+    /// Checking the BMC (reachable, credentials valid).
+    Registering,
+    /// Booting the ramdisk to report hardware.
+    Inspecting,
+    /// Ready to be claimed.
+    Available,
+    /// Claimed: the ramdisk writes the image and the bootstrap seed.
+    Provisioning,
+    /// Running its installed OS.
+    Provisioned,
+    /// The ramdisk wipes the disks before the host returns to the pool.
+    Deprovisioning,
+    /// Something failed; the reason is in `status.quarantineReason`. Never silently Available.
+    Quarantined,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PowerState {
+    On,
+    Off,
+    /// No BMC: siteboot cannot tell.
+    Unknown,
+}
+
+/// A ramdisk operation in progress.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Operation {
+    pub kind: OperationKind,
+    /// Unique per operation: reports naming another operation are refused.
+    pub id: String,
+    pub started: Time,
+    /// sha256 (hex) of the operation's current token. The token itself exists only on the
+    /// host's kernel command line; a new one is minted each time the host boots into it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_hash: Option<String>,
+    /// The address the token was issued to: requests from elsewhere are refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_address: Option<String>,
+    /// Bootstrap data is handed out once per operation.
+    #[serde(default)]
+    pub bootstrap_delivered: bool,
+    /// The ramdisk's last progress report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum OperationKind {
+    Inspect,
+    Provision,
+    Deprovision,
+}
+
+/// What inspection found.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Hardware {
+    #[serde(default)]
+    pub cpus: u32,
+    #[serde(default, rename = "memoryMiB")]
+    pub memory_mib: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arch: Option<String>,
+    #[serde(default)]
+    pub disks: Vec<Disk>,
+    #[serde(default)]
+    pub nics: Vec<Nic>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Disk {
+    pub name: String,
+    pub size_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub rotational: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Nic {
+    pub name: String,
+    pub mac: String,
+}
+
+/// What is installed on a provisioned host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Installed {
+    pub image: Image,
+    /// The consumer it was installed for.
+    pub consumer: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HostStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<HostState>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power: Option<PowerState>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation: Option<Operation>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<Hardware>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub installed: Option<Installed>,
+    /// The host's addresses (its DHCP lease).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<MachineAddress>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quarantine_reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Conditions,
+}

@@ -1,0 +1,139 @@
+//! `SitebootMachine` and `SitebootMachineTemplate`: the Cluster API InfraMachine contract
+//! (v1beta2). A SitebootMachine is the allocation of one Host to one CAPI Machine.
+
+use std::collections::BTreeMap;
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::common::{Conditions, Image, MachineAddress};
+
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "SitebootMachine",
+    namespaced,
+    status = "SitebootMachineStatus",
+    shortname = "sbm",
+    category = "cluster-api",
+    derive = "PartialEq",
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn = r#"{"name":"Cluster","type":"string","jsonPath":".metadata.labels.cluster\\.x-k8s\\.io/cluster-name"}"#,
+    printcolumn = r#"{"name":"Host","type":"string","jsonPath":".spec.hostRef.name"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"ProviderID","type":"string","jsonPath":".spec.providerID","priority":1}"#,
+    printcolumn = r#"{"name":"Machine","type":"string","jsonPath":".metadata.ownerReferences[?(@.kind==\"Machine\")].name"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct SitebootMachineSpec {
+    /// `siteboot://<namespace>/<host>`, set once the host is provisioned; the Node of this
+    /// Machine must carry the same providerID.
+    #[serde(rename = "providerID", default, skip_serializing_if = "Option::is_none")]
+    pub provider_id: Option<String>,
+    /// Which hosts may be chosen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_selector: Option<HostSelector>,
+    /// The OS image written to the host's disk.
+    pub image: Image,
+    /// The host allocated to this machine. Kept in spec (not status) so `clusterctl move`, which
+    /// does not restore status, keeps the binding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_ref: Option<HostRef>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HostSelector {
+    /// Labels the Host must have.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub match_labels: BTreeMap<String, String>,
+    /// Hardware the Host must have (from inspection).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<HardwareSelector>,
+    /// Where Hosts are looked for. Default: the SitebootMachine's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HardwareSelector {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_cpus: Option<u32>,
+    #[serde(default, rename = "minMemoryMiB", skip_serializing_if = "Option::is_none")]
+    pub min_memory_mib: Option<u64>,
+    /// The largest disk must be at least this big.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_disk_bytes: Option<u64>,
+    /// `x86_64`, `aarch64`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arch: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HostRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Initialization {
+    /// True once the host runs its OS with this machine's bootstrap data (contract v1beta2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provisioned: Option<bool>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SitebootMachineStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initialization: Option<Initialization>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<MachineAddress>,
+    /// The site of the host: the Machine's failure domain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_domain: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Conditions,
+}
+
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "SitebootMachineTemplate",
+    namespaced,
+    shortname = "sbmt",
+    category = "cluster-api",
+    derive = "PartialEq",
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct SitebootMachineTemplateSpec {
+    /// Immutable: a change is a new template (and a rollout).
+    pub template: SitebootMachineTemplateResource,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SitebootMachineTemplateResource {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<TemplateMetadata>,
+    pub spec: SitebootMachineSpec,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateMetadata {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
