@@ -480,9 +480,10 @@ fn add_boot_options(reply: &mut Message, offer: &BootOffer, client: &BootClient,
         reply.set_fname_str(file);
     }
     reply.opts_mut().insert(DhcpOption::BootfileName(file.as_bytes().to_vec()));
+    // next-server: iPXE accepts a proxyDHCP answer only with both siaddr and a file name.
+    reply.set_siaddr(server);
     match offer {
         BootOffer::Tftp { .. } => {
-            reply.set_siaddr(server);
             reply.opts_mut().insert(DhcpOption::TFTPServerName(server.to_string().into_bytes()));
         }
         BootOffer::HttpBoot { .. } => {
@@ -906,6 +907,15 @@ mod tests {
         );
         assert_eq!(file(&ack), "snponly.efi");
         assert_eq!(h.server.ctx.neighbors.mac_of(ip("10.0.0.150")), Some(mac(1)));
+
+        // iPXE through the proxy: the script URL, with next-server set (iPXE ignores a proxy
+        // answer without siaddr).
+        let mut ipxe = pxe_opts(0);
+        ipxe.push(DhcpOption::UserClass(b"iPXE".to_vec()));
+        let (r, _) = h.send(&request(mac(1), MessageType::Request, ipxe), Port::Pxe, from);
+        let (ack, _) = r.unwrap();
+        assert_eq!(file(&ack), "http://10.0.0.1:8080/boot/52-54-00-00-00-01.ipxe");
+        assert_eq!(ack.siaddr(), SERVER);
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::UdpSocket;
+use tokio::sync::watch;
 
 use super::journal::Journal;
 use super::leases::UnixTime;
@@ -40,11 +41,24 @@ pub struct DhcpService {
     server: DhcpServer,
     /// `None` in proxy mode: nothing to persist.
     journal: Option<Journal>,
+    /// When set, datagrams are answered only while it reads true (the site's leader).
+    active: Option<watch::Receiver<bool>>,
 }
 
 impl DhcpService {
     pub fn new(server: DhcpServer, journal: Option<Journal>) -> Self {
-        Self { server, journal }
+        Self { server, journal, active: None }
+    }
+
+    /// Answers only while `active` is true: with several appliances at a site, only the
+    /// leader hands out addresses.
+    pub fn gated_by(mut self, active: watch::Receiver<bool>) -> Self {
+        self.active = Some(active);
+        self
+    }
+
+    fn is_active(&self) -> bool {
+        self.active.as_ref().is_none_or(|a| *a.borrow())
     }
 
     /// Serves `dhcp` (port 67) and `pxe` (port 4011) until an I/O error.
@@ -98,6 +112,9 @@ impl DhcpService {
         out: &mut Vec<(Port, Outcome)>,
     ) {
         let SocketAddr::V4(from) = from else { return };
+        if !self.is_active() {
+            return; // not the leader: another appliance answers
+        }
         out.push((port, self.server.handle(bytes, from, port, unix_now())));
     }
 
