@@ -1,0 +1,424 @@
+//! Real DHCP peers in network namespaces: the clients busybox `udhcpc`, ISC `dhclient` and Kea's
+//! `perfdhcp`, and `dnsmasq` as a site's existing DHCP server (or as a reference server for
+//! checking the harness itself). Each client runs in its own namespace ([`ClientHost`]) on a veth
+//! joined to the server's bridge, so its unicast renewals and releases leave by its own interface.
+
+use std::net::Ipv4Addr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+
+use crate::netns::Netns;
+use crate::process::Supervised;
+
+const UDHCPC_SCRIPT: &str = include_str!("../fixtures/dhcp/udhcpc.script");
+const DHCLIENT_SCRIPT: &str = include_str!("../fixtures/dhcp/dhclient.script");
+const DHCLIENT_CONF: &str = include_str!("../fixtures/dhcp/dhclient.conf");
+
+/// A lease event as a client's script saw it (`bound`, `renew`, `deconfig` for udhcpc; `BOUND`,
+/// `REBOOT`, `RENEW`, `RELEASE`, ... for dhclient).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Lease {
+    pub event: String,
+    pub address: Option<Ipv4Addr>,
+    pub prefix_len: Option<u8>,
+    pub routers: Vec<Ipv4Addr>,
+    pub dns: Vec<Ipv4Addr>,
+    pub lease_secs: Option<u64>,
+    pub server: Option<Ipv4Addr>,
+    pub domain: Option<String>,
+}
+
+impl Lease {
+    /// Parses one line written by the fixture scripts: tab-separated `key=value` fields.
+    fn parse(line: &str) -> Self {
+        let mut lease = Lease::default();
+        for (key, value) in line.split('\t').filter_map(|field| field.split_once('=')) {
+            let value = value.trim();
+            let addrs = || value.split_whitespace().filter_map(|a| a.parse().ok()).collect();
+            match key {
+                "event" => lease.event = value.to_owned(),
+                "ip" => lease.address = value.parse().ok(),
+                "mask" => lease.prefix_len = prefix_len(value),
+                "router" => lease.routers = addrs(),
+                "dns" => lease.dns = addrs(),
+                "lease" => lease.lease_secs = value.parse().ok(),
+                "server" => lease.server = value.parse().ok(),
+                "domain" if !value.is_empty() => lease.domain = Some(value.to_owned()),
+                _ => {}
+            }
+        }
+        lease
+    }
+}
+
+/// `24` (udhcpc) or `255.255.255.0` (dhclient) -> 24.
+fn prefix_len(mask: &str) -> Option<u8> {
+    match mask.parse::<Ipv4Addr>() {
+        Ok(mask) => Some(u32::from(mask).count_ones() as u8),
+        Err(_) => mask.parse().ok(),
+    }
+}
+
+/// A namespace with one interface `eth0` (with a chosen MAC) on the server's bridge: one DHCP
+/// client machine.
+pub struct ClientHost {
+    pub mac: String,
+    dir: tempfile::TempDir,
+    // Last: processes started in it are dropped (killed) by their owners first.
+    pub ns: Netns,
+}
+
+impl ClientHost {
+    pub const IFACE: &str = "eth0";
+
+    /// Creates the namespace and joins its `eth0` to `bridge` in `server`.
+    pub fn attach(server: &Netns, bridge: &str, mac: &str) -> Result<Self> {
+        let ns = Netns::new("cli")?;
+        server.connect(bridge, &ns, Self::IFACE, Some(mac))?;
+        let dir = tempfile::Builder::new().prefix("siteboot-client-").tempdir()?;
+        Ok(Self { mac: mac.to_owned(), dir, ns })
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+/// Writes a fixture script into `dir` with its events file filled in; returns both paths.
+fn write_script(dir: &Path, name: &str, template: &str) -> Result<(PathBuf, PathBuf)> {
+    let events = dir.join(format!("{name}.events"));
+    let script = dir.join(format!("{name}.script"));
+    std::fs::write(&script, template.replace("@EVENTS@", &events.to_string_lossy()))?;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
+    Ok((script, events))
+}
+
+fn read_events(path: &Path) -> Vec<Lease> {
+    std::fs::read_to_string(path).unwrap_or_default().lines().map(Lease::parse).collect()
+}
+
+/// Waits for an event after the first `skip` that satisfies `want`.
+fn wait_event(
+    what: &str,
+    events: &Path,
+    skip: usize,
+    timeout: Duration,
+    want: impl Fn(&Lease) -> bool,
+) -> Result<Lease> {
+    crate::wait::until(what, timeout, Duration::from_millis(50), || {
+        read_events(events).into_iter().skip(skip).find(&want)
+    })
+}
+
+/// busybox `udhcpc` running in the foreground: it keeps its lease, renews on SIGUSR1 and
+/// releases on SIGUSR2.
+pub struct Udhcpc {
+    events: PathBuf,
+    process: Supervised,
+    // Its own directory, so it may outlive the ClientHost value it was started from.
+    _dir: tempfile::TempDir,
+}
+
+impl Udhcpc {
+    /// Starts udhcpc on the host's `eth0`; `extra` are more udhcpc arguments (e.g. `-r ADDR`
+    /// to ask for an address). It retries until it gets a lease.
+    pub fn start(host: &ClientHost, extra: &[&str]) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("siteboot-udhcpc-").tempdir()?;
+        let (script, events) = write_script(dir.path(), "udhcpc", UDHCPC_SCRIPT)?;
+        let mut command = host.ns.command("udhcpc");
+        command
+            .args(["-f", "-i", ClientHost::IFACE, "-t", "4", "-T", "1", "-A", "1", "-s"])
+            .arg(&script)
+            .args(extra);
+        let name = format!("udhcpc-{}", host.mac);
+        let process = Supervised::spawn(&name, &mut command, dir.path())?;
+        Ok(Self { events, process, _dir: dir })
+    }
+
+    /// Every event so far.
+    pub fn events(&self) -> Vec<Lease> {
+        read_events(&self.events)
+    }
+
+    /// Waits for the first lease (`bound`).
+    pub fn wait_bound(&mut self, timeout: Duration) -> Result<Lease> {
+        self.check_running()?;
+        wait_event("udhcpc to get a lease", &self.events, 0, timeout, |l| l.event == "bound")
+    }
+
+    /// Renews now (SIGUSR1: a unicast REQUEST to the server) and waits for the `renew` event.
+    pub fn renew(&mut self, timeout: Duration) -> Result<Lease> {
+        self.check_running()?;
+        let seen = self.events().len();
+        self.process.signal(libc::SIGUSR1);
+        wait_event("udhcpc to renew", &self.events, seen, timeout, |l| {
+            l.event == "renew" || l.event == "bound"
+        })
+    }
+
+    /// Releases now (SIGUSR2: a RELEASE to the server) and waits for the `deconfig` event.
+    pub fn release(&mut self, timeout: Duration) -> Result<()> {
+        self.check_running()?;
+        let seen = self.events().len();
+        self.process.signal(libc::SIGUSR2);
+        wait_event("udhcpc to release", &self.events, seen, timeout, |l| l.event == "deconfig")
+            .map(drop)
+    }
+
+    /// Stops udhcpc without releasing (as if the machine lost power).
+    pub fn kill(&mut self) {
+        self.process.kill9();
+    }
+
+    fn check_running(&mut self) -> Result<()> {
+        match self.process.try_wait() {
+            None => Ok(()),
+            Some(status) => bail!("udhcpc exited ({status}):\n{}", self.process.log_tail()),
+        }
+    }
+}
+
+/// ISC `dhclient` with its own lease file, pid file, config and script. `obtain` runs
+/// `dhclient -1`, which returns once bound and leaves a daemon holding the lease; `obtain` again
+/// after [`Dhclient::stop`] does an INIT-REBOOT (REQUEST for the address in the lease file).
+pub struct Dhclient<'h> {
+    host: &'h ClientHost,
+    script: PathBuf,
+    events: PathBuf,
+    conf: PathBuf,
+    lease_file: PathBuf,
+    pid_file: PathBuf,
+    runs: u32,
+}
+
+impl<'h> Dhclient<'h> {
+    pub fn new(host: &'h ClientHost) -> Result<Self> {
+        let (script, events) = write_script(host.dir(), "dhclient", DHCLIENT_SCRIPT)?;
+        let conf = host.dir().join("dhclient.conf");
+        std::fs::write(&conf, DHCLIENT_CONF)?;
+        Ok(Self {
+            host,
+            script,
+            events,
+            conf,
+            lease_file: host.dir().join("dhclient.leases"),
+            pid_file: host.dir().join("dhclient.pid"),
+            runs: 0,
+        })
+    }
+
+    pub fn events(&self) -> Vec<Lease> {
+        read_events(&self.events)
+    }
+
+    /// The client's own lease file (ISC format).
+    pub fn lease_file(&self) -> String {
+        std::fs::read_to_string(&self.lease_file).unwrap_or_default()
+    }
+
+    /// Gets (or re-confirms) a lease and returns the event that bound it.
+    pub fn obtain(&mut self, timeout: Duration) -> Result<Lease> {
+        let seen = self.events().len();
+        self.run(&["-1"], timeout)?;
+        wait_event("dhclient to bind", &self.events, seen, Duration::from_secs(5), |l| {
+            matches!(l.event.as_str(), "BOUND" | "REBOOT" | "RENEW" | "REBIND")
+        })
+    }
+
+    /// Sends a RELEASE for the current lease and stops the daemon (`dhclient -r`).
+    pub fn release(&mut self, timeout: Duration) -> Result<()> {
+        self.run(&["-r"], timeout)
+    }
+
+    /// Stops the daemon without releasing (`dhclient -x`).
+    pub fn stop(&mut self, timeout: Duration) -> Result<()> {
+        self.run(&["-x"], timeout)
+    }
+
+    fn run(&mut self, mode: &[&str], timeout: Duration) -> Result<()> {
+        self.runs += 1;
+        let mut command = self.host.ns.command("dhclient");
+        command
+            .arg("-4")
+            .args(mode)
+            .arg("-v")
+            .arg("-cf")
+            .arg(&self.conf)
+            .arg("-lf")
+            .arg(&self.lease_file)
+            .arg("-pf")
+            .arg(&self.pid_file)
+            .arg("-sf")
+            .arg(&self.script)
+            .arg(ClientHost::IFACE);
+        let name = format!("dhclient-{}", self.runs);
+        let mut process = Supervised::spawn(&name, &mut command, self.host.dir())?;
+        let status = process.wait_timeout(timeout)?;
+        if !status.success() {
+            bail!("dhclient {} failed ({status}):\n{}", mode.join(" "), process.log_tail());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Dhclient<'_> {
+    fn drop(&mut self) {
+        // The daemon outlives `dhclient -1`; end it (no release: the namespace goes away). The
+        // name check keeps a stale pid file from killing an unrelated process.
+        let pid = std::fs::read_to_string(&self.pid_file).ok().and_then(|p| p.trim().parse().ok());
+        let comm =
+            |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if let Some(pid) = pid
+            && comm(pid).trim() == "dhclient"
+        {
+            // SAFETY: kill(2) on the pid the daemon wrote for itself.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// One exchange's counters from perfdhcp's summary (`DISCOVER-OFFER`, `REQUEST-ACK`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Exchange {
+    pub name: String,
+    pub sent: u64,
+    pub received: u64,
+    pub drops: u64,
+    pub orphans: u64,
+    pub rejected_leases: u64,
+    pub non_unique_addresses: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct PerfdhcpReport {
+    pub exchanges: Vec<Exchange>,
+    pub output: String,
+}
+
+impl PerfdhcpReport {
+    pub fn exchange(&self, name: &str) -> Option<&Exchange> {
+        self.exchanges.iter().find(|e| e.name == name)
+    }
+
+    fn parse(output: &str) -> Self {
+        let mut exchanges: Vec<Exchange> = Vec::new();
+        for line in output.lines().map(str::trim) {
+            if let Some(name) =
+                line.strip_prefix("***Statistics for: ").and_then(|rest| rest.strip_suffix("***"))
+            {
+                exchanges.push(Exchange { name: name.to_owned(), ..Exchange::default() });
+                continue;
+            }
+            let (Some(exchange), Some((key, value))) = (exchanges.last_mut(), line.split_once(':'))
+            else {
+                continue;
+            };
+            let Ok(value) = value.trim().parse::<u64>() else {
+                continue;
+            };
+            match key {
+                "sent packets" => exchange.sent = value,
+                "received packets" => exchange.received = value,
+                "drops" => exchange.drops = value,
+                "orphans" => exchange.orphans = value,
+                "rejected leases" => exchange.rejected_leases = value,
+                "non unique addresses" => exchange.non_unique_addresses = value,
+                _ => {}
+            }
+        }
+        Self { exchanges, output: output.to_owned() }
+    }
+}
+
+/// Runs `perfdhcp -4` from the host's `eth0` for `seconds` at `rate` exchanges/s with `clients`
+/// simulated clients. perfdhcp needs an address on its interface: `address` (CIDR) is added.
+pub fn perfdhcp(
+    host: &ClientHost,
+    address: &str,
+    rate: u32,
+    clients: u32,
+    seconds: u32,
+) -> Result<PerfdhcpReport> {
+    host.ns.ip(&["addr", "add", address, "dev", ClientHost::IFACE])?;
+    let mut command = host.ns.command("perfdhcp");
+    command.args(["-4", "-l", ClientHost::IFACE]).args([
+        "-r",
+        &rate.to_string(),
+        "-R",
+        &clients.to_string(),
+        "-p",
+        &seconds.to_string(),
+    ]);
+    let mut process = Supervised::spawn("perfdhcp", &mut command, host.dir())?;
+    let status = process.wait_timeout(Duration::from_secs(u64::from(seconds) + 30))?;
+    let report = PerfdhcpReport::parse(&process.log());
+    // perfdhcp exits 3 when packets were dropped; the caller judges the counters.
+    if report.exchanges.is_empty() {
+        bail!("perfdhcp ({status}) printed no statistics:\n{}", process.log_tail());
+    }
+    Ok(report)
+}
+
+/// dnsmasq as a DHCP (and optionally TFTP) server on `iface`; DNS off. Logs every DHCP packet.
+pub struct Dnsmasq {
+    leases: PathBuf,
+    process: Supervised,
+    _dir: tempfile::TempDir,
+}
+
+impl Dnsmasq {
+    /// Starts dnsmasq in `ns` with the base options plus `options` (e.g.
+    /// `--dhcp-range=10.99.0.100,10.99.0.199,255.255.255.0,1h`).
+    pub fn start(ns: &Netns, iface: &str, options: &[String]) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("siteboot-dnsmasq-").tempdir()?;
+        let leases = dir.path().join("leases");
+        let mut command = ns.command("dnsmasq");
+        command
+            .args(["--keep-in-foreground", "--conf-file=/dev/null", "--port=0", "--user=root"])
+            .args(["--bind-interfaces", "--log-facility=-", "--log-dhcp", "--no-ping"])
+            .arg(format!("--interface={iface}"))
+            .arg(format!("--dhcp-leasefile={}", leases.display()))
+            .arg(format!("--pid-file={}", dir.path().join("pid").display()))
+            .args(options);
+        let mut process = Supervised::spawn("dnsmasq", &mut command, dir.path())?;
+        crate::wait::for_("dnsmasq to start", Duration::from_secs(10), || {
+            process.log().contains("started, version").then_some(())
+        })
+        .with_context(|| process.log_tail())?;
+        if let Some(status) = process.try_wait() {
+            bail!("dnsmasq exited ({status}):\n{}", process.log_tail());
+        }
+        Ok(Self { leases, process, _dir: dir })
+    }
+
+    pub fn log(&self) -> String {
+        self.process.log()
+    }
+
+    /// The lease file: `expiry mac address hostname client-id` per line.
+    pub fn leases(&self) -> String {
+        std::fs::read_to_string(&self.leases).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_script_lines() {
+        let lease = Lease::parse(
+            "event=bound\tip=10.99.0.100\tmask=24\trouter=10.99.0.1\tdns=10.99.0.1 10.99.0.2\tlease=3600\tserver=10.99.0.1\tdomain=lab.internal",
+        );
+        assert_eq!(lease.event, "bound");
+        assert_eq!(lease.address, Some(Ipv4Addr::new(10, 99, 0, 100)));
+        assert_eq!(lease.prefix_len, Some(24));
+        assert_eq!(lease.dns.len(), 2);
+        assert_eq!(lease.lease_secs, Some(3600));
+        assert_eq!(lease.domain.as_deref(), Some("lab.internal"));
+        assert_eq!(Lease::parse("event=BOUND\tmask=255.255.255.0").prefix_len, Some(24));
+    }
+}

@@ -1,0 +1,15 @@
+//! Test harness for siteboot.
+//!
+//! Everything here drives real programs: the `siteboot` binary, QEMU with real firmware, real DHCP
+//! clients, and (in [`kube`]) a real kube-apiserver, etcd and the upstream Cluster API controllers.
+//! Every wait has a deadline, every process and namespace is cleaned up on drop (also when a test
+//! panics), and the logs of every process are printed when a test fails.
+
+pub mod appliance;
+pub mod clients;
+pub mod initramfs;
+pub mod kube;
+pub mod netns;
+pub mod process;
+pub mod vm;
+pub mod wait;

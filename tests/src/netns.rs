@@ -1,0 +1,149 @@
+//! Network namespaces for the boot-plane lab: every test builds its own little network (a bridge,
+//! taps for VMs, veth pairs into other namespaces) so tests can run in parallel and never touch
+//! the host's network. A namespace is deleted when its [`Netns`] is dropped, also on panic.
+
+use std::ffi::OsStr;
+use std::process::Command;
+use std::sync::Once;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use anyhow::{Context, Result, bail};
+
+/// Prefix of every namespace the harness creates: `sbt-<tag>-<pid>-<n>`.
+const PREFIX: &str = "sbt-";
+
+static NEXT_NS: AtomicU32 = AtomicU32::new(0);
+
+/// A network namespace owned by this test process.
+pub struct Netns {
+    name: String,
+    next_link: AtomicU32,
+}
+
+impl Netns {
+    /// Creates a fresh namespace with `lo` up. `tag` only makes the name readable.
+    pub fn new(tag: &str) -> Result<Self> {
+        static CLEANUP: Once = Once::new();
+        CLEANUP.call_once(remove_stale);
+
+        let n = NEXT_NS.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{PREFIX}{tag}-{}-{n}", std::process::id());
+        run(Command::new("ip").args(["netns", "add", &name]))?;
+        let ns = Self { name, next_link: AtomicU32::new(0) };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A command that runs `program` inside this namespace.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        exec(&self.name, program)
+    }
+
+    /// Runs `ip -n <ns> <args>` and fails with its stderr if it fails.
+    pub fn ip(&self, args: &[&str]) -> Result<()> {
+        run(Command::new("ip").arg("-n").arg(&self.name).args(args))
+    }
+
+    /// Adds a bridge with address `cidr` (e.g. `10.99.0.1/24`) and brings it up.
+    pub fn add_bridge(&self, bridge: &str, cidr: &str) -> Result<()> {
+        // No STP and no forwarding delay: a port must pass DHCP the moment firmware sends it.
+        self.ip(&[
+            "link",
+            "add",
+            bridge,
+            "type",
+            "bridge",
+            "stp_state",
+            "0",
+            "forward_delay",
+            "0",
+        ])?;
+        self.ip(&["addr", "add", cidr, "dev", bridge])?;
+        self.ip(&["link", "set", bridge, "up"])
+    }
+
+    /// Adds a tap on `bridge` for a VM and returns its name.
+    pub fn add_tap(&self, bridge: &str) -> Result<String> {
+        let tap = format!("tap{}", self.next_link.fetch_add(1, Ordering::Relaxed));
+        self.ip(&["tuntap", "add", &tap, "mode", "tap"])?;
+        self.ip(&["link", "set", &tap, "master", bridge, "up"])?;
+        Ok(tap)
+    }
+
+    /// Joins `peer` to `bridge` with a veth pair: the peer's end is `peer_if` (with `mac` if
+    /// given), both ends up. Returns the name of this namespace's end.
+    pub fn connect(
+        &self,
+        bridge: &str,
+        peer: &Netns,
+        peer_if: &str,
+        mac: Option<&str>,
+    ) -> Result<String> {
+        let local = format!("veth{}", self.next_link.fetch_add(1, Ordering::Relaxed));
+        let mut args = vec!["link", "add", &local, "type", "veth", "peer", "name", peer_if];
+        if let Some(mac) = mac {
+            args.extend(["address", mac]);
+        }
+        args.extend(["netns", &peer.name]);
+        self.ip(&args)?;
+        self.ip(&["link", "set", &local, "master", bridge, "up"])?;
+        peer.ip(&["link", "set", peer_if, "up"])?;
+        Ok(local)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Processes still inside keep the namespace alive until they exit; the name goes now.
+        if let Err(err) = run(Command::new("ip").args(["netns", "del", &self.name])) {
+            eprintln!("netns: {err:#}");
+        }
+    }
+}
+
+/// A command that runs `program` inside the namespace called `ns`.
+pub fn exec(ns: &str, program: impl AsRef<OsStr>) -> Command {
+    let mut command = Command::new("ip");
+    command.args(["netns", "exec", ns]).arg(program);
+    command
+}
+
+/// Runs a command to completion; an error carries its stderr.
+pub fn run(command: &mut Command) -> Result<()> {
+    output(command).map(drop)
+}
+
+/// Runs a command to completion and returns its stdout; an error carries its stderr.
+pub fn output(command: &mut Command) -> Result<String> {
+    let out = command.output().with_context(|| format!("running {command:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{command:?} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Deletes namespaces left behind by test processes that were killed (their pid is gone).
+fn remove_stale() {
+    let Ok(list) = output(Command::new("ip").args(["netns", "list"])) else {
+        return;
+    };
+    for name in list.lines().filter_map(|line| line.split_whitespace().next()) {
+        let Some(rest) = name.strip_prefix(PREFIX) else {
+            continue;
+        };
+        let pid = rest.rsplit('-').nth(1).and_then(|pid| pid.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = run(Command::new("ip").args(["netns", "del", name]));
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! Real DHCP clients against siteboot's full DHCP server: busybox udhcpc and ISC dhclient get,
+//! renew and release leases; a reservation gives its address; perfdhcp runs a short burst.
+//! Each client is its own namespace on a veth into the server's bridge.
+//!
+//! Failures panic (`unwrap`) while the processes are alive, so their logs get printed.
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use serde_json::json;
+use siteboot_tests::appliance::{self, Appliance};
+use siteboot_tests::clients::{self, ClientHost, Dhclient, Dnsmasq, Lease, Udhcpc};
+use siteboot_tests::netns::Netns;
+
+const LEASE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Distinct from siteboot's default, so the test sees the configured value arrive.
+const LEASE_SECS: u64 = 600;
+const RESERVED_MAC: &str = "52:54:00:00:02:10";
+const RESERVED: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 10);
+const RELEASES: &str = r#"siteboot_dhcp_messages_total{direction="received",type="release"}"#;
+
+/// siteboot in full mode on a fresh lab network, with a 10 minute lease and one reservation.
+fn siteboot(tag: &str) -> (Netns, Appliance) {
+    let ns = appliance::lab_network(tag).unwrap();
+    let mut config = appliance::lab_config("full");
+    config["dhcp"]["lease_time"] = json!("10m");
+    config["dhcp"]["reservations"] =
+        json!([{ "mac": RESERVED_MAC, "address": RESERVED.to_string() }]);
+    let siteboot = Appliance::start(&ns, config).unwrap();
+    (ns, siteboot)
+}
+
+fn in_pool(address: Ipv4Addr) -> bool {
+    (Ipv4Addr::new(10, 99, 0, 100)..=Ipv4Addr::new(10, 99, 0, 199)).contains(&address)
+}
+
+/// The lease carries what `lab_config` configures.
+fn assert_configured(lease: &Lease) {
+    let gateway = appliance::ADDRESS.parse::<Ipv4Addr>().unwrap();
+    assert_eq!(lease.prefix_len, Some(24), "{lease:?}");
+    assert_eq!(lease.routers, [gateway], "{lease:?}");
+    assert_eq!(lease.dns, [gateway], "{lease:?}");
+    assert_eq!(lease.server, Some(gateway), "{lease:?}");
+    assert_eq!(lease.domain.as_deref(), Some("lab.internal"), "{lease:?}");
+    assert_eq!(lease.lease_secs, Some(LEASE_SECS), "{lease:?}");
+}
+
+/// A new client (udhcpc `-r`) asks for `address`; returns what it got.
+fn ask_for(server: &Netns, mac: &str, address: Ipv4Addr) -> Ipv4Addr {
+    let host = ClientHost::attach(server, appliance::BRIDGE, mac).unwrap();
+    let mut client = Udhcpc::start(&host, &["-r", &address.to_string()]).unwrap();
+    client.wait_bound(LEASE_TIMEOUT).unwrap().address.expect("lease without address")
+}
+
+#[test]
+fn udhcpc_gets_renews_and_releases_a_lease() {
+    let (ns, siteboot) = siteboot("udhcpc");
+    let before = siteboot.metrics().unwrap();
+
+    let host = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:01").unwrap();
+    let mut client = Udhcpc::start(&host, &[]).unwrap();
+    let lease = client.wait_bound(LEASE_TIMEOUT).unwrap();
+    let address = lease.address.expect("lease without address");
+    assert!(in_pool(address), "{address} is outside the pool");
+    assert_configured(&lease);
+
+    let renewed = client.renew(LEASE_TIMEOUT).unwrap();
+    assert_eq!(renewed.address, Some(address), "renewal changed the address: {renewed:?}");
+    assert_eq!(renewed.lease_secs, Some(LEASE_SECS), "{renewed:?}");
+
+    // While the lease is held, another client asking for its address gets a different one.
+    let other = ask_for(&ns, "52:54:00:00:02:02", address);
+    assert_ne!(other, address, "one address leased to two clients");
+    assert!(in_pool(other), "{other} is outside the pool");
+
+    // After the release, the address is free again.
+    client.release(LEASE_TIMEOUT).unwrap();
+    let reused = ask_for(&ns, "52:54:00:00:02:03", address);
+    assert_eq!(reused, address, "the released address was not given out again");
+
+    let after = siteboot.metrics().unwrap();
+    assert!(after.counters("dhcp") > before.counters("dhcp"), "DHCP counters did not move");
+    assert!(after.get(RELEASES) > before.get(RELEASES), "the RELEASE was not counted");
+}
+
+#[test]
+fn dhclient_gets_renews_and_releases_a_lease() {
+    let (ns, siteboot) = siteboot("dhclient");
+    let before = siteboot.metrics().unwrap();
+
+    let host = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:04").unwrap();
+    let mut client = Dhclient::new(&host).unwrap();
+    let lease = client.obtain(LEASE_TIMEOUT).unwrap();
+    assert_eq!(lease.event, "BOUND", "{lease:?}");
+    let address = lease.address.expect("lease without address");
+    assert!(in_pool(address), "{address} is outside the pool");
+    assert_configured(&lease);
+
+    // A second run of dhclient (INIT-REBOOT from its lease file) keeps the address.
+    client.stop(LEASE_TIMEOUT).unwrap();
+    let renewed = client.obtain(LEASE_TIMEOUT).unwrap();
+    assert_eq!(renewed.event, "REBOOT", "{renewed:?}");
+    assert_eq!(renewed.address, Some(address), "renewal changed the address: {renewed:?}");
+    assert_eq!(renewed.lease_secs, Some(LEASE_SECS), "{renewed:?}");
+
+    let other = ask_for(&ns, "52:54:00:00:02:05", address);
+    assert_ne!(other, address, "one address leased to two clients");
+
+    client.release(LEASE_TIMEOUT).unwrap();
+    let events = client.events();
+    assert!(events.iter().any(|e| e.event == "RELEASE"), "no RELEASE event: {events:?}");
+    let reused = ask_for(&ns, "52:54:00:00:02:06", address);
+    assert_eq!(reused, address, "the released address was not given out again");
+    let after = siteboot.metrics().unwrap();
+    assert!(after.get(RELEASES) > before.get(RELEASES), "the RELEASE was not counted");
+}
+
+#[test]
+fn reservation_gives_the_reserved_address() {
+    let (ns, _siteboot) = siteboot("reserve");
+    // Even when the client asks for a pool address, the reservation wins.
+    let got = ask_for(&ns, RESERVED_MAC, Ipv4Addr::new(10, 99, 0, 150));
+    assert_eq!(got, RESERVED);
+
+    let host = ClientHost::attach(&ns, appliance::BRIDGE, RESERVED_MAC).unwrap();
+    let lease = Dhclient::new(&host).unwrap().obtain(LEASE_TIMEOUT).unwrap();
+    assert_eq!(lease.address, Some(RESERVED), "{lease:?}");
+    assert_configured(&lease);
+
+    // Nobody else gets the reserved address, even when asking for it.
+    assert_ne!(ask_for(&ns, "52:54:00:00:02:11", RESERVED), RESERVED);
+}
+
+#[test]
+fn perfdhcp_burst_is_answered() {
+    let (ns, mut siteboot) = siteboot("perf");
+    let host = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:20").unwrap();
+    // 50 exchanges/s for 5 s over 50 simulated clients (perfdhcp acts as a relay from .250).
+    let report = clients::perfdhcp(&host, "10.99.0.250/24", 50, 50, 5).unwrap();
+    for name in ["DISCOVER-OFFER", "REQUEST-ACK"] {
+        let exchange = report.exchange(name).unwrap_or_else(|| panic!("{}", report.output));
+        let context = format!("{name}: {exchange:?}\n{}", report.output);
+        assert!(exchange.sent >= 100, "{context}");
+        // A few drops at the very end of the run are perfdhcp timing, not the server.
+        assert!(exchange.drops <= 2 + exchange.sent / 100, "{context}");
+        assert_eq!(exchange.rejected_leases, 0, "{context}");
+    }
+    assert!(siteboot.exited().is_none(), "siteboot exited during the burst");
+}
+
+/// Checks the client helpers themselves against dnsmasq (no siteboot): if this fails, the
+/// harness is broken, not siteboot.
+#[test]
+fn lab_reference_clients_against_dnsmasq() {
+    let ns = appliance::lab_network("refcli").unwrap();
+    let dnsmasq = Dnsmasq::start(
+        &ns,
+        appliance::BRIDGE,
+        &[
+            "--dhcp-range=10.99.0.100,10.99.0.199,255.255.255.0,10m".into(),
+            "--dhcp-option=option:router,10.99.0.1".into(),
+            "--dhcp-option=option:dns-server,10.99.0.1".into(),
+            "--domain=lab.internal".into(),
+            "--dhcp-authoritative".into(),
+        ],
+    )
+    .unwrap();
+
+    let host = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:31").unwrap();
+    let mut udhcpc = Udhcpc::start(&host, &[]).unwrap();
+    let lease = udhcpc.wait_bound(LEASE_TIMEOUT).unwrap();
+    assert_configured(&lease);
+    let address = lease.address.unwrap();
+    assert_eq!(udhcpc.renew(LEASE_TIMEOUT).unwrap().address, Some(address));
+    assert_ne!(ask_for(&ns, "52:54:00:00:02:32", address), address);
+    udhcpc.release(LEASE_TIMEOUT).unwrap();
+    assert_eq!(ask_for(&ns, "52:54:00:00:02:33", address), address);
+
+    let mac = "52:54:00:00:02:34";
+    let host = ClientHost::attach(&ns, appliance::BRIDGE, mac).unwrap();
+    let mut dhclient = Dhclient::new(&host).unwrap();
+    let lease = dhclient.obtain(LEASE_TIMEOUT).unwrap();
+    assert_eq!(lease.event, "BOUND");
+    assert_configured(&lease);
+    dhclient.stop(LEASE_TIMEOUT).unwrap();
+    let renewed = dhclient.obtain(LEASE_TIMEOUT).unwrap();
+    assert_eq!((renewed.event.as_str(), renewed.address), ("REBOOT", lease.address));
+    dhclient.release(LEASE_TIMEOUT).unwrap();
+    // dnsmasq drops a released lease from its lease file.
+    siteboot_tests::wait::for_("dnsmasq to drop the released lease", LEASE_TIMEOUT, || {
+        (!dnsmasq.leases().contains(mac)).then_some(())
+    })
+    .unwrap();
+
+    let host = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:35").unwrap();
+    let report = clients::perfdhcp(&host, "10.99.0.250/24", 20, 20, 3).unwrap();
+    let exchange = report.exchange("REQUEST-ACK").unwrap_or_else(|| panic!("{}", report.output));
+    assert!(exchange.sent >= 40 && exchange.received > 0, "{}", report.output);
+}
