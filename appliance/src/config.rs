@@ -40,6 +40,43 @@ pub struct ConfigFile {
     #[serde(default)]
     pub hosts: Vec<HostFile>,
     pub unknown_hosts: Option<UnknownHostsFile>,
+    /// Kubernetes mode: Hosts come from the management cluster instead of `hosts`.
+    pub kubernetes: Option<KubernetesFile>,
+}
+
+/// The `kubernetes:` section: this appliance's site and how its hosts' ramdisk boots.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesFile {
+    /// The site this appliance serves (Hosts labelled `siteboot.dev/site=<site>`); `--site`
+    /// overrides it.
+    pub site: Option<String>,
+    /// The profile (kernel + initrds) of the deploy ramdisk that inspects, images and wipes
+    /// hosts; siteboot adds the operation's token to its command line.
+    pub ramdisk_profile: String,
+    /// Where the site's leader Lease lives. Default `siteboot-system`.
+    #[serde(default = "default_lease_namespace")]
+    pub lease_namespace: String,
+    /// Elect one leader per site for the reconcilers and full-mode DHCP. Default true.
+    #[serde(default = "default_true")]
+    pub leader_election: bool,
+}
+
+fn default_lease_namespace() -> String {
+    "siteboot-system".to_owned()
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// Kubernetes mode, checked.
+#[derive(Debug)]
+pub struct KubernetesConfig {
+    pub site: Option<String>,
+    pub ramdisk: LinuxBoot,
+    pub lease_namespace: String,
+    pub leader_election: bool,
 }
 
 fn default_state_dir() -> PathBuf {
@@ -84,6 +121,7 @@ pub struct Config {
     pub http: HttpSettings,
     pub binaries: IpxeBinaries,
     pub inventory: StaticInventory,
+    pub kubernetes: Option<KubernetesConfig>,
 }
 
 /// A configuration error: the file, the field and what is wrong with it.
@@ -212,7 +250,43 @@ impl Config {
             .as_ref()
             .map(|u| profile(&u.profile, "unknown_hosts.profile".into()))
             .transpose()?;
+        let kubernetes = match &file.kubernetes {
+            None => None,
+            Some(k) => {
+                if !file.hosts.is_empty() || file.unknown_hosts.is_some() {
+                    return Err(FieldError::new(
+                        "kubernetes",
+                        "hosts and unknown_hosts do not apply in Kubernetes mode: what each host boots follows its Host object",
+                    ));
+                }
+                if let Some(site) = &k.site {
+                    check_site_name(site, "kubernetes.site")?;
+                }
+                let ramdisk = match profiles.get(&k.ramdisk_profile) {
+                    Some(BootAction::Linux(linux)) => linux.clone(),
+                    Some(_) => {
+                        return Err(FieldError::new(
+                            "kubernetes.ramdisk_profile",
+                            format!("profile {:?} must boot a kernel", k.ramdisk_profile),
+                        ));
+                    }
+                    None => {
+                        return Err(FieldError::new(
+                            "kubernetes.ramdisk_profile",
+                            format!("no profile named {:?}", k.ramdisk_profile),
+                        ));
+                    }
+                };
+                Some(KubernetesConfig {
+                    site: k.site.clone(),
+                    ramdisk,
+                    lease_namespace: k.lease_namespace.clone(),
+                    leader_election: k.leader_election,
+                })
+            }
+        };
         Ok(Self {
+            kubernetes,
             interface: file.interface,
             address: file.address,
             state_dir: file.state_dir,
@@ -223,6 +297,23 @@ impl Config {
             binaries,
             inventory: StaticInventory::new(hosts, default),
         })
+    }
+}
+
+/// Site names are label values and object names: DNS-1123 labels.
+pub fn check_site_name(site: &str, field: &str) -> Result<(), FieldError> {
+    let ok = !site.is_empty()
+        && site.len() <= 63
+        && site.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !site.starts_with('-')
+        && !site.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(FieldError::new(
+            field,
+            format!("{site:?} is not a site name (lower-case letters, digits and '-', at most 63)"),
+        ))
     }
 }
 

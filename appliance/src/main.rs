@@ -28,10 +28,33 @@ enum Command {
     ///
     /// Logs go to stderr; set SITEBOOT_LOG (e.g. `debug`, `siteboot_boot=debug`) to change the
     /// level. Needs root (or CAP_NET_BIND_SERVICE + CAP_NET_RAW) for ports 67, 69 and 4011.
+    ///
+    /// With --kubeconfig or --site (or a `kubernetes:` config section), it also runs the Cluster
+    /// API provider for that site: Hosts come from the management cluster and their state
+    /// decides what each boots.
     Serve {
-        /// The configuration file (see examples/standalone.yaml).
+        /// The configuration file (see examples/standalone.yaml, examples/kubernetes.yaml).
         #[arg(long, short)]
         config: PathBuf,
+        /// Kubeconfig of the management cluster. Default in Kubernetes mode: $KUBECONFIG, then
+        /// ~/.kube/config, then the in-cluster service account.
+        #[arg(long, env = "KUBECONFIG")]
+        kubeconfig: Option<PathBuf>,
+        /// The site this appliance serves (overrides kubernetes.site).
+        #[arg(long)]
+        site: Option<String>,
+        /// This replica's name in the leader Lease and Events. Default: <hostname>-<pid>.
+        #[arg(long, env = "POD_NAME")]
+        identity: Option<String>,
+    },
+    /// Print the CRDs and RBAC as YAML (or write crds.yaml and rbac.yaml into a directory).
+    Manifests {
+        /// Write the files here instead of printing them.
+        #[arg(long)]
+        output_dir: Option<PathBuf>,
+        /// The namespace the appliance's ServiceAccount and leader Lease live in.
+        #[arg(long, default_value = "siteboot-system")]
+        namespace: String,
     },
     /// Check a configuration file and exit: 0 if it is valid, 1 with the field and the problem
     /// if not.
@@ -72,7 +95,14 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Serve { config } => {
+        Command::Manifests { output_dir, namespace } => match manifests(output_dir, &namespace) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Serve { config, kubeconfig, site, identity } => {
             let config = match Config::load(&config) {
                 Ok(c) => c,
                 Err(e) => {
@@ -81,7 +111,11 @@ fn main() -> ExitCode {
                 }
             };
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-            match runtime.block_on(serve::serve(config)) {
+            let run = async {
+                let kube = kube_mode(&config, kubeconfig, site, identity).await?;
+                serve::serve(config, kube).await
+            };
+            match runtime.block_on(run) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
@@ -91,6 +125,55 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// Kubernetes mode if the config has a `kubernetes:` section or `--site` is given.
+async fn kube_mode(
+    config: &Config,
+    kubeconfig: Option<PathBuf>,
+    site: Option<String>,
+    identity: Option<String>,
+) -> anyhow::Result<Option<serve::KubeMode>> {
+    use anyhow::Context;
+    let configured = config.kubernetes.as_ref().and_then(|k| k.site.clone());
+    if config.kubernetes.is_none() && site.is_none() {
+        return Ok(None);
+    }
+    let site = site
+        .or(configured)
+        .context("Kubernetes mode needs a site: --site NAME or kubernetes.site")?;
+    config::check_site_name(&site, "--site").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let client_config = match &kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &Default::default()).await?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no kubeconfig: pass --kubeconfig or run in a cluster")?,
+    };
+    let client = kube::Client::try_from(client_config)?;
+    let identity = identity.unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}-{}", host.trim(), std::process::id())
+    });
+    Ok(Some(serve::KubeMode { client, site, identity }))
+}
+
+fn manifests(output_dir: Option<PathBuf>, namespace: &str) -> anyhow::Result<()> {
+    use siteboot_controller::manifests::{crds, rbac, to_yaml};
+    let crds = to_yaml(&crds());
+    let rbac = to_yaml(&rbac(namespace));
+    match output_dir {
+        None => print!("{crds}---\n{rbac}"),
+        Some(dir) => {
+            std::fs::create_dir_all(&dir)?;
+            std::fs::write(dir.join("crds.yaml"), crds)?;
+            std::fs::write(dir.join("rbac.yaml"), rbac)?;
+        }
+    }
+    Ok(())
 }
 
 fn init_logging(format: LogFormat) {

@@ -25,7 +25,14 @@ use crate::config::Config;
 
 const TFTP_PORT: u16 = 69;
 
-pub async fn serve(config: Config) -> Result<()> {
+/// Kubernetes mode: where the management cluster is and which site this appliance serves.
+pub struct KubeMode {
+    pub client: kube::Client,
+    pub site: String,
+    pub identity: String,
+}
+
+pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     let interface = &config.interface;
     if !std::path::Path::new("/sys/class/net").join(interface).exists() {
         bail!("interface {interface:?} does not exist on this machine (see `ip link`)");
@@ -38,8 +45,39 @@ pub async fn serve(config: Config) -> Result<()> {
     let timeline = Arc::new(Timeline::new());
     let metrics = Arc::new(Metrics::new());
     let neighbors = Arc::new(Neighbors::new());
-    let known_hosts = config.inventory.known_hosts();
-    let inventory: Arc<dyn Inventory> = Arc::new(config.inventory);
+    // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader.
+    let (leading_tx, leading_rx) = tokio::sync::watch::channel(kube.is_none());
+    let mut tasks = JoinSet::new();
+    let (inventory, known_hosts): (Arc<dyn Inventory>, String) = match kube {
+        None => {
+            let known = config.inventory.known_hosts().to_string();
+            (Arc::new(config.inventory), known)
+        }
+        Some(kube) => {
+            let k = config.kubernetes.as_ref().context("Kubernetes mode needs a kubernetes: section in the config (kubernetes.ramdisk_profile)")?;
+            siteboot_controller::run::check_crds(&kube.client).await?;
+            let ctx = Arc::new(siteboot_controller::context::Ctx::new(
+                kube.client,
+                kube.site.clone(),
+                kube.identity,
+                siteboot_controller::cache::HostIndex::new(),
+                k.ramdisk.clone(),
+            ));
+            let options = siteboot_controller::run::Options {
+                lease_namespace: k.lease_namespace.clone(),
+                leader_election: k.leader_election,
+                addresses: vec![config.address.to_string()],
+            };
+            let inventory =
+                Arc::new(siteboot_controller::inventory::KubeInventory::new(ctx.clone()));
+            let timeline = timeline.clone();
+            tasks.spawn(async move {
+                siteboot_controller::run::run(ctx, timeline, options, leading_tx).await;
+                Ok(())
+            });
+            (inventory, format!("Hosts of site {}", kube.site))
+        }
+    };
 
     let http_addr = SocketAddrV4::new(config.address, config.http.port);
     let http_listener = TcpListener::bind(http_addr).await.with_context(|| {
@@ -49,7 +87,6 @@ pub async fn serve(config: Config) -> Result<()> {
     let tftp_socket =
         UdpSocket::bind(tftp_addr).await.with_context(|| format!("binding TFTP to {tftp_addr}"))?;
 
-    let mut tasks = JoinSet::new();
     let http = HttpServer::new(
         endpoints.clone(),
         &config.http,
@@ -97,7 +134,10 @@ pub async fn serve(config: Config) -> Result<()> {
             metrics: metrics.clone(),
             neighbors: neighbors.clone(),
         };
-        let service = DhcpService::new(DhcpServer::new(ctx, table), journal);
+        let mut service = DhcpService::new(DhcpServer::new(ctx, table), journal);
+        if config.dhcp.mode == DhcpMode::Full {
+            service = service.gated_by(leading_rx.clone());
+        }
         tasks.spawn(
             async move { service.run(dhcp_socket, pxe_socket).await.context("DHCP server") },
         );
@@ -108,7 +148,7 @@ pub async fn serve(config: Config) -> Result<()> {
         address = %config.address,
         dhcp = ?config.dhcp.mode,
         http = %http_addr,
-        known_hosts,
+        hosts = %known_hosts,
         "siteboot serving"
     );
     let mut terminate = signal(SignalKind::terminate())?;

@@ -1,5 +1,17 @@
 //! The Kubernetes side of siteboot: the Host inventory and the Cluster API infrastructure
 //! provider, reconciled from inside the appliance.
 
+pub mod agent;
+pub mod cache;
+pub mod cluster;
+pub mod context;
 pub mod crd;
+pub mod host;
+pub mod inventory;
+pub mod leader;
+pub mod machine;
 pub mod manifests;
+pub mod run;
+pub mod selection;
+pub mod site;
+pub mod token;

@@ -227,4 +227,20 @@ mod tests {
             ["properties"]["template"]["properties"]["spec"];
         assert_eq!(spec["x-kubernetes-validations"][0]["rule"], "self == oldSelf");
     }
+
+    /// The committed manifests are what this code generates: regenerate them with
+    /// `siteboot manifests --output-dir deploy` after changing a CRD type or the RBAC.
+    #[test]
+    fn committed_manifests_do_not_drift() {
+        let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+        for (file, generated) in
+            [("crds.yaml", to_yaml(&crds())), ("rbac.yaml", to_yaml(&rbac("siteboot-system")))]
+        {
+            let committed = std::fs::read_to_string(deploy.join(file)).unwrap_or_default();
+            assert!(
+                committed == generated,
+                "deploy/{file} is out of date: run `siteboot manifests --output-dir deploy`"
+            );
+        }
+    }
 }

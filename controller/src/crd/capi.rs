@@ -25,6 +25,8 @@ pub struct MachineSpec {
     pub cluster_name: String,
     #[serde(default)]
     pub bootstrap: Bootstrap,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub infrastructure_ref: Option<ContractRef>,
     #[serde(rename = "providerID", default, skip_serializing_if = "Option::is_none")]
     pub provider_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -36,6 +38,18 @@ pub struct MachineSpec {
 pub struct Bootstrap {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_secret_name: Option<String>,
+}
+
+/// A v1beta2 reference: the version comes from the CRD's contract label.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContractRef {
+    #[serde(default)]
+    pub api_group: String,
+    #[serde(default)]
+    pub kind: String,
+    #[serde(default)]
+    pub name: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]

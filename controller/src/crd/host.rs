@@ -147,6 +147,9 @@ pub struct Operation {
     /// The address the token was issued to: requests from elsewhere are refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_address: Option<String>,
+    /// When the current token was issued: tokens expire.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_issued: Option<Time>,
     /// Bootstrap data is handed out once per operation.
     #[serde(default)]
     pub bootstrap_delivered: bool,

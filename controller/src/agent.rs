@@ -1,0 +1,322 @@
+//! The deploy ramdisk's API, under `/agent/v1/`. Every request that acts for an operation must
+//! carry that operation's token (`Authorization: Bearer`), come from the address the token was
+//! issued to, and arrive before the token expires; bootstrap data is handed out once. Anything
+//! else is refused and logged, and no refusal says more than the ramdisk needs.
+//!
+//! - `GET  task`: what to do: `inspect`, `provision` (with the image), `deprovision` (with the
+//!   wipe policy), `reboot` (to fetch a token for a new operation) or `wait`
+//! - `POST inspection`: the hardware found (JSON `Hardware`); ends inspection
+//! - `GET  bootstrap`: the Machine's bootstrap data, once per operation
+//! - `POST progress`: `{"step": "..."}`
+//! - `POST complete`: `{"ok": bool, "message": "..."}`; ends provisioning or deprovisioning
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::{Method, StatusCode};
+use k8s_openapi::api::core::v1::Secret;
+use kube::Api;
+use serde::Deserialize;
+use serde_json::json;
+use siteboot_boot::inventory::{AgentRequest, AgentResponse};
+
+use crate::context::{Ctx, host_key, update_host_status};
+use crate::crd::{Hardware, Host, MachineAddress, Operation, OperationKind, WipePolicy};
+use crate::host::lifecycle::{completed, older_than};
+use crate::token;
+
+pub async fn handle(ctx: Arc<Ctx>, req: AgentRequest) -> AgentResponse {
+    let result = match (&req.method, req.path.as_str()) {
+        (&Method::GET, "v1/task") => task(&ctx, &req).await,
+        (&Method::POST, "v1/inspection") => inspection(&ctx, &req).await,
+        (&Method::GET, "v1/bootstrap") => bootstrap(&ctx, &req).await,
+        (&Method::POST, "v1/progress") => progress(&ctx, &req).await,
+        (&Method::POST, "v1/complete") => complete(&ctx, &req).await,
+        _ => return AgentResponse::text(StatusCode::NOT_FOUND, "no such agent endpoint\n"),
+    };
+    match result {
+        Ok(response) => response,
+        Err(Failure::Refused(refusal)) => {
+            tracing::warn!(remote = %req.remote, mac = ?req.remote_mac, path = %req.path, reason = %refusal, "agent request refused");
+            AgentResponse::text(refusal.status(), format!("refused: {refusal}\n"))
+        }
+        Err(Failure::Api(e)) => {
+            tracing::error!(remote = %req.remote, path = %req.path, error = %e, "agent request failed");
+            AgentResponse::text(StatusCode::SERVICE_UNAVAILABLE, "try again\n")
+        }
+    }
+}
+
+/// Why an agent request is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// The request comes from an address with no known MAC.
+    UnknownAddress,
+    /// No Host has the MAC behind the address.
+    UnknownHost,
+    NoToken,
+    /// The token is not the current one of the Host's operation (wrong, or from an earlier boot
+    /// or operation).
+    WrongToken,
+    /// The token was issued to another address.
+    WrongAddress,
+    Expired,
+    NoOperation,
+    /// The request does not fit the operation (bootstrap data during a wipe, say).
+    WrongOperation(OperationKind),
+    /// Bootstrap data was already handed out for this operation.
+    Replayed,
+    BadRequest(String),
+}
+
+impl Refusal {
+    fn status(&self) -> StatusCode {
+        match self {
+            Refusal::NoToken => StatusCode::UNAUTHORIZED,
+            Refusal::Replayed => StatusCode::CONFLICT,
+            Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
+            _ => StatusCode::FORBIDDEN,
+        }
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::UnknownAddress => f.write_str("no MAC is known for this address"),
+            Refusal::UnknownHost => f.write_str("no Host has this MAC"),
+            Refusal::NoToken => f.write_str("no token"),
+            Refusal::WrongToken => f.write_str("wrong token"),
+            Refusal::WrongAddress => f.write_str("token issued to another address"),
+            Refusal::Expired => f.write_str("token expired"),
+            Refusal::NoOperation => f.write_str("no operation in progress"),
+            Refusal::WrongOperation(k) => write!(f, "not allowed during {k:?}"),
+            Refusal::Replayed => f.write_str("bootstrap data already delivered for this operation"),
+            Refusal::BadRequest(m) => write!(f, "bad request: {m}"),
+        }
+    }
+}
+
+enum Failure {
+    Refused(Refusal),
+    Api(kube::Error),
+}
+
+impl From<Refusal> for Failure {
+    fn from(r: Refusal) -> Self {
+        Failure::Refused(r)
+    }
+}
+
+impl From<kube::Error> for Failure {
+    fn from(e: kube::Error) -> Self {
+        Failure::Api(e)
+    }
+}
+
+/// The Host behind the request's address, read fresh from the API (a token minted a moment
+/// ago may not be in the cache yet).
+async fn host_of(ctx: &Ctx, req: &AgentRequest) -> Result<(Api<Host>, Host), Failure> {
+    let mac = req.remote_mac.ok_or(Refusal::UnknownAddress)?;
+    let cached = ctx.hosts.get(mac).ok_or(Refusal::UnknownHost)?;
+    let api = ctx.hosts_api(cached.metadata.namespace.as_deref().unwrap_or_default());
+    let host = api.get(cached.metadata.name.as_deref().unwrap_or_default()).await?;
+    Ok((api, host))
+}
+
+/// Checks the token against `host`'s operation.
+fn authenticate(ctx: &Ctx, req: &AgentRequest, host: &Host) -> Result<Operation, Refusal> {
+    let token = req.token.as_deref().ok_or(Refusal::NoToken)?;
+    let op = host.status.as_ref().and_then(|s| s.operation.clone()).ok_or(Refusal::NoOperation)?;
+    let hash = op.token_hash.as_deref().ok_or(Refusal::WrongToken)?;
+    if !token::matches(token, hash) {
+        return Err(Refusal::WrongToken);
+    }
+    if op.token_address.as_deref() != Some(req.remote.to_string().as_str()) {
+        return Err(Refusal::WrongAddress);
+    }
+    if op.token_issued.as_ref().is_none_or(|t| older_than(t, ctx.token_max_age.as_secs() as i64)) {
+        return Err(Refusal::Expired);
+    }
+    Ok(op)
+}
+
+async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
+    let (_, host) = host_of(ctx, req).await?;
+    let op = match authenticate(ctx, req, &host) {
+        Ok(op) => op,
+        // No token, or one from before: an operation waiting means "boot again for its token".
+        Err(Refusal::NoToken | Refusal::WrongToken | Refusal::Expired | Refusal::NoOperation) => {
+            let pending = host.status.as_ref().is_some_and(|s| s.operation.is_some());
+            let answer = if pending {
+                json!({ "action": "reboot" })
+            } else {
+                json!({ "action": "wait", "seconds": 10 })
+            };
+            return Ok(AgentResponse::json(&answer));
+        }
+        Err(other) => return Err(other.into()),
+    };
+    let answer = match op.kind {
+        OperationKind::Inspect => json!({ "action": "inspect", "operation": op.id }),
+        OperationKind::Provision => {
+            let Some(p) = &host.spec.provisioning else { return Err(Refusal::NoOperation.into()) };
+            json!({ "action": "provision", "operation": op.id, "image": p.image })
+        }
+        OperationKind::Deprovision => json!({
+            "action": "deprovision",
+            "operation": op.id,
+            "wipe": host.spec.wipe.unwrap_or(WipePolicy::Quick),
+        }),
+    };
+    Ok(AgentResponse::json(&answer))
+}
+
+async fn inspection(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
+    let hardware: Hardware =
+        serde_json::from_slice(&req.body).map_err(|e| Refusal::BadRequest(e.to_string()))?;
+    finish(ctx, req, OperationKind::Inspect, true, "", Some(hardware)).await
+}
+
+#[derive(Deserialize)]
+struct Complete {
+    ok: bool,
+    #[serde(default)]
+    message: String,
+}
+
+async fn complete(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
+    let body: Complete =
+        serde_json::from_slice(&req.body).map_err(|e| Refusal::BadRequest(e.to_string()))?;
+    let (_, host) = host_of(ctx, req).await?;
+    let op = authenticate(ctx, req, &host)?;
+    if op.kind == OperationKind::Inspect {
+        return Err(Refusal::WrongOperation(op.kind).into());
+    }
+    finish(ctx, req, op.kind, body.ok, &body.message, None).await
+}
+
+/// Ends the operation of kind `kind` (checked again against the fresh Host while writing).
+async fn finish(
+    ctx: &Ctx,
+    req: &AgentRequest,
+    kind: OperationKind,
+    ok: bool,
+    message: &str,
+    hardware: Option<Hardware>,
+) -> Result<AgentResponse, Failure> {
+    let (api, host) = host_of(ctx, req).await?;
+    let name = host.metadata.name.clone().unwrap_or_default();
+    let message: String = message.chars().take(512).collect();
+    let written = update_host_status(&api, &name, |current| {
+        let op = authenticate(ctx, req, current)?;
+        if op.kind != kind {
+            return Err(Refusal::WrongOperation(op.kind));
+        }
+        let mut status = completed(current, kind, ok, &message, hardware.clone());
+        if kind == OperationKind::Provision && ok {
+            status.addresses =
+                vec![MachineAddress { kind: "InternalIP".into(), address: req.remote.to_string() }];
+        }
+        Ok(Some(status))
+    })
+    .await??;
+    if let Some(host) = written {
+        let state = host.status.as_ref().and_then(|s| s.state);
+        let reason = host
+            .status
+            .as_ref()
+            .and_then(|s| crate::crd::condition(&s.conditions, "Ready"))
+            .map(|c| c.reason.clone())
+            .unwrap_or_default();
+        tracing::info!(host = %host_key(&host), ?kind, ok, state = ?state, "ramdisk finished an operation");
+        ctx.event(
+            &host,
+            !ok,
+            &reason,
+            format!(
+                "{kind:?} {}: now {state:?}{}",
+                if ok { "succeeded" } else { "failed" },
+                if message.is_empty() { String::new() } else { format!(" ({message})") }
+            ),
+        )
+        .await;
+    }
+    Ok(AgentResponse::json(&json!({ "ok": true })))
+}
+
+#[derive(Deserialize)]
+struct Progress {
+    step: String,
+}
+
+async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
+    let body: Progress =
+        serde_json::from_slice(&req.body).map_err(|e| Refusal::BadRequest(e.to_string()))?;
+    let (api, host) = host_of(ctx, req).await?;
+    let step: String = body.step.chars().take(200).collect();
+    update_host_status(&api, host.metadata.name.as_deref().unwrap_or_default(), |current| {
+        authenticate(ctx, req, current)?;
+        let mut status = current.status.clone().unwrap_or_default();
+        if let Some(op) = status.operation.as_mut() {
+            op.step = Some(step.clone());
+        }
+        Ok::<_, Refusal>(Some(status))
+    })
+    .await??;
+    Ok(AgentResponse::json(&json!({ "ok": true })))
+}
+
+async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
+    let (api, host) = host_of(ctx, req).await?;
+    let op = authenticate(ctx, req, &host)?;
+    if op.kind != OperationKind::Provision {
+        return Err(Refusal::WrongOperation(op.kind).into());
+    }
+    if op.bootstrap_delivered {
+        return Err(Refusal::Replayed.into());
+    }
+    let Some(provisioning) = &host.spec.provisioning else {
+        return Err(Refusal::NoOperation.into());
+    };
+    let secret_ref = &provisioning.bootstrap_data_secret;
+    let secret = Api::<Secret>::namespaced(ctx.client.clone(), &secret_ref.namespace)
+        .get(&secret_ref.name)
+        .await?;
+    let data = secret.data.unwrap_or_default();
+    let Some(value) = data.get("value") else {
+        tracing::error!(host = %host_key(&host), secret = %format!("{}/{}", secret_ref.namespace, secret_ref.name), "bootstrap Secret has no key `value`");
+        return Ok(AgentResponse::text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "bootstrap data not ready\n",
+        ));
+    };
+    let format = data
+        .get("format")
+        .map(|f| String::from_utf8_lossy(&f.0).into_owned())
+        .unwrap_or_else(|| "cloud-config".into());
+    // Mark it delivered first: if two requests race, only the one whose write wins gets data.
+    update_host_status(&api, host.metadata.name.as_deref().unwrap_or_default(), |current| {
+        let current_op = authenticate(ctx, req, current)?;
+        if current_op.id != op.id || current_op.bootstrap_delivered {
+            return Err(Refusal::Replayed);
+        }
+        let mut status = current.status.clone().unwrap_or_default();
+        if let Some(o) = status.operation.as_mut() {
+            o.bootstrap_delivered = true;
+        }
+        Ok(Some(status))
+    })
+    .await??;
+    tracing::info!(host = %host_key(&host), operation = %op.id, %format, "bootstrap data delivered");
+    let content_type = if format == "ignition" {
+        "application/vnd.coreos.ignition+json"
+    } else {
+        "text/cloud-config"
+    };
+    Ok(AgentResponse {
+        status: StatusCode::OK,
+        content_type,
+        body: bytes::Bytes::from(value.0.clone()),
+    })
+}

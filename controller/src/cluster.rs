@@ -1,0 +1,91 @@
+//! The SitebootCluster reconciler: the InfraCluster contract (v1beta2). Bare metal has nothing
+//! to create for a cluster; it is provisioned at once and reports the sites as failure domains.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use serde_json::json;
+
+use crate::context::{Ctx, Error};
+use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, PAUSED_ANNOTATION};
+use crate::crd::{FailureDomain, Initialization, Site, SitebootCluster, set_condition};
+
+pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
+    let client = ctx.client.clone();
+    let controller =
+        Controller::new(Api::<SitebootCluster>::all(client.clone()), watcher::Config::default());
+    let store = controller.store();
+    controller
+        .watches(Api::<Site>::all(client), watcher::Config::default(), move |_| {
+            store.state().into_iter().map(|c| ObjectRef::from_obj(&*c)).collect::<Vec<_>>()
+        })
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "SitebootCluster reconcile error");
+            }
+        })
+        .await;
+}
+
+fn error_policy(_: Arc<SitebootCluster>, error: &Error, _: Arc<Ctx>) -> Action {
+    tracing::warn!(error = %error, "SitebootCluster reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}
+
+async fn reconcile(sbc: Arc<SitebootCluster>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    let namespace = sbc.namespace().unwrap_or_default();
+    let api: Api<SitebootCluster> = Api::namespaced(ctx.client.clone(), &namespace);
+    let mut status = sbc.status.clone().unwrap_or_default();
+    let generation = sbc.metadata.generation;
+    let cluster = match sbc.labels().get(CLUSTER_NAME_LABEL) {
+        Some(name) => {
+            Api::<Cluster>::namespaced(ctx.client.clone(), &namespace).get_opt(name).await?
+        }
+        None => None,
+    };
+    let paused = cluster.as_ref().is_some_and(Cluster::is_paused)
+        || sbc.annotations().contains_key(PAUSED_ANNOTATION);
+    set_condition(
+        &mut status.conditions,
+        "Paused",
+        paused,
+        if paused { "Paused" } else { "NotPaused" },
+        "",
+        generation,
+    );
+    if !paused {
+        let sites = Api::<Site>::all(ctx.client.clone()).list(&ListParams::default()).await?.items;
+        status.failure_domains = sites
+            .iter()
+            .filter(|s| sbc.spec.sites.as_ref().is_none_or(|wanted| wanted.contains(&s.name_any())))
+            .map(|s| FailureDomain {
+                name: s.name_any(),
+                control_plane: Some(s.spec.control_plane.unwrap_or(true)),
+                attributes: BTreeMap::new(),
+            })
+            .collect();
+        status.failure_domains.sort_by(|a, b| a.name.cmp(&b.name));
+        status.initialization = Some(Initialization { provisioned: Some(true) });
+        let message = format!("{} sites as failure domains", status.failure_domains.len());
+        set_condition(&mut status.conditions, "Ready", true, "Provisioned", &message, generation);
+    }
+    if sbc.status.as_ref() != Some(&status) {
+        api.patch_status(
+            &sbc.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&json!({ "status": status })),
+        )
+        .await?;
+    }
+    Ok(Action::requeue(Duration::from_secs(300)))
+}

@@ -1,0 +1,118 @@
+//! What the reconcilers and the boot-plane inventory share, and the one way Host status is
+//! written: read the Host, compute, write with its resourceVersion, retry on conflict.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::api::{Api, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Client, Resource, ResourceExt};
+use siteboot_boot::inventory::LinuxBoot;
+
+use crate::cache::HostIndex;
+use crate::crd::{Host, HostStatus};
+
+pub struct Ctx {
+    pub client: Client,
+    /// The site this appliance serves: Hosts labelled `siteboot.dev/site=<site>`.
+    pub site: String,
+    /// This appliance, for leases, events and the Site status.
+    pub identity: String,
+    pub hosts: Arc<HostIndex>,
+    /// The deploy ramdisk's kernel, initrds and command line.
+    pub ramdisk: LinuxBoot,
+    /// How long a ramdisk token stays valid after it is issued.
+    pub token_max_age: Duration,
+    pub recorder: Recorder,
+}
+
+impl Ctx {
+    pub fn new(
+        client: Client,
+        site: String,
+        identity: String,
+        hosts: Arc<HostIndex>,
+        ramdisk: LinuxBoot,
+    ) -> Self {
+        let reporter = Reporter { controller: "siteboot".into(), instance: Some(identity.clone()) };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            site,
+            identity,
+            hosts,
+            ramdisk,
+            token_max_age: Duration::from_secs(2 * 3600),
+        }
+    }
+
+    pub fn hosts_api(&self, namespace: &str) -> Api<Host> {
+        Api::namespaced(self.client.clone(), namespace)
+    }
+
+    /// Publishes an Event about `object`; a failure to record is logged, not fatal.
+    pub async fn event<K: Resource<DynamicType = ()>>(
+        &self,
+        object: &K,
+        warning: bool,
+        reason: &str,
+        note: String,
+    ) {
+        let event = Event {
+            type_: if warning { EventType::Warning } else { EventType::Normal },
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: reason.to_owned(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &object.object_ref(&())).await {
+            tracing::warn!(object = %object.meta().name.as_deref().unwrap_or(""), error = %e, "cannot record an Event");
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Writes a new status for Host `namespace/name`: `change` sees the current Host and returns
+/// the new status, or `Ok(None)` to write nothing, or an error to give up. Conflicts (someone
+/// wrote in between) re-read and retry, so `change` always sees what it replaces.
+pub async fn update_host_status<E>(
+    api: &Api<Host>,
+    name: &str,
+    mut change: impl FnMut(&Host) -> Result<Option<HostStatus>, E>,
+) -> Result<Result<Option<Host>, E>, kube::Error> {
+    for _ in 0..5 {
+        let mut host = api.get(name).await?;
+        let status = match change(&host) {
+            Ok(Some(status)) => status,
+            Ok(None) => return Ok(Ok(None)),
+            Err(e) => return Ok(Err(e)),
+        };
+        host.status = Some(status);
+        match api.replace_status(name, &PostParams::default(), &host).await {
+            Ok(written) => return Ok(Ok(Some(written))),
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                tracing::debug!(host = name, "Host changed while writing its status; retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(kube::Error::Api(Box::new(
+        kube::core::Status::failure(
+            &format!("Host {name} kept changing while its status was written"),
+            "Conflict",
+        )
+        .with_code(409),
+    )))
+}
+
+pub fn host_key(host: &Host) -> String {
+    format!("{}/{}", host.namespace().unwrap_or_default(), host.name_any())
+}

@@ -1,0 +1,356 @@
+//! The Host lifecycle, as pure functions: from a Host (spec and status) to the one next step.
+//! The reconciler and the agent API apply the steps; both write with the Host's
+//! resourceVersion, so a step computed from a stale Host is refused and recomputed.
+//!
+//! ```text
+//! Registering -> Inspecting -> Available -> Provisioning -> Provisioned -> Deprovisioning -> Available
+//!                    (any failure) -> Quarantined -> (retry annotation) -> Registering
+//! ```
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use crate::crd::{
+    Hardware, Host, HostState, HostStatus, Installed, Operation, OperationKind, WipePolicy, now,
+    set_condition,
+};
+
+/// Annotation an operator sets on a Quarantined host to try again from Registering.
+pub const RETRY_ANNOTATION: &str = "siteboot.dev/retry";
+
+/// A change of state, with what the Event says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transition {
+    pub to: HostState,
+    /// The ramdisk operation the new state runs, if any.
+    pub operation: Option<OperationKind>,
+    /// CamelCase, for the Event and the condition.
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// What the reconciler should do for `host` now.
+pub fn next(host: &Host) -> Option<Transition> {
+    let status = host.status.as_ref();
+    let state = status.and_then(|s| s.state);
+    let wanted = host.spec.consumer_ref.is_some() && host.spec.provisioning.is_some();
+    let t = |to, operation, reason, message: &str| {
+        Some(Transition { to, operation, reason, message: message.to_owned() })
+    };
+    match state {
+        None => t(HostState::Registering, None, "Registered", "new host"),
+        Some(HostState::Registering) => {
+            if host.spec.bmc.is_some() {
+                // The Redfish driver arrives with the imaging milestone.
+                return t(
+                    HostState::Quarantined,
+                    None,
+                    "UnsupportedBMC",
+                    "spec.bmc is set, but this siteboot drives no BMC yet: remove spec.bmc and boot the host from the network",
+                );
+            }
+            if status.and_then(|s| s.hardware.as_ref()).is_some() {
+                t(HostState::Available, None, "Registered", "hardware already known")
+            } else {
+                t(
+                    HostState::Inspecting,
+                    Some(OperationKind::Inspect),
+                    "InspectionStarted",
+                    "waiting for the host to boot the ramdisk and report its hardware",
+                )
+            }
+        }
+        Some(HostState::Available) if wanted => t(
+            HostState::Provisioning,
+            Some(OperationKind::Provision),
+            "ProvisioningStarted",
+            &format!("claimed by {}", consumer(host)),
+        ),
+        Some(HostState::Provisioning) if !wanted => deprovision(
+            host,
+            "ProvisioningCancelled",
+            "the consumer let go of the host while it was provisioning",
+        ),
+        Some(HostState::Provisioned) => {
+            let installed = status.and_then(|s| s.installed.as_ref());
+            let provisioning = host.spec.provisioning.as_ref();
+            if !wanted {
+                deprovision(host, "DeprovisioningStarted", "released by its consumer")
+            } else if installed.map(|i| &i.image) != provisioning.map(|p| &p.image) {
+                deprovision(
+                    host,
+                    "ImageChanged",
+                    "spec.provisioning.image differs from what is installed",
+                )
+            } else {
+                None
+            }
+        }
+        Some(HostState::Deprovisioning) if host.spec.wipe == Some(WipePolicy::None) => {
+            t(HostState::Available, None, "Deprovisioned", "wipe policy none: nothing to do")
+        }
+        Some(HostState::Quarantined) if retry_requested(host) => {
+            t(HostState::Registering, None, "Retry", "retry requested by annotation")
+        }
+        // Inspecting, Provisioning, Deprovisioning: the ramdisk moves them on.
+        _ => None,
+    }
+}
+
+fn deprovision(host: &Host, reason: &'static str, message: &str) -> Option<Transition> {
+    if host.spec.wipe == Some(WipePolicy::None) {
+        return Some(Transition {
+            to: HostState::Available,
+            operation: None,
+            reason,
+            message: format!("{message}; wipe policy none"),
+        });
+    }
+    Some(Transition {
+        to: HostState::Deprovisioning,
+        operation: Some(OperationKind::Deprovision),
+        reason,
+        message: message.to_owned(),
+    })
+}
+
+fn consumer(host: &Host) -> String {
+    host.spec
+        .consumer_ref
+        .as_ref()
+        .map(|c| format!("{} {}/{}", c.kind, c.namespace, c.name))
+        .unwrap_or_default()
+}
+
+pub fn retry_requested(host: &Host) -> bool {
+    host.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(RETRY_ANNOTATION))
+}
+
+/// A fresh operation id.
+fn operation_id() -> String {
+    crate::token::mint().0[..16].to_owned()
+}
+
+/// `host`'s status after `transition`.
+pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
+    let mut status = host.status.clone().unwrap_or_default();
+    status.state = Some(transition.to);
+    status.last_transition_time = Some(now());
+    status.operation = transition.operation.map(|kind| Operation {
+        kind,
+        id: operation_id(),
+        started: now(),
+        token_hash: None,
+        token_address: None,
+        token_issued: None,
+        bootstrap_delivered: false,
+        step: None,
+    });
+    match transition.to {
+        HostState::Quarantined => {
+            status.quarantine_reason =
+                Some(format!("{}: {}", transition.reason, transition.message))
+        }
+        HostState::Registering => status.quarantine_reason = None,
+        HostState::Available => status.installed = None,
+        _ => {}
+    }
+    if status.power.is_none() {
+        status.power = Some(crate::crd::PowerState::Unknown);
+    }
+    let ready = matches!(transition.to, HostState::Available | HostState::Provisioned);
+    set_condition(
+        &mut status.conditions,
+        "Ready",
+        ready,
+        transition.reason,
+        &transition.message,
+        host.metadata.generation,
+    );
+    status
+}
+
+/// The ramdisk finished an operation.
+pub fn completed(
+    host: &Host,
+    kind: OperationKind,
+    ok: bool,
+    message: &str,
+    hardware: Option<Hardware>,
+) -> HostStatus {
+    let transition = match (kind, ok) {
+        (OperationKind::Inspect, true) => Transition {
+            to: HostState::Available,
+            operation: None,
+            reason: "Inspected",
+            message: "hardware reported".into(),
+        },
+        (OperationKind::Provision, true) => Transition {
+            to: HostState::Provisioned,
+            operation: None,
+            reason: "Provisioned",
+            message: format!("image written for {}", consumer(host)),
+        },
+        (OperationKind::Deprovision, true) => Transition {
+            to: HostState::Available,
+            operation: None,
+            reason: "Deprovisioned",
+            message: "disks wiped".into(),
+        },
+        (OperationKind::Inspect, false) => Transition {
+            to: HostState::Quarantined,
+            operation: None,
+            reason: "InspectionFailed",
+            message: message.to_owned(),
+        },
+        (OperationKind::Provision, false) => Transition {
+            to: HostState::Quarantined,
+            operation: None,
+            reason: "ProvisioningFailed",
+            message: message.to_owned(),
+        },
+        (OperationKind::Deprovision, false) => Transition {
+            to: HostState::Quarantined,
+            operation: None,
+            reason: "WipeFailed",
+            message: message.to_owned(),
+        },
+    };
+    let mut status = apply(host, &transition);
+    if let Some(hw) = hardware {
+        status.hardware = Some(hw);
+    }
+    if transition.to == HostState::Provisioned
+        && let (Some(p), Some(c)) = (&host.spec.provisioning, &host.spec.consumer_ref)
+    {
+        status.installed = Some(Installed {
+            image: p.image.clone(),
+            consumer: format!("{}/{}", c.namespace, c.name),
+        });
+    }
+    status
+}
+
+/// Whether `time` is older than `max_age` seconds.
+pub fn older_than(time: &Time, max_age_secs: i64) -> bool {
+    let age = k8s_openapi::jiff::Timestamp::now().as_second() - time.0.as_second();
+    age > max_age_secs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::{Bmc, ConsumerRef, HostSpec, Image, Provisioning, SecretRef};
+
+    fn host() -> Host {
+        Host::new(
+            "h",
+            HostSpec {
+                boot_mac_address: "52:54:00:00:00:01".into(),
+                online: true,
+                maintenance: false,
+                bmc: None,
+                consumer_ref: None,
+                provisioning: None,
+                wipe: None,
+            },
+        )
+    }
+
+    fn step(h: &mut Host) -> Option<HostState> {
+        let t = next(h)?;
+        h.status = Some(apply(h, &t));
+        Some(t.to)
+    }
+
+    fn image(n: u8) -> Image {
+        Image {
+            url: format!("http://x/{n}.img"),
+            checksum: format!("sha256:{}", "0".repeat(64)),
+            format: None,
+        }
+    }
+
+    fn claim(h: &mut Host, n: u8) {
+        h.spec.consumer_ref = Some(ConsumerRef {
+            api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
+            kind: "SitebootMachine".into(),
+            namespace: "ns".into(),
+            name: "m".into(),
+            uid: "u".into(),
+        });
+        h.spec.provisioning = Some(Provisioning {
+            image: image(n),
+            bootstrap_data_secret: SecretRef { namespace: "ns".into(), name: "m-bootstrap".into() },
+        });
+    }
+
+    #[test]
+    fn a_host_goes_round_the_lifecycle() {
+        let mut h = host();
+        assert_eq!(step(&mut h), Some(HostState::Registering));
+        assert_eq!(step(&mut h), Some(HostState::Inspecting));
+        assert_eq!(
+            h.status.as_ref().unwrap().operation.as_ref().unwrap().kind,
+            OperationKind::Inspect
+        );
+        assert_eq!(step(&mut h), None, "the ramdisk must report");
+        h.status = Some(completed(
+            &h,
+            OperationKind::Inspect,
+            true,
+            "",
+            Some(Hardware { cpus: 2, ..Default::default() }),
+        ));
+        assert_eq!(h.status.as_ref().unwrap().state, Some(HostState::Available));
+        assert!(h.status.as_ref().unwrap().operation.is_none());
+        assert_eq!(step(&mut h), None);
+        claim(&mut h, 1);
+        assert_eq!(step(&mut h), Some(HostState::Provisioning));
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        assert_eq!(h.status.as_ref().unwrap().installed.as_ref().unwrap().image, image(1));
+        assert_eq!(step(&mut h), None, "provisioned and wanted");
+        h.spec.provisioning.as_mut().unwrap().image = image(2);
+        assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "image changed");
+        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None));
+        assert_eq!(h.status.as_ref().unwrap().state, Some(HostState::Available));
+        assert!(h.status.as_ref().unwrap().installed.is_none());
+        assert_eq!(
+            h.status.as_ref().unwrap().hardware.as_ref().unwrap().cpus,
+            2,
+            "hardware is kept"
+        );
+    }
+
+    #[test]
+    fn release_cancel_failure_and_retry() {
+        let mut h = host();
+        h.status = Some(HostStatus {
+            state: Some(HostState::Available),
+            hardware: Some(Hardware::default()),
+            ..Default::default()
+        });
+        claim(&mut h, 1);
+        assert_eq!(step(&mut h), Some(HostState::Provisioning));
+        h.spec.provisioning = None;
+        assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "cancelled mid-way: wipe");
+        h.status =
+            Some(completed(&h, OperationKind::Deprovision, false, "disk sdb did not wipe", None));
+        let s = h.status.as_ref().unwrap();
+        assert_eq!(s.state, Some(HostState::Quarantined));
+        assert_eq!(s.quarantine_reason.as_deref(), Some("WipeFailed: disk sdb did not wipe"));
+        assert_eq!(step(&mut h), None, "never silently Available");
+        h.metadata.annotations = Some([(RETRY_ANNOTATION.to_owned(), "".to_owned())].into());
+        assert_eq!(step(&mut h), Some(HostState::Registering));
+        assert!(h.status.as_ref().unwrap().quarantine_reason.is_none());
+        assert_eq!(step(&mut h), Some(HostState::Available), "hardware already known");
+    }
+
+    #[test]
+    fn unsupported_bmc_is_quarantined_with_a_reason() {
+        let mut h = host();
+        h.spec.bmc = Some(Bmc { address: "redfish://x".into(), credentials_name: "c".into() });
+        step(&mut h);
+        assert_eq!(step(&mut h), Some(HostState::Quarantined));
+        assert!(h.status.unwrap().quarantine_reason.unwrap().contains("UnsupportedBMC"));
+    }
+}

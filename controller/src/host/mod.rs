@@ -1,0 +1,4 @@
+//! The Host side: the lifecycle rules and the reconciler that applies them.
+
+pub mod lifecycle;
+pub mod reconciler;

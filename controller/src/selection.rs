@@ -1,0 +1,221 @@
+//! Which Hosts a SitebootMachine may be given. Pure, so the rules are unit-tested.
+
+use crate::crd::{HardwareSelector, Host, HostSelector, HostState, SITE_LABEL};
+
+/// Why a host is not a candidate (the first reason found), for the "no host" condition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Excluded {
+    NotAvailable,
+    Claimed,
+    Maintenance,
+    Offline,
+    Deleting,
+    OtherSite,
+    Labels,
+    Hardware,
+}
+
+/// Whether `host` can be claimed for a machine with `selector`, in `site` (the Machine's
+/// failure domain) if it has one.
+pub fn check(
+    host: &Host,
+    selector: Option<&HostSelector>,
+    site: Option<&str>,
+) -> Result<(), Excluded> {
+    let status = host.status.as_ref();
+    if host.metadata.deletion_timestamp.is_some() {
+        return Err(Excluded::Deleting);
+    }
+    if host.spec.consumer_ref.is_some() {
+        return Err(Excluded::Claimed);
+    }
+    if status.and_then(|s| s.state) != Some(HostState::Available) {
+        return Err(Excluded::NotAvailable);
+    }
+    if host.spec.maintenance {
+        return Err(Excluded::Maintenance);
+    }
+    if !host.spec.online {
+        return Err(Excluded::Offline);
+    }
+    let labels = host.metadata.labels.as_ref();
+    if let Some(site) = site
+        && labels.and_then(|l| l.get(SITE_LABEL)).map(String::as_str) != Some(site)
+    {
+        return Err(Excluded::OtherSite);
+    }
+    let Some(selector) = selector else { return Ok(()) };
+    for (k, v) in &selector.match_labels {
+        if labels.and_then(|l| l.get(k)) != Some(v) {
+            return Err(Excluded::Labels);
+        }
+    }
+    if let Some(hw) = &selector.hardware
+        && !hardware_matches(host, hw)
+    {
+        return Err(Excluded::Hardware);
+    }
+    Ok(())
+}
+
+fn hardware_matches(host: &Host, want: &HardwareSelector) -> bool {
+    let Some(hw) = host.status.as_ref().and_then(|s| s.hardware.as_ref()) else {
+        // Qualifiers need inspection data: an uninspected host matches only an empty selector.
+        return want == &HardwareSelector::default();
+    };
+    let largest_disk = hw.disks.iter().map(|d| d.size_bytes).max().unwrap_or(0);
+    want.min_cpus.is_none_or(|n| hw.cpus >= n)
+        && want.min_memory_mib.is_none_or(|m| hw.memory_mib >= m)
+        && want.min_disk_bytes.is_none_or(|b| largest_disk >= b)
+        && want.arch.as_ref().is_none_or(|a| hw.arch.as_ref() == Some(a))
+}
+
+/// The candidates among `hosts`, in the order to try them. The order is shuffled with `seed`
+/// so that two appliances claiming at once mostly try different hosts (the claim itself is a
+/// compare-and-swap either way).
+pub fn candidates<'a>(
+    hosts: impl IntoIterator<Item = &'a Host>,
+    selector: Option<&HostSelector>,
+    site: Option<&str>,
+    seed: u64,
+) -> Vec<&'a Host> {
+    let mut found: Vec<&Host> =
+        hosts.into_iter().filter(|h| check(h, selector, site).is_ok()).collect();
+    found.sort_by_key(|h| {
+        let name = h.metadata.name.as_deref().unwrap_or("");
+        // FNV-1a of the name, mixed with the seed: deterministic per seed, spread across seeds.
+        name.bytes().fold(0xcbf2_9ce4_8422_2325u64 ^ seed, |acc, b| {
+            (acc ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        })
+    });
+    found
+}
+
+/// A one-line summary of why nothing matched, e.g. "3 hosts: 2 claimed, 1 in maintenance".
+pub fn explain<'a>(
+    hosts: impl IntoIterator<Item = &'a Host>,
+    selector: Option<&HostSelector>,
+    site: Option<&str>,
+) -> String {
+    let mut counts: std::collections::BTreeMap<&'static str, usize> = Default::default();
+    let mut total = 0;
+    for h in hosts {
+        total += 1;
+        if let Err(e) = check(h, selector, site) {
+            let why = match e {
+                Excluded::NotAvailable => "not Available",
+                Excluded::Claimed => "claimed",
+                Excluded::Maintenance => "in maintenance",
+                Excluded::Offline => "offline",
+                Excluded::Deleting => "being deleted",
+                Excluded::OtherSite => "in another site",
+                Excluded::Labels => "without the selector's labels",
+                Excluded::Hardware => "without the required hardware",
+            };
+            *counts.entry(why).or_default() += 1;
+        }
+    }
+    let parts: Vec<String> = counts.iter().map(|(why, n)| format!("{n} {why}")).collect();
+    format!(
+        "{total} hosts: {}",
+        if parts.is_empty() { "none excluded".into() } else { parts.join(", ") }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::{ConsumerRef, Disk, Hardware, HostSpec, HostStatus};
+    use std::collections::BTreeMap;
+
+    fn host(name: &str, site: &str, state: HostState) -> Host {
+        let mut h = Host::new(
+            name,
+            HostSpec {
+                boot_mac_address: "52:54:00:00:00:01".into(),
+                online: true,
+                maintenance: false,
+                bmc: None,
+                consumer_ref: None,
+                provisioning: None,
+                wipe: None,
+            },
+        );
+        h.metadata.labels = Some(BTreeMap::from([
+            (SITE_LABEL.to_owned(), site.to_owned()),
+            ("rack".into(), "r1".into()),
+        ]));
+        h.status = Some(HostStatus { state: Some(state), ..Default::default() });
+        h
+    }
+
+    #[test]
+    fn only_available_unclaimed_matching_hosts_are_candidates() {
+        let ok = host("a", "s1", HostState::Available);
+        assert_eq!(check(&ok, None, Some("s1")), Ok(()));
+        assert_eq!(check(&ok, None, None), Ok(()));
+        assert_eq!(check(&ok, None, Some("s2")), Err(Excluded::OtherSite));
+        assert_eq!(
+            check(&host("b", "s1", HostState::Provisioned), None, None),
+            Err(Excluded::NotAvailable)
+        );
+        let mut claimed = ok.clone();
+        claimed.spec.consumer_ref = Some(ConsumerRef {
+            api_version: "v".into(),
+            kind: "k".into(),
+            namespace: "n".into(),
+            name: "m".into(),
+            uid: "u".into(),
+        });
+        assert_eq!(check(&claimed, None, None), Err(Excluded::Claimed));
+        let mut cordoned = ok.clone();
+        cordoned.spec.maintenance = true;
+        assert_eq!(check(&cordoned, None, None), Err(Excluded::Maintenance));
+
+        let labels = HostSelector {
+            match_labels: BTreeMap::from([("rack".into(), "r2".into())]),
+            ..Default::default()
+        };
+        assert_eq!(check(&ok, Some(&labels), None), Err(Excluded::Labels));
+        let hw = HostSelector {
+            hardware: Some(HardwareSelector {
+                min_cpus: Some(4),
+                min_disk_bytes: Some(100),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(check(&ok, Some(&hw), None), Err(Excluded::Hardware), "not inspected");
+        let mut big = ok.clone();
+        big.status.as_mut().unwrap().hardware = Some(Hardware {
+            cpus: 8,
+            disks: vec![Disk {
+                name: "sda".into(),
+                size_bytes: 200,
+                model: None,
+                rotational: false,
+            }],
+            ..Default::default()
+        });
+        assert_eq!(check(&big, Some(&hw), None), Ok(()));
+        assert_eq!(
+            explain([&ok, &claimed, &cordoned], Some(&labels), None),
+            "3 hosts: 1 claimed, 1 in maintenance, 1 without the selector's labels"
+        );
+    }
+
+    #[test]
+    fn candidate_order_depends_on_the_seed() {
+        let hosts: Vec<Host> =
+            (0..8).map(|i| host(&format!("h{i}"), "s", HostState::Available)).collect();
+        let order = |seed| {
+            candidates(&hosts, None, None, seed)
+                .iter()
+                .map(|h| h.metadata.name.clone().unwrap())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(order(1).len(), 8);
+        assert_eq!(order(1), order(1));
+        assert!((2..10).any(|s| order(s)[0] != order(1)[0]), "different seeds start elsewhere");
+    }
+}

@@ -1,0 +1,42 @@
+//! Per-operation tokens: minted when a host boots into the ramdisk, put on its kernel command
+//! line, and checked on every agent request. Only the SHA-256 of a token is ever stored.
+
+use rand::RngCore;
+use sha2::{Digest, Sha256};
+
+/// A fresh random token: 32 bytes, hex. Returns the token and its hash.
+pub fn mint() -> (String, String) {
+    let mut bytes = [0u8; 32];
+    rand::rng().fill_bytes(&mut bytes);
+    let token = hex::encode(bytes);
+    let hash = hash(&token);
+    (token, hash)
+}
+
+pub fn hash(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// Whether `token` hashes to `expected_hash`, comparing in constant time.
+pub fn matches(token: &str, expected_hash: &str) -> bool {
+    let actual = hash(token);
+    actual.len() == expected_hash.len()
+        && actual.bytes().zip(expected_hash.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_fresh_and_only_their_hash_matches() {
+        let (a, ha) = mint();
+        let (b, hb) = mint();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 64);
+        assert!(matches(&a, &ha));
+        assert!(!matches(&a, &hb));
+        assert!(!matches(&ha, &ha), "the hash is not a token");
+        assert!(!matches("", &ha));
+    }
+}
