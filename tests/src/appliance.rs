@@ -156,6 +156,11 @@ impl Appliance {
     }
 
     /// `http://10.99.0.1:8080`.
+    /// The running process's pid, if it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().map(Supervised::pid)
+    }
+
     pub fn base_url(&self) -> &str {
         &self.base_url
     }

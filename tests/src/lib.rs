@@ -7,6 +7,7 @@
 
 pub mod appliance;
 pub mod clients;
+pub mod forward;
 pub mod initramfs;
 pub mod kube;
 pub mod netns;

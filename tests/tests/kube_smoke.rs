@@ -4,52 +4,23 @@
 //!
 //! Needs `scripts/build-test-peers` (see docs/testing.md); fails with that hint otherwise.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use k8s_openapi::api::core::v1::{Namespace, Node, Secret};
+use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
-use serde_json::{Value, json};
+use serde_json::json;
 use siteboot_tests::kube::KubeEnv;
+use siteboot_tests::kube::capi::{self, CAPI, CLUSTER_NAME_LABEL, wait_gone, wait_object};
 use siteboot_tests::wait;
 
-const CAPI: &str = "cluster.x-k8s.io/v1beta2";
 const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
 const INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
-const CONTROL_PLANE: &str = "controlplane.cluster.x-k8s.io/v1alpha1";
-const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Minimal providers: TestMachine and TestMachineTemplate (infrastructure) and TestControlPlane,
-/// labelled with the v1beta2 contract so CAPI reads `status.initialization.*`.
+/// Minimal infrastructure providers: TestMachine and TestMachineTemplate, labelled with the
+/// v1beta2 contract so CAPI reads `status.initialization.*`.
 const TEST_PROVIDER_CRDS: &str = r#"
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: testcontrolplanes.controlplane.cluster.x-k8s.io
-  labels:
-    cluster.x-k8s.io/v1beta2: v1alpha1
-spec:
-  group: controlplane.cluster.x-k8s.io
-  scope: Namespaced
-  names:
-    kind: TestControlPlane
-    listKind: TestControlPlaneList
-    plural: testcontrolplanes
-    singular: testcontrolplane
-  versions:
-    - name: v1alpha1
-      served: true
-      storage: true
-      subresources: { status: {} }
-      schema:
-        openAPIV3Schema:
-          type: object
-          properties:
-            spec: { type: object, x-kubernetes-preserve-unknown-fields: true }
-            status: { type: object, x-kubernetes-preserve-unknown-fields: true }
----
 apiVersion: apiextensions.k8s.io/v1
 kind: CustomResourceDefinition
 metadata:
@@ -155,9 +126,9 @@ async fn machine_lifecycle_steps(env: &KubeEnv) -> Result<()> {
     );
 
     machines.delete("worker-0", &DeleteParams::default()).await?;
-    wait_gone(&test_machines, "worker-0").await?;
-    wait_gone(&nodes, &node).await?;
-    wait_gone(&machines, "worker-0").await?;
+    wait_gone(&test_machines, "worker-0", TIMEOUT).await?;
+    wait_gone(&nodes, &node, TIMEOUT).await?;
+    wait_gone(&machines, "worker-0", TIMEOUT).await?;
     Ok(())
 }
 
@@ -205,7 +176,7 @@ async fn machine_deployment_steps(env: &KubeEnv) -> Result<()> {
     for name in &names {
         node_names.push(provision(env, ns, &cluster, name).await?);
     }
-    wait_object(&deployments, "workers", "2 replicas", |md| {
+    wait_object(&deployments, "workers", "2 replicas", TIMEOUT, |md| {
         md.data["status"]["replicas"] == json!(2)
     })
     .await?;
@@ -223,7 +194,7 @@ async fn machine_deployment_steps(env: &KubeEnv) -> Result<()> {
     })
     .await?;
     for name in &node_names {
-        wait_gone(&nodes, name).await?;
+        wait_gone(&nodes, name, TIMEOUT).await?;
     }
     let left: Vec<_> = test_machines.list(&ListParams::default()).await?.items;
     let left: Vec<_> = left.iter().filter_map(|m| m.metadata.name.as_deref()).collect();
@@ -241,52 +212,9 @@ async fn machine_deployment_steps(env: &KubeEnv) -> Result<()> {
 /// - the `<cluster>-kubeconfig` Secret, pointing at the same apiserver, and a bootstrap Secret.
 async fn workload_cluster(env: &KubeEnv, ns: &str, name: &str) -> Result<String> {
     env.install_crd_yaml(TEST_PROVIDER_CRDS).await?;
-    let namespace: Namespace = serde_json::from_value(json!({ "metadata": { "name": ns } }))?;
-    Api::<Namespace>::all(env.client()).create(&PostParams::default(), &namespace).await?;
-
-    let port = env.apiserver_port();
-    let control_plane: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": CONTROL_PLANE, "kind": "TestControlPlane",
-        "metadata": { "name": name },
-        "spec": { "controlPlaneEndpoint": { "host": "127.0.0.1", "port": port } },
-    }))?;
-    let control_planes = env.api(CONTROL_PLANE, "TestControlPlane", Some(ns));
-    control_planes.create(&PostParams::default(), &control_plane).await?;
-    let status = json!({ "status": {
-        "initialization": { "controlPlaneInitialized": true },
-        "externalManagedControlPlane": true,
-    }});
-    control_planes.patch_status(name, &PatchParams::default(), &Patch::Merge(status)).await?;
-    env.create_workload_kubeconfig_secret(ns, name).await?;
-
-    let cluster: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": CAPI, "kind": "Cluster",
-        "metadata": { "name": name },
-        "spec": {
-            "controlPlaneRef": {
-                "apiGroup": "controlplane.cluster.x-k8s.io", "kind": "TestControlPlane", "name": name,
-            },
-        },
-    }))?;
-    let clusters = env.api(CAPI, "Cluster", Some(ns));
-    clusters.create(&PostParams::default(), &cluster).await?;
-    wait_object(&clusters, name, "infrastructure provisioned and control plane initialized", |c| {
-        let init = &c.data["status"]["initialization"];
-        init["infrastructureProvisioned"] == json!(true)
-            && init["controlPlaneInitialized"] == json!(true)
-    })
-    .await?;
-    wait_object(&control_planes, name, "owned by its Cluster", |cp| {
-        cp.metadata.owner_references.iter().flatten().any(|o| o.kind == "Cluster" && o.name == name)
-    })
-    .await?;
-
-    let bootstrap: Secret = serde_json::from_value(json!({
-        "metadata": { "name": bootstrap_secret(name), "labels": { CLUSTER_NAME_LABEL: name } },
-        "type": "cluster.x-k8s.io/secret",
-        "stringData": { "value": "#cloud-config\n", "format": "cloud-config" },
-    }))?;
-    Api::<Secret>::namespaced(env.client(), ns).create(&PostParams::default(), &bootstrap).await?;
+    capi::create_namespace(env, ns).await?;
+    capi::create_cluster(env, ns, name, None).await?;
+    capi::create_bootstrap_secret(env, ns, name, &bootstrap_secret(name), "#cloud-config\n").await?;
     Ok(name.to_owned())
 }
 
@@ -303,7 +231,7 @@ async fn provision(env: &KubeEnv, ns: &str, cluster: &str, machine_name: &str) -
         .context("Machine without infrastructureRef")?
         .to_owned();
 
-    wait_object(&test_machines, &infra, "owner reference and cluster-name label", |m| {
+    wait_object(&test_machines, &infra, "owner reference and cluster-name label", TIMEOUT, |m| {
         let owned = m
             .metadata
             .owner_references
@@ -331,7 +259,7 @@ async fn provision(env: &KubeEnv, ns: &str, cluster: &str, machine_name: &str) -
             &Patch::Merge(json!({ "status": { "initialization": { "provisioned": true } } })),
         )
         .await?;
-    wait_object(&machines, machine_name, "phase Provisioned", |m| {
+    wait_object(&machines, machine_name, "phase Provisioned", TIMEOUT, |m| {
         m.data["spec"]["providerID"] == json!(provider_id)
             && matches!(m.data["status"]["phase"].as_str(), Some("Provisioned" | "Running"))
     })
@@ -342,7 +270,7 @@ async fn provision(env: &KubeEnv, ns: &str, cluster: &str, machine_name: &str) -
         "spec": { "providerID": provider_id },
     }))?;
     Api::<Node>::all(env.client()).create(&PostParams::default(), &node).await?;
-    wait_object(&machines, machine_name, "phase Running with a nodeRef", |m| {
+    wait_object(&machines, machine_name, "phase Running with a nodeRef", TIMEOUT, |m| {
         m.data["status"]["phase"] == json!("Running")
             && m.data["status"]["nodeRef"]["name"] == json!(infra)
     })
@@ -376,35 +304,4 @@ fn machine(cluster: &str, name: &str, infra: &str) -> DynamicObject {
         },
     }))
     .expect("a valid Machine")
-}
-
-/// Waits until `name` satisfies `done`; on timeout the error shows the object as last seen.
-async fn wait_object(
-    api: &Api<DynamicObject>,
-    name: &str,
-    what: &str,
-    done: impl Fn(&DynamicObject) -> bool,
-) -> Result<DynamicObject> {
-    let last_seen = Mutex::new(None::<Value>);
-    let (last_seen_ref, done) = (&last_seen, &done);
-    let found = wait::for_async(&format!("{name}: {what}"), TIMEOUT, || async move {
-        let object = api.get_opt(name).await.ok().flatten()?;
-        *last_seen_ref.lock().unwrap() = serde_json::to_value(&object).ok();
-        done(&object).then_some(object)
-    })
-    .await;
-    let last = last_seen.lock().unwrap().take();
-    found
-        .with_context(|| format!("last seen: {}", last.map_or("nothing".into(), |v| v.to_string())))
-}
-
-/// Waits until `name` no longer exists.
-async fn wait_gone<K>(api: &Api<K>, name: &str) -> Result<()>
-where
-    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    wait::for_async(&format!("{name} to be deleted"), TIMEOUT, || async {
-        matches!(api.get_opt(name).await, Ok(None)).then_some(())
-    })
-    .await
 }

@@ -21,6 +21,7 @@
 //! owner references and no namespace finalization), a scheduler and kubelets. Tests create Nodes.
 
 mod manifests;
+pub mod capi;
 pub mod peers;
 mod pki;
 
