@@ -77,12 +77,19 @@ pub struct Appliance {
     state_dir: PathBuf,
     http_root: PathBuf,
     process: Option<Supervised>,
+    /// Extra `serve` arguments, kept for restarts.
+    args: Vec<String>,
     dir: tempfile::TempDir,
 }
 
 impl Appliance {
     /// Writes `config` (YAML) and starts siteboot in `ns`, waiting until `/healthz` answers 200.
-    pub fn start(ns: &Netns, mut config: Value) -> Result<Self> {
+    pub fn start(ns: &Netns, config: Value) -> Result<Self> {
+        Self::start_with_args(ns, config, &[])
+    }
+
+    /// [`start`](Self::start) with more `siteboot serve` arguments (e.g. `--kubeconfig`).
+    pub fn start_with_args(ns: &Netns, mut config: Value, args: &[&str]) -> Result<Self> {
         let bin = binary()?;
         let dir = tempfile::Builder::new().prefix("siteboot-appliance-").tempdir()?;
         if config.get("state_dir").is_none() {
@@ -109,6 +116,7 @@ impl Appliance {
             state_dir,
             http_root,
             process: None,
+            args: args.iter().map(|a| (*a).to_owned()).collect(),
             dir,
         };
         appliance.spawn()?;
@@ -117,7 +125,7 @@ impl Appliance {
 
     fn spawn(&mut self) -> Result<()> {
         let mut command = netns::exec(&self.ns, &self.bin);
-        command.arg("serve").arg("--config").arg(&self.config_path);
+        command.arg("serve").arg("--config").arg(&self.config_path).args(&self.args);
         // Enough detail to follow one boot in the log printed on failure; no colour codes.
         if std::env::var_os("SITEBOOT_LOG").is_none() {
             command.env("SITEBOOT_LOG", "info,siteboot_boot=debug");
@@ -155,12 +163,12 @@ impl Appliance {
         })
     }
 
-    /// `http://10.99.0.1:8080`.
     /// The running process's pid, if it runs.
     pub fn pid(&self) -> Option<u32> {
         self.process.as_ref().map(Supervised::pid)
     }
 
+    /// `http://10.99.0.1:8080`.
     pub fn base_url(&self) -> &str {
         &self.base_url
     }

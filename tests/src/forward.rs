@@ -25,7 +25,9 @@ pub struct LoopbackForward {
 
 impl LoopbackForward {
     pub fn start(ns: &Netns, target: u16) -> Result<Self> {
-        let listener = Arc::new(ns.enter(|| Ok(TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))?))?);
+        let listener = Arc::new(
+            ns.enter(|| Ok(TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))?))?,
+        );
         let port = listener.local_addr()?.port();
         let stop = Arc::new(AtomicBool::new(false));
         let (accepting, stopping) = (listener.clone(), stop.clone());
@@ -35,7 +37,8 @@ impl LoopbackForward {
                     break;
                 }
                 let Ok(inner) = conn else { continue };
-                let Ok(outer) = TcpStream::connect(SocketAddrV4::new(Ipv4Addr::LOCALHOST, target)) else {
+                let Ok(outer) = TcpStream::connect(SocketAddrV4::new(Ipv4Addr::LOCALHOST, target))
+                else {
                     let _ = inner.shutdown(Shutdown::Both);
                     continue;
                 };

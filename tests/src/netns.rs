@@ -99,12 +99,17 @@ impl Netns {
 impl Netns {
     /// Runs `f` on a thread that has entered this namespace, and returns its result. Sockets
     /// `f` creates stay in the namespace, so the test process can use them from anywhere.
-    pub fn enter<T: Send + 'static>(&self, f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    pub fn enter<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Result<T> {
         let path = format!("/run/netns/{}", self.name);
         std::thread::spawn(move || -> Result<T> {
             let target = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;
             // SAFETY: setns changes only this thread, which ends when `f` returns.
-            if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&target), libc::CLONE_NEWNET) } != 0 {
+            if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&target), libc::CLONE_NEWNET) }
+                != 0
+            {
                 bail!("setns into {path}: {}", std::io::Error::last_os_error());
             }
             f()

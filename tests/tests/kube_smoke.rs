@@ -214,7 +214,8 @@ async fn workload_cluster(env: &KubeEnv, ns: &str, name: &str) -> Result<String>
     env.install_crd_yaml(TEST_PROVIDER_CRDS).await?;
     capi::create_namespace(env, ns).await?;
     capi::create_cluster(env, ns, name, None).await?;
-    capi::create_bootstrap_secret(env, ns, name, &bootstrap_secret(name), "#cloud-config\n").await?;
+    capi::create_bootstrap_secret(env, ns, name, &bootstrap_secret(name), "#cloud-config\n")
+        .await?;
     Ok(name.to_owned())
 }
 

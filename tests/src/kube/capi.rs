@@ -65,7 +65,12 @@ pub type InfraRef<'a> = (&'a str, &'a str, &'a str);
 /// - the `<cluster>-kubeconfig` Secret, pointing at the same apiserver;
 /// - `infrastructure` as its infrastructureRef, if given; waits until CAPI reports the
 ///   infrastructure provisioned and the control plane initialized.
-pub async fn create_cluster(env: &KubeEnv, ns: &str, name: &str, infrastructure: Option<InfraRef<'_>>) -> Result<()> {
+pub async fn create_cluster(
+    env: &KubeEnv,
+    ns: &str,
+    name: &str,
+    infrastructure: Option<InfraRef<'_>>,
+) -> Result<()> {
     env.install_crd_yaml(TEST_CONTROL_PLANE_CRD).await?;
     let port = env.apiserver_port();
     let control_plane: DynamicObject = serde_json::from_value(json!({
@@ -88,14 +93,22 @@ pub async fn create_cluster(env: &KubeEnv, ns: &str, name: &str, infrastructure:
     if let Some((group, kind, infra)) = infrastructure {
         spec["infrastructureRef"] = json!({ "apiGroup": group, "kind": kind, "name": infra });
     }
-    let cluster: DynamicObject =
-        serde_json::from_value(json!({ "apiVersion": CAPI, "kind": "Cluster", "metadata": { "name": name }, "spec": spec }))?;
+    let cluster: DynamicObject = serde_json::from_value(
+        json!({ "apiVersion": CAPI, "kind": "Cluster", "metadata": { "name": name }, "spec": spec }),
+    )?;
     let clusters = env.api(CAPI, "Cluster", Some(ns));
     clusters.create(&PostParams::default(), &cluster).await?;
-    wait_object(&clusters, name, "infrastructure provisioned and control plane initialized", Duration::from_secs(60), |c| {
-        let init = &c.data["status"]["initialization"];
-        init["infrastructureProvisioned"] == json!(true) && init["controlPlaneInitialized"] == json!(true)
-    })
+    wait_object(
+        &clusters,
+        name,
+        "infrastructure provisioned and control plane initialized",
+        Duration::from_secs(60),
+        |c| {
+            let init = &c.data["status"]["initialization"];
+            init["infrastructureProvisioned"] == json!(true)
+                && init["controlPlaneInitialized"] == json!(true)
+        },
+    )
     .await?;
     wait_object(&control_planes, name, "owned by its Cluster", Duration::from_secs(60), |cp| {
         cp.metadata.owner_references.iter().flatten().any(|o| o.kind == "Cluster" && o.name == name)
@@ -105,7 +118,13 @@ pub async fn create_cluster(env: &KubeEnv, ns: &str, name: &str, infrastructure:
 }
 
 /// A bootstrap data Secret as a bootstrap provider writes it (type, label, `value`, `format`).
-pub async fn create_bootstrap_secret(env: &KubeEnv, ns: &str, cluster: &str, name: &str, value: &str) -> Result<()> {
+pub async fn create_bootstrap_secret(
+    env: &KubeEnv,
+    ns: &str,
+    cluster: &str,
+    name: &str,
+    value: &str,
+) -> Result<()> {
     let secret: Secret = serde_json::from_value(json!({
         "metadata": { "name": name, "labels": { CLUSTER_NAME_LABEL: cluster } },
         "type": "cluster.x-k8s.io/secret",
@@ -116,7 +135,13 @@ pub async fn create_bootstrap_secret(env: &KubeEnv, ns: &str, cluster: &str, nam
 }
 
 /// Waits until `name` satisfies `done`; on timeout the error shows the object as last seen.
-pub async fn wait_object<K>(api: &Api<K>, name: &str, what: &str, timeout: Duration, done: impl Fn(&K) -> bool) -> Result<K>
+pub async fn wait_object<K>(
+    api: &Api<K>,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    done: impl Fn(&K) -> bool,
+) -> Result<K>
 where
     K: Clone + DeserializeOwned + serde::Serialize + Debug,
 {
@@ -129,7 +154,8 @@ where
     })
     .await;
     let last = last_seen.lock().unwrap().take();
-    found.with_context(|| format!("last seen: {}", last.map_or("nothing".into(), |v| v.to_string())))
+    found
+        .with_context(|| format!("last seen: {}", last.map_or("nothing".into(), |v| v.to_string())))
 }
 
 /// Waits until `name` no longer exists.

@@ -20,8 +20,8 @@
 //! Missing compared to a real cluster: kube-controller-manager (so no garbage collection of
 //! owner references and no namespace finalization), a scheduler and kubelets. Tests create Nodes.
 
-mod manifests;
 pub mod capi;
+mod manifests;
 pub mod peers;
 mod pki;
 
