@@ -3,17 +3,17 @@
 
 use std::sync::Arc;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::Api;
+use kube::CustomResourceExt;
+use kube::api::{Api, ListParams};
 use kube::runtime::watcher;
 use siteboot_boot::timeline::Timeline;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::context::Ctx;
-use crate::crd::{Host, SITE_LABEL};
+use crate::crd::{Host, SITE_LABEL, Site, SitebootCluster, SitebootMachine};
 use crate::leader::LeaderElection;
-use crate::{cluster, host, machine, manifests, site};
+use crate::{cluster, host, machine, site};
 
 pub struct Options {
     /// Namespace of the leader Lease.
@@ -25,17 +25,30 @@ pub struct Options {
     pub addresses: Vec<String>,
 }
 
-/// Fails unless siteboot's CRDs are installed, saying how to install them.
+/// Fails unless siteboot's CRDs are installed, saying how to install them. Probes each kind
+/// with a one-item list: the appliance has no rights on CRDs themselves, and needs none.
 pub async fn check_crds(client: &kube::Client) -> anyhow::Result<()> {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for crd in manifests::crds() {
-        let name = crd.metadata.name.unwrap_or_default();
-        if api.get_opt(&name).await?.is_none() {
-            anyhow::bail!(
-                "CRD {name} is not installed: run `siteboot manifests | kubectl apply -f -`"
-            );
+    async fn probe<K>(client: &kube::Client) -> anyhow::Result<()>
+    where
+        K: kube::Resource<DynamicType = ()>
+            + CustomResourceExt
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        match Api::<K>::all(client.clone()).list(&ListParams::default().limit(1)).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => anyhow::bail!(
+                "the {} CRD is not installed: run `siteboot manifests | kubectl apply -f -`",
+                K::crd_name()
+            ),
+            Err(e) => Err(anyhow::Error::new(e).context(format!("listing {}", K::plural(&())))),
         }
     }
+    probe::<Host>(client).await?;
+    probe::<Site>(client).await?;
+    probe::<SitebootMachine>(client).await?;
+    probe::<SitebootCluster>(client).await?;
     Ok(())
 }
 

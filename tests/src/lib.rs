@@ -12,5 +12,7 @@ pub mod initramfs;
 pub mod kube;
 pub mod netns;
 pub mod process;
+pub mod provider;
+pub mod sim;
 pub mod vm;
 pub mod wait;

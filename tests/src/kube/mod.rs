@@ -124,6 +124,11 @@ impl KubeEnv {
         &self.kubeconfig_path
     }
 
+    /// The admin kubeconfig's text.
+    pub fn admin_kubeconfig(&self) -> &str {
+        &self.admin_kubeconfig
+    }
+
     /// `https://127.0.0.1:<port>`.
     pub fn apiserver_url(&self) -> &str {
         &self.apiserver_url

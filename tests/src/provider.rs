@@ -1,0 +1,445 @@
+//! The lab for the Cluster API provider: the real Kubernetes + CAPI environment, siteboot in
+//! Kubernetes mode in a lab namespace (reaching the apiserver through a loopback forward, as its
+//! own ServiceAccount with the RBAC siteboot ships), and simulated hosts on the lab bridge.
+//!
+//! A background "operator" plays what the simulated hosts cannot: it power-cycles a host whose
+//! Host object needs the ramdisk while the host runs its OS (the BMC driver comes later), and
+//! runs the kubelet of every provisioned host (a Node with the host's providerID, Ready unless
+//! the test says otherwise).
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use kube::ResourceExt;
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use sha2::Digest;
+use siteboot_controller::crd::{Host, HostSpec, HostState, SITE_LABEL};
+use siteboot_controller::manifests;
+
+use crate::appliance::{self, Appliance};
+use crate::forward::LoopbackForward;
+use crate::kube::KubeEnv;
+use crate::kube::capi::{self, CAPI};
+use crate::netns::Netns;
+use crate::sim::{Phase, SimHost};
+use crate::wait;
+
+/// Namespace of the Hosts, the Cluster and its Machines.
+pub const NS: &str = "metal";
+pub const SITE: &str = "lab";
+pub const SYSTEM_NS: &str = "siteboot-system";
+pub const INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
+pub const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
+
+pub struct ProviderLab {
+    pub sims: Arc<Vec<SimHost>>,
+    pub siteboot: Appliance,
+    not_ready: Arc<Mutex<HashSet<String>>>,
+    operator: tokio::task::JoinHandle<()>,
+    _forward: LoopbackForward,
+    pub lab: Netns,
+    // Last: the apiserver outlives everything that talks to it.
+    pub env: KubeEnv,
+}
+
+impl Drop for ProviderLab {
+    fn drop(&mut self) {
+        self.operator.abort();
+    }
+}
+
+/// A MAC for simulated host `i`.
+pub fn sim_mac(i: usize) -> String {
+    format!("52:54:00:00:0c:{i:02x}")
+}
+
+pub fn host_name(i: usize) -> String {
+    format!("host-{i}")
+}
+
+impl ProviderLab {
+    /// `hosts` simulated hosts with Host objects, siteboot in Kubernetes mode (`config` may
+    /// adjust its configuration), and every Host inspected and Available.
+    pub async fn start(hosts: usize, config: impl FnOnce(&mut Value)) -> Result<Self> {
+        let env = KubeEnv::start().await?;
+        for crd in manifests::crds() {
+            env.install_crd(&serde_json::to_value(crd)?).await?;
+        }
+        capi::create_namespace(&env, NS).await?;
+        capi::create_namespace(&env, SYSTEM_NS).await?;
+        let token = service_account_token(&env).await?;
+
+        let lab = appliance::lab_network("prov")?;
+        let forward = LoopbackForward::start(&lab, env.apiserver_port())?;
+        let kubeconfig = env.dir().join("siteboot.kubeconfig");
+        std::fs::write(&kubeconfig, service_account_kubeconfig(&env, forward.port(), &token)?)?;
+
+        let mut cfg = appliance::lab_config("full");
+        cfg.as_object_mut().unwrap().remove("unknown_hosts");
+        cfg["profiles"]["ramdisk"] = json!({ "kernel": "ramdisk/vmlinuz", "initrds": ["ramdisk/initrd.img"], "cmdline": "console=ttyS0" });
+        cfg["kubernetes"] =
+            json!({ "site": SITE, "ramdisk_profile": "ramdisk", "lease_namespace": SYSTEM_NS });
+        config(&mut cfg);
+        let siteboot =
+            Appliance::start_with_args(&lab, cfg, &["--kubeconfig", kubeconfig.to_str().unwrap()])?;
+        let ramdisk = siteboot.http_root().join("ramdisk");
+        std::fs::create_dir_all(&ramdisk)?;
+        std::fs::write(ramdisk.join("vmlinuz"), vec![0xaa; 64 * 1024])?;
+        std::fs::write(ramdisk.join("initrd.img"), vec![0xbb; 32 * 1024])?;
+
+        let api: Api<Host> = Api::namespaced(env.client(), NS);
+        for i in 0..hosts {
+            create_host(&api, i).await?;
+        }
+        let sims: Vec<SimHost> = (0..hosts)
+            .map(|i| SimHost::start(&lab, appliance::BRIDGE, &sim_mac(i), siteboot.base_url()))
+            .collect::<Result<_>>()?;
+        let sims = Arc::new(sims);
+        let not_ready = Arc::new(Mutex::new(HashSet::new()));
+        let operator = tokio::spawn(operate(env.client(), sims.clone(), not_ready.clone()));
+        let lab = Self { sims, siteboot, not_ready, operator, _forward: forward, lab, env };
+        lab.wait_hosts(HostState::Available, hosts, Duration::from_secs(120)).await?;
+        Ok(lab)
+    }
+
+    pub fn hosts(&self) -> Api<Host> {
+        Api::namespaced(self.env.client(), NS)
+    }
+
+    pub fn api(&self, kind: &str) -> Api<DynamicObject> {
+        let version = if kind.starts_with("Siteboot") { INFRA } else { CAPI };
+        self.env.api(version, kind, Some(NS))
+    }
+
+    /// Hosts by state.
+    pub async fn host_states(&self) -> Result<BTreeMap<String, HostState>> {
+        let hosts = self.hosts().list(&ListParams::default()).await?;
+        Ok(hosts
+            .items
+            .iter()
+            .filter_map(|h| Some((h.name_any(), h.status.as_ref()?.state?)))
+            .collect())
+    }
+
+    /// Waits until exactly `count` Hosts are in `state`.
+    pub async fn wait_hosts(
+        &self,
+        state: HostState,
+        count: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        let last = Mutex::new(BTreeMap::new());
+        let result = wait::for_async(&format!("{count} Hosts {state:?}"), timeout, || async {
+            let states = self.host_states().await.ok()?;
+            let n = states.values().filter(|s| **s == state).count();
+            *last.lock().unwrap() = states;
+            (n == count).then_some(())
+        })
+        .await;
+        let _ = last;
+        let state = self.describe().await;
+        result.with_context(|| format!("state:\n{state}"))
+    }
+
+    /// What an operator would look at: Machines, SitebootMachines and Hosts, one line each.
+    pub async fn describe(&self) -> String {
+        let mut out = Vec::new();
+        let ready = |o: &DynamicObject| {
+            o.data["status"]["conditions"]
+                .as_array()
+                .and_then(|c| c.iter().find(|c| c["type"] == "Ready").cloned())
+                .unwrap_or_default()
+        };
+        if let Ok(list) = self.api("Machine").list(&ListParams::default()).await {
+            for m in list.items {
+                out.push(format!(
+                    "Machine {} phase={} infra={} deleting={}",
+                    m.name_any(),
+                    m.data["status"]["phase"],
+                    m.data["spec"]["infrastructureRef"]["name"],
+                    m.metadata.deletion_timestamp.is_some()
+                ));
+            }
+        }
+        if let Ok(list) = self.api("SitebootMachine").list(&ListParams::default()).await {
+            for m in list.items {
+                let r = ready(&m);
+                out.push(format!(
+                    "SitebootMachine {} host={} ready={} {} {} deleting={}",
+                    m.name_any(),
+                    m.data["spec"]["hostRef"]["name"],
+                    r["status"],
+                    r["reason"],
+                    r["message"],
+                    m.metadata.deletion_timestamp.is_some()
+                ));
+            }
+        }
+        if let Ok(list) = self.hosts().list(&ListParams::default()).await {
+            for h in list.items {
+                let status = h.status.clone().unwrap_or_default();
+                out.push(format!(
+                    "Host {} state={:?} consumer={:?} provisioning={} op={:?}",
+                    h.name_any(),
+                    status.state,
+                    h.spec.consumer_ref.as_ref().map(|c| c.name.clone()),
+                    h.spec.provisioning.is_some(),
+                    status.operation.map(|o| (o.kind, o.step)),
+                ));
+            }
+        }
+        for sim in self.sims.iter() {
+            out.push(format!("sim {} phase={:?} boots={}", sim.mac(), sim.phase(), sim.boots()));
+        }
+        out.join("\n")
+    }
+
+    /// The Node of a provisioned host reports NotReady (or Ready again).
+    pub fn set_node_ready(&self, host: &str, ready: bool) {
+        let mut set = self.not_ready.lock().unwrap();
+        if ready {
+            set.remove(host);
+        } else {
+            set.insert(host.to_owned());
+        }
+    }
+
+    /// A SitebootCluster and a Cluster using it, and the bootstrap Secret its Machines use.
+    pub async fn create_cluster(&self, name: &str, bootstrap: &str) -> Result<()> {
+        let sbc: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": INFRA, "kind": "SitebootCluster", "metadata": { "name": name }, "spec": {},
+        }))?;
+        self.api("SitebootCluster").create(&PostParams::default(), &sbc).await?;
+        capi::create_cluster(&self.env, NS, name, Some((INFRA_GROUP, "SitebootCluster", name)))
+            .await?;
+        capi::create_bootstrap_secret(&self.env, NS, name, &format!("{name}-bootstrap"), bootstrap)
+            .await
+    }
+
+    /// A SitebootMachineTemplate writing image `image` (a name: the URL and checksum derive
+    /// from it).
+    pub async fn create_template(&self, name: &str, image: &str) -> Result<()> {
+        let template: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": INFRA, "kind": "SitebootMachineTemplate", "metadata": { "name": name },
+            "spec": { "template": { "spec": { "image": image_spec(image) } } },
+        }))?;
+        self.api("SitebootMachineTemplate").create(&PostParams::default(), &template).await?;
+        Ok(())
+    }
+
+    /// A MachineDeployment of `replicas` Machines from `template`, bootstrapped with the
+    /// cluster's bootstrap Secret.
+    pub async fn create_machine_deployment(
+        &self,
+        name: &str,
+        cluster: &str,
+        template: &str,
+        replicas: u32,
+    ) -> Result<()> {
+        let md: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": CAPI, "kind": "MachineDeployment", "metadata": { "name": name },
+            "spec": {
+                "clusterName": cluster,
+                "replicas": replicas,
+                "selector": { "matchLabels": { "pool": name } },
+                "template": {
+                    "metadata": { "labels": { "pool": name } },
+                    "spec": {
+                        "clusterName": cluster,
+                        "bootstrap": { "dataSecretName": format!("{cluster}-bootstrap") },
+                        "infrastructureRef": { "apiGroup": INFRA_GROUP, "kind": "SitebootMachineTemplate", "name": template },
+                    },
+                },
+            },
+        }))?;
+        self.api("MachineDeployment").create(&PostParams::default(), &md).await?;
+        Ok(())
+    }
+
+    /// Machines of a MachineDeployment that are Running with a nodeRef.
+    pub async fn running_machines(&self, deployment: &str) -> Result<Vec<DynamicObject>> {
+        let lp =
+            ListParams::default().labels(&format!("cluster.x-k8s.io/deployment-name={deployment}"));
+        let machines = self.api("Machine").list(&lp).await?.items;
+        Ok(machines
+            .into_iter()
+            .filter(|m| {
+                m.data["status"]["phase"] == json!("Running")
+                    && m.data["status"]["nodeRef"]["name"].is_string()
+            })
+            .collect())
+    }
+
+    /// Waits until the MachineDeployment has exactly `count` Machines, all Running.
+    pub async fn wait_running(
+        &self,
+        deployment: &str,
+        count: usize,
+        timeout: Duration,
+    ) -> Result<Vec<DynamicObject>> {
+        let lp =
+            ListParams::default().labels(&format!("cluster.x-k8s.io/deployment-name={deployment}"));
+        let result = wait::for_async(
+            &format!("{count} Machines of {deployment} Running"),
+            timeout,
+            || async {
+                let all = self.api("Machine").list(&lp).await.ok()?.items;
+                let running = self.running_machines(deployment).await.ok()?;
+                (all.len() == count && running.len() == count).then_some(running)
+            },
+        )
+        .await;
+        let state = self.describe().await;
+        result.with_context(|| format!("state:\n{state}"))
+    }
+}
+
+pub fn image_spec(image: &str) -> Value {
+    let digest = sha2::Sha256::digest(image.as_bytes());
+    json!({ "url": format!("http://10.99.0.1:8080/files/images/{image}.raw"), "checksum": format!("sha256:{}", hex(&digest)) })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+async fn create_host(api: &Api<Host>, i: usize) -> Result<()> {
+    let mut host = Host::new(
+        &host_name(i),
+        HostSpec {
+            boot_mac_address: sim_mac(i),
+            online: true,
+            maintenance: false,
+            bmc: None,
+            consumer_ref: None,
+            provisioning: None,
+            wipe: None,
+        },
+    );
+    host.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), SITE.to_owned())]));
+    api.create(&PostParams::default(), &host).await?;
+    Ok(())
+}
+
+/// The ServiceAccount siteboot ships with, its RBAC, and a token for it.
+async fn service_account_token(env: &KubeEnv) -> Result<String> {
+    let client = env.client();
+    for object in manifests::rbac(SYSTEM_NS) {
+        let pp = PostParams::default();
+        match object["kind"].as_str() {
+            Some("ServiceAccount") => drop(
+                Api::<ServiceAccount>::namespaced(client.clone(), SYSTEM_NS)
+                    .create(&pp, &serde_json::from_value(object)?)
+                    .await?,
+            ),
+            Some("ClusterRole") => drop(
+                Api::<ClusterRole>::all(client.clone())
+                    .create(&pp, &serde_json::from_value(object)?)
+                    .await?,
+            ),
+            Some("ClusterRoleBinding") => drop(
+                Api::<ClusterRoleBinding>::all(client.clone())
+                    .create(&pp, &serde_json::from_value(object)?)
+                    .await?,
+            ),
+            Some("Role") => drop(
+                Api::<Role>::namespaced(client.clone(), SYSTEM_NS)
+                    .create(&pp, &serde_json::from_value(object)?)
+                    .await?,
+            ),
+            Some("RoleBinding") => drop(
+                Api::<RoleBinding>::namespaced(client.clone(), SYSTEM_NS)
+                    .create(&pp, &serde_json::from_value(object)?)
+                    .await?,
+            ),
+            other => bail!("unexpected RBAC kind {other:?}"),
+        }
+    }
+    let request: TokenRequest =
+        serde_json::from_value(json!({ "spec": { "audiences": [], "expirationSeconds": 86400 } }))?;
+    let api = Api::<ServiceAccount>::namespaced(client, SYSTEM_NS);
+    let response: TokenRequest =
+        api.create_subresource("token", "siteboot", &PostParams::default(), &request).await?;
+    response.status.and_then(|s| s.token).context("TokenRequest returned no token")
+}
+
+/// A kubeconfig for the siteboot ServiceAccount, with the apiserver at `port` on loopback.
+fn service_account_kubeconfig(env: &KubeEnv, port: u16, token: &str) -> Result<String> {
+    let admin: Value = serde_yaml::from_str(env.admin_kubeconfig())?;
+    let ca = admin["clusters"][0]["cluster"]["certificate-authority-data"]
+        .as_str()
+        .context("admin kubeconfig has no CA data")?;
+    Ok(serde_yaml::to_string(&json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{ "name": "lab", "cluster": { "server": format!("https://127.0.0.1:{port}"), "certificate-authority-data": ca } }],
+        "users": [{ "name": "siteboot", "user": { "token": token } }],
+        "contexts": [{ "name": "lab", "context": { "cluster": "lab", "user": "siteboot" } }],
+        "current-context": "lab",
+    }))?)
+}
+
+/// The operator's loop: power buttons and kubelets (see the module comment).
+async fn operate(
+    client: kube::Client,
+    sims: Arc<Vec<SimHost>>,
+    not_ready: Arc<Mutex<HashSet<String>>>,
+) {
+    let hosts: Api<Host> = Api::namespaced(client.clone(), NS);
+    let nodes: Api<Node> = Api::all(client);
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let Ok(list) = hosts.list(&ListParams::default()).await else { continue };
+        for host in &list.items {
+            let Some(sim) = sims.iter().find(|s| s.mac() == host.spec.boot_mac_address) else {
+                continue;
+            };
+            let state = host.status.as_ref().and_then(|s| s.state);
+            let needs_ramdisk = matches!(
+                state,
+                Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning)
+            );
+            if sim.phase() == Phase::Os && needs_ramdisk {
+                sim.reboot();
+            }
+            if sim.phase() == Phase::Os && state == Some(HostState::Provisioned) {
+                let ready = !not_ready.lock().unwrap().contains(&host.name_any());
+                let _ = kubelet(&nodes, host, ready).await;
+            }
+        }
+    }
+}
+
+/// Registers the host's Node (providerID as its SitebootMachine reports it) and its readiness.
+async fn kubelet(nodes: &Api<Node>, host: &Host, ready: bool) -> Result<()> {
+    let name = host.name_any();
+    let provider_id = format!("siteboot://{NS}/{name}");
+    if nodes.get_opt(&name).await?.is_none() {
+        let node: Node = serde_json::from_value(
+            json!({ "metadata": { "name": name }, "spec": { "providerID": provider_id } }),
+        )?;
+        nodes.create(&PostParams::default(), &node).await?;
+    }
+    // What a kubelet reports: Ready, and the three pressure conditions (CAPI counts a Node
+    // without them as not healthy, so a rollout would wait for it forever).
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let condition = |type_: &str, status: &str, reason: &str| {
+        json!({
+            "type": type_, "status": status, "reason": reason, "message": "simulated kubelet",
+            "lastHeartbeatTime": now, "lastTransitionTime": now,
+        })
+    };
+    let patch = json!({ "status": { "conditions": [
+        condition("Ready", if ready { "True" } else { "False" }, if ready { "KubeletReady" } else { "KubeletNotReady" }),
+        condition("MemoryPressure", "False", "KubeletHasSufficientMemory"),
+        condition("DiskPressure", "False", "KubeletHasNoDiskPressure"),
+        condition("PIDPressure", "False", "KubeletHasSufficientPID"),
+    ] } });
+    nodes.patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch)).await?;
+    Ok(())
+}

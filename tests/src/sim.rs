@@ -1,0 +1,340 @@
+//! A simulated bare-metal host: a namespace with one NIC on the lab bridge that does on the wire
+//! what a machine does when it network-boots from siteboot. It gets a lease with a real DHCP
+//! client (udhcpc), fetches its iPXE script, then either "boots the local disk" (the OS phase)
+//! or fetches the ramdisk's kernel and initrd and plays the deploy ramdisk against the agent
+//! API (`/agent/v1/...`) with the token from its kernel command line.
+//!
+//! What it cannot do by itself (power-cycle when told, run a kubelet) the test does through
+//! [`SimHost::reboot`] and the Kubernetes API.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use crate::clients::{ClientHost, Udhcpc};
+use crate::netns::{self, Netns};
+
+/// Where a simulated host is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// Firmware: DHCP, then the boot script.
+    Booting,
+    /// In the deploy ramdisk, talking to the agent API.
+    Ramdisk,
+    /// Running the installed OS (the script said `exit`).
+    Os,
+}
+
+/// What the simulated ramdisk reports from inspection.
+pub fn hardware() -> Value {
+    json!({
+        "cpus": 4, "memoryMiB": 8192, "arch": "x86_64",
+        "disks": [{ "name": "sda", "sizeBytes": 128_000_000_000u64, "model": "QEMU HARDDISK", "rotational": false }],
+        "nics": [{ "name": "eth0", "mac": "" }],
+    })
+}
+
+struct Shared {
+    mac: String,
+    base_url: String,
+    phase: Mutex<Phase>,
+    reboot: AtomicBool,
+    stop: AtomicBool,
+    boots: AtomicU32,
+    token: Mutex<Option<String>>,
+    bootstrap: Mutex<Vec<String>>,
+    log: Mutex<Vec<String>>,
+    /// Manual hosts boot and fetch their ramdisk, then leave the agent API to the test.
+    manual: bool,
+}
+
+impl Shared {
+    fn note(&self, line: String) {
+        let mut log = self.log.lock().unwrap();
+        log.push(format!("{:?} {line}", Instant::now()));
+        if log.len() > 500 {
+            log.remove(0);
+        }
+    }
+
+    fn set_phase(&self, phase: Phase) {
+        *self.phase.lock().unwrap() = phase;
+    }
+
+    /// Whether to stop what the host is doing and boot again (or stop altogether).
+    fn interrupted(&self) -> bool {
+        self.stop.load(Ordering::Acquire) || self.reboot.load(Ordering::Acquire)
+    }
+}
+
+pub struct SimHost {
+    shared: Arc<Shared>,
+    host: Arc<ClientHost>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl SimHost {
+    /// A host that boots and follows its ramdisk tasks on its own.
+    pub fn start(lab: &Netns, bridge: &str, mac: &str, base_url: &str) -> Result<Self> {
+        Self::spawn(lab, bridge, mac, base_url, false)
+    }
+
+    /// A host that boots into the ramdisk and stops there: the test drives the agent API.
+    pub fn start_manual(lab: &Netns, bridge: &str, mac: &str, base_url: &str) -> Result<Self> {
+        Self::spawn(lab, bridge, mac, base_url, true)
+    }
+
+    fn spawn(lab: &Netns, bridge: &str, mac: &str, base_url: &str, manual: bool) -> Result<Self> {
+        let host = Arc::new(ClientHost::attach(lab, bridge, mac)?);
+        let shared = Arc::new(Shared {
+            mac: mac.to_owned(),
+            base_url: base_url.to_owned(),
+            phase: Mutex::new(Phase::Booting),
+            reboot: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            boots: AtomicU32::new(0),
+            token: Mutex::new(None),
+            bootstrap: Mutex::new(Vec::new()),
+            log: Mutex::new(Vec::new()),
+            manual,
+        });
+        let (s, h) = (shared.clone(), host.clone());
+        let thread = std::thread::spawn(move || run(&s, &h));
+        Ok(Self { shared, host, thread: Some(thread) })
+    }
+
+    pub fn mac(&self) -> &str {
+        &self.shared.mac
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.shared.phase.lock().unwrap().clone()
+    }
+
+    /// Power-cycles the host: it drops what it does and network-boots again.
+    pub fn reboot(&self) {
+        self.shared.note("power cycle requested".into());
+        self.shared.reboot.store(true, Ordering::Release);
+    }
+
+    /// How many times it has fetched a boot script.
+    pub fn boots(&self) -> u32 {
+        self.shared.boots.load(Ordering::Acquire)
+    }
+
+    /// The token on its current ramdisk command line.
+    pub fn token(&self) -> Option<String> {
+        self.shared.token.lock().unwrap().clone()
+    }
+
+    /// Every bootstrap payload its ramdisk received.
+    pub fn bootstrap_data(&self) -> Vec<String> {
+        self.shared.bootstrap.lock().unwrap().clone()
+    }
+
+    /// An HTTP request from this host's address: (status, body).
+    pub fn http(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&Value>,
+    ) -> Result<(u16, String)> {
+        http(&self.host.ns, &self.shared.base_url, method, path, token, body)
+    }
+
+    pub fn log(&self) -> String {
+        self.shared.log.lock().unwrap().join("\n")
+    }
+}
+
+impl Drop for SimHost {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if std::thread::panicking() {
+            eprintln!("----- simulated host {} -----\n{}\n-----", self.shared.mac, self.log());
+        }
+    }
+}
+
+fn run(s: &Shared, host: &ClientHost) {
+    while !s.stop.load(Ordering::Acquire) {
+        s.reboot.store(false, Ordering::Release);
+        s.set_phase(Phase::Booting);
+        *s.token.lock().unwrap() = None;
+        if let Err(e) = boot(s, host) {
+            s.note(format!("boot failed: {e:#}"));
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+}
+
+/// One power-on: DHCP, script, then the OS or the ramdisk until interrupted or done.
+fn boot(s: &Shared, host: &ClientHost) -> Result<()> {
+    // Power-on: no address yet, as a real NIC.
+    let _ = host.ns.ip(&["addr", "flush", "dev", ClientHost::IFACE]);
+    let mut dhcp = Udhcpc::start(host, &[])?;
+    let lease = dhcp.wait_bound(Duration::from_secs(30))?;
+    s.note(format!("lease {:?}", lease.address));
+    let script = loop {
+        let (status, body) = http(
+            &host.ns,
+            &s.base_url,
+            "GET",
+            &format!("/boot/{}.ipxe", s.mac.replace(':', "-")),
+            None,
+            None,
+        )?;
+        if status == 200 {
+            break body;
+        }
+        s.note(format!("boot script: {status}"));
+        if s.interrupted() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    s.boots.fetch_add(1, Ordering::AcqRel);
+    if script.lines().any(|l| l.trim() == "exit") {
+        s.note("booting the local disk".into());
+        s.set_phase(Phase::Os);
+        while !s.interrupted() {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        dhcp.kill();
+        return Ok(());
+    }
+    let (files, token) = parse_script(&script)?;
+    for url in files {
+        let path = url.strip_prefix(&s.base_url).context("ramdisk served elsewhere")?;
+        let (status, _) = http(&host.ns, &s.base_url, "GET", path, None, None)?;
+        if status != 200 {
+            bail!("GET {url}: {status}");
+        }
+    }
+    *s.token.lock().unwrap() = token.clone();
+    s.note(format!("in the ramdisk (token: {})", token.is_some()));
+    s.set_phase(Phase::Ramdisk);
+    if s.manual {
+        while !s.interrupted() {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    } else {
+        ramdisk(s, host, token.as_deref())?;
+    }
+    dhcp.kill();
+    Ok(())
+}
+
+/// The kernel and initrd URLs and the token of an iPXE script siteboot wrote.
+fn parse_script(script: &str) -> Result<(Vec<String>, Option<String>)> {
+    let mut files = Vec::new();
+    let mut token = None;
+    for line in script.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["kernel", url, args @ ..] => {
+                files.push((*url).to_owned());
+                token =
+                    args.iter().find_map(|a| a.strip_prefix("siteboot.token=")).map(str::to_owned);
+            }
+            ["initrd", "--name", _, url] => files.push((*url).to_owned()),
+            _ => {}
+        }
+    }
+    if files.is_empty() {
+        bail!("not a kernel script:\n{script}");
+    }
+    Ok((files, token))
+}
+
+/// The deploy ramdisk's loop: ask for a task, do it, report.
+fn ramdisk(s: &Shared, host: &ClientHost, token: Option<&str>) -> Result<()> {
+    let call = |method: &str, path: &str, body: Option<&Value>| {
+        http(&host.ns, &s.base_url, method, &format!("/agent/v1/{path}"), token, body)
+    };
+    while !s.interrupted() {
+        let (status, body) = call("GET", "task", None)?;
+        if status != 200 {
+            s.note(format!("task: {status} {body}"));
+            std::thread::sleep(Duration::from_secs(1));
+            continue;
+        }
+        let task: Value = serde_json::from_str(&body)?;
+        match task["action"].as_str() {
+            Some("wait") => std::thread::sleep(Duration::from_millis(500)),
+            Some("reboot") => {
+                s.note("told to reboot".into());
+                return Ok(());
+            }
+            Some("inspect") => {
+                let mut hw = hardware();
+                hw["nics"][0]["mac"] = json!(s.mac);
+                expect_ok(call("POST", "inspection", Some(&hw)), "inspection")?;
+                s.note("inspected".into());
+            }
+            Some("provision") => {
+                let (status, data) = call("GET", "bootstrap", None)?;
+                if status != 200 {
+                    bail!("bootstrap: {status} {data}");
+                }
+                s.bootstrap.lock().unwrap().push(data);
+                expect_ok(
+                    call("POST", "progress", Some(&json!({ "step": "writing image" }))),
+                    "progress",
+                )?;
+                expect_ok(call("POST", "complete", Some(&json!({ "ok": true }))), "complete")?;
+                s.note(format!("provisioned {}", task["image"]["url"]));
+                return Ok(()); // reboot into the installed OS
+            }
+            Some("deprovision") => {
+                expect_ok(
+                    call("POST", "progress", Some(&json!({ "step": "wiping" }))),
+                    "progress",
+                )?;
+                expect_ok(call("POST", "complete", Some(&json!({ "ok": true }))), "complete")?;
+                s.note("wiped".into());
+                return Ok(());
+            }
+            other => bail!("unknown task {other:?}: {body}"),
+        }
+    }
+    Ok(())
+}
+
+fn expect_ok(result: Result<(u16, String)>, what: &str) -> Result<()> {
+    match result? {
+        (200, _) => Ok(()),
+        (status, body) => bail!("{what}: {status} {body}"),
+    }
+}
+
+/// curl inside `ns`.
+fn http(
+    ns: &Netns,
+    base_url: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> Result<(u16, String)> {
+    let mut command = ns.command("curl");
+    command.args(["-sS", "--max-time", "10", "-o", "-", "-w", "\n%{http_code}", "-X", method]);
+    if let Some(token) = token {
+        command.args(["-H", &format!("Authorization: Bearer {token}")]);
+    }
+    if let Some(body) = body {
+        command.args(["-H", "Content-Type: application/json", "--data", &body.to_string()]);
+    }
+    command.arg(format!("{base_url}{path}"));
+    let out = netns::output(&mut command)?;
+    let (body, status) = out.rsplit_once('\n').context("curl printed no status")?;
+    Ok((status.trim().parse()?, body.to_owned()))
+}
