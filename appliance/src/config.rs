@@ -60,6 +60,13 @@ pub struct KubernetesFile {
     /// Elect one leader per site for the reconcilers and full-mode DHCP. Default true.
     #[serde(default = "default_true")]
     pub leader_election: bool,
+    /// How long a ramdisk token is accepted after it is issued. Default 2h.
+    #[serde(default = "default_token_max_age", with = "humantime_serde")]
+    pub token_max_age: std::time::Duration,
+}
+
+fn default_token_max_age() -> std::time::Duration {
+    std::time::Duration::from_secs(2 * 3600)
 }
 
 fn default_lease_namespace() -> String {
@@ -77,6 +84,7 @@ pub struct KubernetesConfig {
     pub ramdisk: LinuxBoot,
     pub lease_namespace: String,
     pub leader_election: bool,
+    pub token_max_age: std::time::Duration,
 }
 
 fn default_state_dir() -> PathBuf {
@@ -282,6 +290,7 @@ impl Config {
                     ramdisk,
                     lease_namespace: k.lease_namespace.clone(),
                     leader_election: k.leader_election,
+                    token_max_age: k.token_max_age,
                 })
             }
         };

@@ -56,13 +56,15 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         Some(kube) => {
             let k = config.kubernetes.as_ref().context("Kubernetes mode needs a kubernetes: section in the config (kubernetes.ramdisk_profile)")?;
             siteboot_controller::run::check_crds(&kube.client).await?;
-            let ctx = Arc::new(siteboot_controller::context::Ctx::new(
+            let mut ctx = siteboot_controller::context::Ctx::new(
                 kube.client,
                 kube.site.clone(),
                 kube.identity,
                 siteboot_controller::cache::HostIndex::new(),
                 k.ramdisk.clone(),
-            ));
+            );
+            ctx.token_max_age = k.token_max_age;
+            let ctx = Arc::new(ctx);
             let options = siteboot_controller::run::Options {
                 lease_namespace: k.lease_namespace.clone(),
                 leader_election: k.leader_election,

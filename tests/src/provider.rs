@@ -37,8 +37,19 @@ pub const SYSTEM_NS: &str = "siteboot-system";
 pub const INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
 pub const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
 
+/// Provider labs running at once: each is a whole Kubernetes control plane plus siteboot.
+static LABS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+
+/// How a lab's simulated hosts behave.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sims {
+    pub count: usize,
+    /// The first `manual` hosts stop in the ramdisk and leave the agent API to the test.
+    pub manual: usize,
+}
+
 pub struct ProviderLab {
-    pub sims: Arc<Vec<SimHost>>,
+    sims: Arc<Mutex<Vec<Arc<SimHost>>>>,
     pub siteboot: Appliance,
     not_ready: Arc<Mutex<HashSet<String>>>,
     operator: tokio::task::JoinHandle<()>,
@@ -46,6 +57,7 @@ pub struct ProviderLab {
     pub lab: Netns,
     // Last: the apiserver outlives everything that talks to it.
     pub env: KubeEnv,
+    _slot: tokio::sync::SemaphorePermit<'static>,
 }
 
 impl Drop for ProviderLab {
@@ -67,6 +79,11 @@ impl ProviderLab {
     /// `hosts` simulated hosts with Host objects, siteboot in Kubernetes mode (`config` may
     /// adjust its configuration), and every Host inspected and Available.
     pub async fn start(hosts: usize, config: impl FnOnce(&mut Value)) -> Result<Self> {
+        Self::start_with(Sims { count: hosts, manual: 0 }, config).await
+    }
+
+    pub async fn start_with(sims: Sims, config: impl FnOnce(&mut Value)) -> Result<Self> {
+        let slot = LABS.acquire().await.expect("never closed");
         let env = KubeEnv::start().await?;
         for crd in manifests::crds() {
             env.install_crd(&serde_json::to_value(crd)?).await?;
@@ -93,19 +110,39 @@ impl ProviderLab {
         std::fs::write(ramdisk.join("vmlinuz"), vec![0xaa; 64 * 1024])?;
         std::fs::write(ramdisk.join("initrd.img"), vec![0xbb; 32 * 1024])?;
 
-        let api: Api<Host> = Api::namespaced(env.client(), NS);
-        for i in 0..hosts {
-            create_host(&api, i).await?;
-        }
-        let sims: Vec<SimHost> = (0..hosts)
-            .map(|i| SimHost::start(&lab, appliance::BRIDGE, &sim_mac(i), siteboot.base_url()))
-            .collect::<Result<_>>()?;
-        let sims = Arc::new(sims);
         let not_ready = Arc::new(Mutex::new(HashSet::new()));
-        let operator = tokio::spawn(operate(env.client(), sims.clone(), not_ready.clone()));
-        let lab = Self { sims, siteboot, not_ready, operator, _forward: forward, lab, env };
-        lab.wait_hosts(HostState::Available, hosts, Duration::from_secs(120)).await?;
+        let all: Arc<Mutex<Vec<Arc<SimHost>>>> = Arc::default();
+        let operator = tokio::spawn(operate(env.client(), all.clone(), not_ready.clone()));
+        let lab = Self {
+            sims: all,
+            siteboot,
+            not_ready,
+            operator,
+            _forward: forward,
+            lab,
+            env,
+            _slot: slot,
+        };
+        for i in 0..sims.count {
+            lab.add_host(i, i < sims.manual).await?;
+        }
+        let automatic = sims.count - sims.manual;
+        lab.wait_hosts(HostState::Available, automatic, Duration::from_secs(120)).await?;
         Ok(lab)
+    }
+
+    /// Host `i`: its Host object and a simulated machine (manual: see [`Sims::manual`]).
+    pub async fn add_host(&self, i: usize, manual: bool) -> Result<Arc<SimHost>> {
+        create_host(&self.hosts(), i).await?;
+        let start = if manual { SimHost::start_manual } else { SimHost::start };
+        let sim =
+            Arc::new(start(&self.lab, appliance::BRIDGE, &sim_mac(i), self.siteboot.base_url())?);
+        self.sims.lock().unwrap().push(sim.clone());
+        Ok(sim)
+    }
+
+    pub fn sims(&self) -> Vec<Arc<SimHost>> {
+        self.sims.lock().unwrap().clone()
     }
 
     pub fn hosts(&self) -> Api<Host> {
@@ -194,7 +231,7 @@ impl ProviderLab {
                 ));
             }
         }
-        for sim in self.sims.iter() {
+        for sim in self.sims() {
             out.push(format!("sim {} phase={:?} boots={}", sim.mac(), sim.phase(), sim.boots()));
         }
         out.join("\n")
@@ -387,7 +424,7 @@ fn service_account_kubeconfig(env: &KubeEnv, port: u16, token: &str) -> Result<S
 /// The operator's loop: power buttons and kubelets (see the module comment).
 async fn operate(
     client: kube::Client,
-    sims: Arc<Vec<SimHost>>,
+    sims: Arc<Mutex<Vec<Arc<SimHost>>>>,
     not_ready: Arc<Mutex<HashSet<String>>>,
 ) {
     let hosts: Api<Host> = Api::namespaced(client.clone(), NS);
@@ -395,6 +432,7 @@ async fn operate(
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let Ok(list) = hosts.list(&ListParams::default()).await else { continue };
+        let sims = sims.lock().unwrap().clone();
         for host in &list.items {
             let Some(sim) = sims.iter().find(|s| s.mac() == host.spec.boot_mac_address) else {
                 continue;
@@ -419,19 +457,30 @@ async fn operate(
 async fn kubelet(nodes: &Api<Node>, host: &Host, ready: bool) -> Result<()> {
     let name = host.name_any();
     let provider_id = format!("siteboot://{NS}/{name}");
-    if nodes.get_opt(&name).await?.is_none() {
-        let node: Node = serde_json::from_value(
-            json!({ "metadata": { "name": name }, "spec": { "providerID": provider_id } }),
-        )?;
-        nodes.create(&PostParams::default(), &node).await?;
-    }
+    let existing = match nodes.get_opt(&name).await? {
+        Some(node) => node,
+        None => {
+            let node: Node = serde_json::from_value(
+                json!({ "metadata": { "name": name }, "spec": { "providerID": provider_id } }),
+            )?;
+            nodes.create(&PostParams::default(), &node).await?
+        }
+    };
+    let previous = existing.status.and_then(|s| s.conditions).unwrap_or_default();
     // What a kubelet reports: Ready, and the three pressure conditions (CAPI counts a Node
-    // without them as not healthy, so a rollout would wait for it forever).
+    // without them as not healthy, so a rollout would wait for it forever). A condition's
+    // transition time moves only when its status changes: health checks time from it.
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let condition = |type_: &str, status: &str, reason: &str| {
+        let since = previous
+            .iter()
+            .find(|c| c.type_ == type_ && c.status == status)
+            .and_then(|c| c.last_transition_time.as_ref())
+            .map(|t| t.0.to_string())
+            .unwrap_or_else(|| now.clone());
         json!({
             "type": type_, "status": status, "reason": reason, "message": "simulated kubelet",
-            "lastHeartbeatTime": now, "lastTransitionTime": now,
+            "lastHeartbeatTime": now, "lastTransitionTime": since,
         })
     };
     let patch = json!({ "status": { "conditions": [

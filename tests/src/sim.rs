@@ -50,6 +50,8 @@ struct Shared {
     log: Mutex<Vec<String>>,
     /// Manual hosts boot and fetch their ramdisk, then leave the agent API to the test.
     manual: bool,
+    /// How long writing an image or wiping takes, in milliseconds.
+    work_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -101,6 +103,7 @@ impl SimHost {
             bootstrap: Mutex::new(Vec::new()),
             log: Mutex::new(Vec::new()),
             manual,
+            work_ms: std::sync::atomic::AtomicU64::new(0),
         });
         let (s, h) = (shared.clone(), host.clone());
         let thread = std::thread::spawn(move || run(&s, &h));
@@ -119,6 +122,11 @@ impl SimHost {
     pub fn reboot(&self) {
         self.shared.note("power cycle requested".into());
         self.shared.reboot.store(true, Ordering::Release);
+    }
+
+    /// Makes imaging and wiping take `time` (so a test can crash siteboot in the middle).
+    pub fn set_work_time(&self, time: Duration) {
+        self.shared.work_ms.store(time.as_millis() as u64, Ordering::Release);
     }
 
     /// How many times it has fetched a boot script.
@@ -290,6 +298,7 @@ fn ramdisk(s: &Shared, host: &ClientHost, token: Option<&str>) -> Result<()> {
                     call("POST", "progress", Some(&json!({ "step": "writing image" }))),
                     "progress",
                 )?;
+                work(s);
                 expect_ok(call("POST", "complete", Some(&json!({ "ok": true }))), "complete")?;
                 s.note(format!("provisioned {}", task["image"]["url"]));
                 return Ok(()); // reboot into the installed OS
@@ -299,6 +308,7 @@ fn ramdisk(s: &Shared, host: &ClientHost, token: Option<&str>) -> Result<()> {
                     call("POST", "progress", Some(&json!({ "step": "wiping" }))),
                     "progress",
                 )?;
+                work(s);
                 expect_ok(call("POST", "complete", Some(&json!({ "ok": true }))), "complete")?;
                 s.note("wiped".into());
                 return Ok(());
@@ -307,6 +317,11 @@ fn ramdisk(s: &Shared, host: &ClientHost, token: Option<&str>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn work(s: &Shared) {
+    let ms = s.work_ms.load(Ordering::Acquire);
+    std::thread::sleep(Duration::from_millis(ms));
 }
 
 fn expect_ok(result: Result<(u16, String)>, what: &str) -> Result<()> {

@@ -11,7 +11,7 @@ use kube::ResourceExt;
 use kube::api::{ListParams, Patch, PatchParams};
 use serde_json::json;
 use siteboot_controller::crd::HostState;
-use siteboot_tests::provider::{ProviderLab, image_spec};
+use siteboot_tests::provider::{ProviderLab, Sims, image_spec};
 
 const ROLLOUT: Duration = Duration::from_secs(300);
 
@@ -60,14 +60,14 @@ async fn machine_deployment_claims_provisions_scales_and_releases_hosts() {
     claimed.dedup();
     assert_eq!(claimed.len(), 3, "three distinct hosts");
     // Every provisioned host's ramdisk got the Machine's bootstrap data, once.
-    for sim in lab.sims.iter() {
+    for sim in lab.sims() {
         let data = sim.bootstrap_data();
         assert!(data.len() <= 1, "{}: bootstrap data handed out {} times", sim.mac(), data.len());
         if let Some(d) = data.first() {
             assert_eq!(d, bootstrap);
         }
     }
-    assert_eq!(lab.sims.iter().filter(|s| !s.bootstrap_data().is_empty()).count(), 3);
+    assert_eq!(lab.sims().iter().filter(|s| !s.bootstrap_data().is_empty()).count(), 3);
 
     // Scale to 1: CAPI deletes 2 Machines; their hosts are wiped and Available again, and
     // every Host still exists.
@@ -103,7 +103,7 @@ async fn machine_deployment_claims_provisions_scales_and_releases_hosts() {
             let [machine] = running.as_slice() else { return None };
             let sbm =
                 sbms.get(machine.data["spec"]["infrastructureRef"]["name"].as_str()?).await.ok()?;
-            (all.len() == 1 && sbm.data["spec"]["image"] == image_spec("v2")).then(|| sbm)
+            (all.len() == 1 && sbm.data["spec"]["image"] == image_spec("v2")).then_some(sbm)
         })
         .await;
     let rolled = match rolled {
@@ -126,4 +126,320 @@ async fn wait_sbm_count(lab: &ProviderLab, count: usize) {
     })
     .await
     .unwrap();
+}
+
+fn ready_condition(sbm: &kube::api::DynamicObject) -> serde_json::Value {
+    sbm.data["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "Ready").cloned())
+        .unwrap_or_default()
+}
+
+fn condition(sbm: &kube::api::DynamicObject, type_: &str) -> serde_json::Value {
+    sbm.data["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == type_).cloned())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn machines_wait_for_hosts_and_pause_stops_changes() {
+    let lab = ProviderLab::start(2, |_| {}).await.unwrap();
+    lab.create_cluster("c2", "#cloud-config\n").await.unwrap();
+    lab.create_template("t", "v1").await.unwrap();
+    lab.create_machine_deployment("workers", "c2", "t", 3).await.unwrap();
+
+    // Two hosts, three Machines: the third waits and says why.
+    let sbms = lab.api("SitebootMachine");
+    let waiting = siteboot_tests::wait::for_async(
+        "a SitebootMachine waiting for a host",
+        ROLLOUT,
+        || async {
+            let list = sbms.list(&ListParams::default()).await.ok()?.items;
+            let provisioned =
+                list.iter().filter(|m| ready_condition(m)["status"] == "True").count();
+            let waiting =
+                list.into_iter().find(|m| ready_condition(m)["reason"] == "NoHostAvailable")?;
+            (provisioned == 2).then_some(waiting)
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let message = ready_condition(&waiting)["message"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("no Available Host in site lab matches (2 hosts: 2 claimed)"),
+        "{message}"
+    );
+    // No busy loop: while nothing changes, the waiting object is not rewritten.
+    let name = waiting.name_any();
+    let before = waiting.metadata.resource_version.clone();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(
+        sbms.get(&name).await.unwrap().metadata.resource_version,
+        before,
+        "the waiting SitebootMachine was rewritten while nothing changed"
+    );
+    lab.wait_running("workers", 2, Duration::from_secs(5)).await.ok();
+
+    // Paused: a new host appears and is inspected, but nothing is claimed for the Cluster.
+    let clusters = lab.api("Cluster");
+    clusters
+        .patch("c2", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "paused": true } })))
+        .await
+        .unwrap();
+    siteboot_tests::wait::for_async(
+        "the waiting SitebootMachine to report Paused",
+        Duration::from_secs(60),
+        || async {
+            (condition(&sbms.get(&name).await.ok()?, "Paused")["status"] == "True").then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    lab.add_host(2, false).await.unwrap();
+    lab.wait_hosts(HostState::Available, 1, Duration::from_secs(120)).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let host = lab.hosts().get("host-2").await.unwrap();
+    assert!(host.spec.consumer_ref.is_none(), "a host was claimed while the Cluster was paused");
+
+    // Unpaused: the third Machine gets the new host.
+    clusters
+        .patch("c2", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "paused": false } })))
+        .await
+        .unwrap();
+    lab.wait_running("workers", 3, ROLLOUT).await.unwrap();
+    let sbm = sbms.get(&name).await.unwrap();
+    assert_eq!(sbm.data["spec"]["hostRef"]["name"], "host-2");
+    assert_eq!(condition(&sbm, "Paused")["status"], "False");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn machine_health_check_replaces_a_machine_whose_node_goes_not_ready() {
+    let lab = ProviderLab::start(2, |_| {}).await.unwrap();
+    lab.create_cluster("c3", "#cloud-config\n").await.unwrap();
+    lab.create_template("t", "v1").await.unwrap();
+    lab.create_machine_deployment("workers", "c3", "t", 1).await.unwrap();
+    let mhc: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineHealthCheck",
+        "metadata": { "name": "workers" },
+        "spec": {
+            "clusterName": "c3",
+            "selector": { "matchLabels": { "pool": "workers" } },
+            "checks": {
+                "nodeStartupTimeoutSeconds": 600,
+                "unhealthyNodeConditions": [{ "type": "Ready", "status": "False", "timeoutSeconds": 5 }],
+            },
+        },
+    }))
+    .unwrap();
+    lab.api("MachineHealthCheck").create(&kube::api::PostParams::default(), &mhc).await.unwrap();
+    let first = lab.wait_running("workers", 1, ROLLOUT).await.unwrap().remove(0);
+    let node = first.data["status"]["nodeRef"]["name"].as_str().unwrap().to_owned();
+
+    lab.set_node_ready(&node, false);
+    let replaced = siteboot_tests::wait::for_async(
+        "the unhealthy Machine to be replaced",
+        ROLLOUT,
+        || async {
+            let running = lab.running_machines("workers").await.ok()?;
+            let all = lab.api("Machine").list(&ListParams::default()).await.ok()?.items;
+            let [machine] = running.as_slice() else { return None };
+            (all.len() == 1 && machine.name_any() != first.name_any()).then(|| machine.clone())
+        },
+    )
+    .await;
+    if let Err(e) = replaced {
+        panic!("{e:#}\n{}", lab.describe().await);
+    }
+    // The unhealthy machine's host was wiped and went back to the pool.
+    lab.wait_hosts(HostState::Available, 1, ROLLOUT).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crash_during_provisioning_or_deprovisioning_is_finished_after_restart() {
+    let mut lab = ProviderLab::start(2, |_| {}).await.unwrap();
+    for sim in lab.sims() {
+        sim.set_work_time(Duration::from_secs(4));
+    }
+    lab.create_cluster("c4", "#cloud-config\n").await.unwrap();
+    lab.create_template("t", "v1").await.unwrap();
+    lab.create_machine_deployment("workers", "c4", "t", 1).await.unwrap();
+
+    // kill -9 while the ramdisk writes the image.
+    lab.wait_hosts(HostState::Provisioning, 1, ROLLOUT).await.unwrap();
+    siteboot_tests::wait::for_async("the ramdisk to report writing", ROLLOUT, || async {
+        let hosts = lab.hosts().list(&ListParams::default()).await.ok()?.items;
+        hosts.iter().any(|h| step_of(h) == Some("writing image")).then_some(())
+    })
+    .await
+    .unwrap();
+    lab.siteboot.kill9();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    lab.siteboot.restart().unwrap();
+    lab.wait_running("workers", 1, ROLLOUT).await.unwrap();
+
+    // kill -9 while the ramdisk wipes.
+    lab.api("MachineDeployment")
+        .patch(
+            "workers",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "replicas": 0 } })),
+        )
+        .await
+        .unwrap();
+    siteboot_tests::wait::for_async("the ramdisk to report wiping", ROLLOUT, || async {
+        let hosts = lab.hosts().list(&ListParams::default()).await.ok()?.items;
+        hosts.iter().any(|h| step_of(h) == Some("wiping")).then_some(())
+    })
+    .await
+    .unwrap();
+    lab.siteboot.kill9();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    lab.siteboot.restart().unwrap();
+    lab.wait_hosts(HostState::Available, 2, ROLLOUT).await.unwrap();
+    wait_sbm_count(&lab, 0).await;
+    let hosts = lab.hosts().list(&ListParams::default()).await.unwrap().items;
+    assert!(hosts.iter().all(|h| h.spec.consumer_ref.is_none()), "{}", lab.describe().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bootstrap_data_reaches_only_the_claimed_host_with_its_token() {
+    let lab = ProviderLab::start_with(Sims { count: 1, manual: 1 }, |config| {
+        config["kubernetes"]["token_max_age"] = json!("20s");
+    })
+    .await
+    .unwrap();
+    let sim = lab.sims().remove(0);
+    // Inspection through the agent API, by hand.
+    let token = wait_token(&sim).await;
+    let (status, body) = sim
+        .http("POST", "/agent/v1/inspection", Some(&token), Some(&siteboot_tests::sim::hardware()))
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    lab.wait_hosts(HostState::Available, 1, Duration::from_secs(60)).await.unwrap();
+
+    let secret_value = "#cloud-config\nkubeadm-join-token: abcdef.0123456789abcdef\n";
+    lab.create_cluster("c5", secret_value).await.unwrap();
+    lab.create_template("t", "v1").await.unwrap();
+    lab.create_machine_deployment("workers", "c5", "t", 1).await.unwrap();
+    lab.wait_hosts(HostState::Provisioning, 1, ROLLOUT).await.unwrap();
+    sim.reboot();
+    let old = token;
+    let token = siteboot_tests::wait::for_async(
+        "a provisioning token",
+        Duration::from_secs(60),
+        || async { sim.token().filter(|t| *t != old) },
+    )
+    .await
+    .unwrap();
+
+    // Another machine on the network, with the right token: refused.
+    let intruder = siteboot_tests::clients::ClientHost::attach(
+        &lab.lab,
+        siteboot_tests::appliance::BRIDGE,
+        "52:54:00:00:0d:01",
+    )
+    .unwrap();
+    let mut dhcp = siteboot_tests::clients::Udhcpc::start(&intruder, &[]).unwrap();
+    dhcp.wait_bound(Duration::from_secs(30)).unwrap();
+    let intruder_get = |path: &str, token: Option<&str>| {
+        let mut command = intruder.ns.command("curl");
+        command.args(["-sS", "-o", "-", "-w", "\n%{http_code}"]);
+        if let Some(t) = token {
+            command.args(["-H", &format!("Authorization: Bearer {t}")]);
+        }
+        let out = siteboot_tests::netns::output(
+            command.arg(format!("{}{path}", lab.siteboot.base_url())),
+        )
+        .unwrap();
+        let (body, status) = out.rsplit_once('\n').unwrap();
+        (status.trim().parse::<u16>().unwrap(), body.to_owned())
+    };
+    assert_eq!(intruder_get("/agent/v1/bootstrap", Some(&token)).0, 403);
+    // Nor does it get a token by asking for the host's script.
+    let (status, script) =
+        intruder_get(&format!("/boot/{}.ipxe", sim.mac().replace(':', "-")), None);
+    assert_eq!(status, 200);
+    assert!(
+        !script.contains("siteboot.token="),
+        "a token was issued to another address:\n{script}"
+    );
+
+    // The host itself: a wrong token is refused; the right one gets the data once.
+    assert_eq!(sim.http("GET", "/agent/v1/bootstrap", Some("0000"), None).unwrap().0, 403);
+    let (status, data) = sim.http("GET", "/agent/v1/bootstrap", Some(&token), None).unwrap();
+    assert_eq!((status, data.as_str()), (200, secret_value));
+    assert_eq!(
+        sim.http("GET", "/agent/v1/bootstrap", Some(&token), None).unwrap().0,
+        409,
+        "replayed"
+    );
+    // The previous operation's token is no good any more.
+    assert_eq!(
+        sim.http("POST", "/agent/v1/progress", Some(&old), Some(&json!({ "step": "x" })))
+            .unwrap()
+            .0,
+        403
+    );
+
+    // Expired: after token_max_age the token is refused; a new boot gets a new one.
+    tokio::time::sleep(Duration::from_secs(21)).await;
+    assert_eq!(
+        sim.http("POST", "/agent/v1/complete", Some(&token), Some(&json!({ "ok": true })))
+            .unwrap()
+            .0,
+        403,
+        "expired"
+    );
+    sim.reboot();
+    let fresh =
+        siteboot_tests::wait::for_async("a fresh token", Duration::from_secs(60), || async {
+            sim.token().filter(|t| *t != token)
+        })
+        .await
+        .unwrap();
+    let (status, body) =
+        sim.http("POST", "/agent/v1/complete", Some(&fresh), Some(&json!({ "ok": true }))).unwrap();
+    assert_eq!(status, 200, "{body}");
+    sim.reboot();
+    lab.wait_running("workers", 1, ROLLOUT).await.unwrap();
+
+    // Every refusal was logged with its reason; no token and no join secret was.
+    let log = lab.siteboot.log();
+    for reason in
+        ["no Host has this MAC", "wrong token", "bootstrap data already delivered", "token expired"]
+    {
+        assert!(log.contains(reason), "refusal {reason:?} not logged");
+    }
+    for secret in [token.as_str(), fresh.as_str(), "abcdef.0123456789abcdef"] {
+        assert!(!log.contains(secret), "a secret appeared in siteboot's log");
+    }
+    let host = serde_json::to_string(&lab.hosts().get("host-0").await.unwrap()).unwrap();
+    assert!(
+        !host.contains("abcdef.0123456789abcdef") && !host.contains(&fresh),
+        "a secret appeared in the Host"
+    );
+    let events = kube::Api::<k8s_openapi::api::events::v1::Event>::all(lab.env.client())
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    let events = serde_json::to_string(&events.items).unwrap();
+    assert!(
+        !events.contains("abcdef.0123456789abcdef") && !events.contains(&fresh),
+        "a secret appeared in an Event"
+    );
+}
+
+fn step_of(host: &siteboot_controller::crd::Host) -> Option<&str> {
+    host.status.as_ref()?.operation.as_ref()?.step.as_deref()
+}
+
+async fn wait_token(sim: &siteboot_tests::sim::SimHost) -> String {
+    siteboot_tests::wait::for_async(
+        "the host to boot the ramdisk with a token",
+        Duration::from_secs(60),
+        || async { sim.token() },
+    )
+    .await
+    .unwrap()
 }
