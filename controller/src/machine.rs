@@ -36,8 +36,6 @@ use crate::crd::{
 use crate::selection;
 
 pub const FINALIZER: &str = "sitebootmachine.infrastructure.cluster.x-k8s.io";
-/// On a SitebootMachine with no failure domain: the site that took it.
-pub const SITE_ANNOTATION: &str = "siteboot.dev/site";
 const API_VERSION: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
 
 /// How often a machine waiting for a host looks again (Host changes also wake it at once).
@@ -245,7 +243,10 @@ async fn step(
     };
 
     let host = match bound_host(sbm, ctx).await? {
-        Bound::Host(host) => *host,
+        Bound::Host(host) => {
+            release_orphans(sbm, ctx, Some(&host.name_any())).await?;
+            *host
+        }
         Bound::Missing(r) => {
             report.ready(
                 false,
@@ -349,6 +350,29 @@ async fn already_claimed(sbm: &SitebootMachine, hosts: &[Host]) -> Option<Host> 
     hosts.iter().find(|h| consumed_by(h, sbm)).cloned()
 }
 
+/// Binding a machine to a host takes two writes (the Host's consumerRef, then the machine's
+/// hostRef), so two appliances binding one machine at once could each claim a host for it.
+/// First, one appliance takes the machine with a compare-and-swap on its resourceVersion: it
+/// writes `<identity>@<unix seconds>` here, and only it binds the machine. A binder that dies
+/// loses the machine after [`BINDER_TIMEOUT`]; whoever takes over adopts a claim it left.
+pub const BINDER_ANNOTATION: &str = "siteboot.dev/binder";
+const BINDER_TIMEOUT: u64 = 60;
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Who is binding `sbm`, if the mark is fresh.
+fn binder(sbm: &SitebootMachine) -> Option<String> {
+    let value = sbm.annotations().get(BINDER_ANNOTATION)?;
+    let (who, at) = value.rsplit_once('@')?;
+    let at: u64 = at.parse().ok()?;
+    (unix_now().saturating_sub(at) < BINDER_TIMEOUT).then(|| who.to_owned())
+}
+
 async fn bind(
     sbm: &SitebootMachine,
     machine: &Machine,
@@ -356,32 +380,27 @@ async fn bind(
     api: &Api<SitebootMachine>,
     report: &mut Report,
 ) -> Result<Action, Error> {
-    let failure_domain = machine.spec.failure_domain.clone().filter(|f| !f.is_empty());
     // A machine pinned to another site is that site's appliance's business.
+    let failure_domain = machine.spec.failure_domain.clone().filter(|f| !f.is_empty());
     if failure_domain.as_deref().is_some_and(|fd| fd != ctx.site) {
         return Ok(Action::await_change());
     }
-    let taken_by = sbm.annotations().get(SITE_ANNOTATION).cloned();
-    if taken_by.as_deref().is_some_and(|s| s != ctx.site) {
-        return Ok(Action::await_change());
+    let binder = binder(sbm);
+    if binder.as_deref().is_some_and(|b| b != ctx.identity) {
+        return Ok(Action::requeue(Duration::from_secs(5)));
     }
     let namespace = host_namespace(sbm);
     let hosts_api = ctx.hosts_api(&namespace);
-    let hosts = hosts_api
-        .list(&ListParams::default().labels(&format!("{SITE_LABEL}={}", ctx.site)))
-        .await?
-        .items;
-    if let Some(host) = already_claimed(sbm, &hosts).await {
-        record_host_ref(sbm, api, &host).await?;
-        return Ok(Action::requeue(Duration::ZERO));
-    }
+    let site = format!("{SITE_LABEL}={}", ctx.site);
+    let hosts = hosts_api.list(&ListParams::default().labels(&site)).await?.items;
+    let adopt = already_claimed(sbm, &hosts).await;
     let seed = sbm
         .uid()
         .map(|u| u.bytes().fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(b))))
         .unwrap_or(0);
     let candidates =
         selection::candidates(&hosts, sbm.spec.host_selector.as_ref(), Some(&ctx.site), seed);
-    if candidates.is_empty() {
+    if adopt.is_none() && candidates.is_empty() {
         let why = selection::explain(&hosts, sbm.spec.host_selector.as_ref(), Some(&ctx.site));
         let message = format!("no Available Host in site {} matches ({why})", ctx.site);
         if condition(&report.status.conditions, "Ready")
@@ -392,10 +411,18 @@ async fn bind(
         report.ready(false, "NoHostAvailable", &message);
         return Ok(Action::requeue(NO_HOST_RETRY));
     }
-    if failure_domain.is_none() && taken_by.is_none() {
-        // Take the machine for this site first, so two sites never both claim for it.
-        let patch = json!({ "metadata": { "resourceVersion": sbm.resource_version(), "annotations": { SITE_ANNOTATION: ctx.site } } });
-        api.patch(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    if binder.is_none() {
+        let mark = format!("{}@{}", ctx.identity, unix_now());
+        let patch = json!({ "metadata": { "resourceVersion": sbm.resource_version(), "annotations": { BINDER_ANNOTATION: mark } } });
+        match api.patch(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(_) | Err(kube::Error::Api(_)) => return Ok(Action::requeue(Duration::ZERO)),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // This appliance binds the machine.
+    if let Some(host) = adopt {
+        tracing::info!(machine = %key(sbm), host = %host.name_any(), "adopting a claim made before a restart");
+        record_host_ref(sbm, api, ctx, &host).await?;
         return Ok(Action::requeue(Duration::ZERO));
     }
     for host in candidates {
@@ -421,7 +448,7 @@ async fn bind(
                     format!("claimed by SitebootMachine {}", key(sbm)),
                 )
                 .await;
-                record_host_ref(sbm, api, &claimed).await?;
+                record_host_ref(sbm, api, ctx, &claimed).await?;
                 report.ready(
                     false,
                     "Provisioning",
@@ -438,15 +465,67 @@ async fn bind(
     Ok(Action::requeue(Duration::from_secs(1)))
 }
 
+/// Records `host` in `spec.hostRef` and drops the binder mark. Should the machine already have
+/// another host (a binder that lost the machine by timing out), the CEL rule refuses the change
+/// and this claim is given back.
 async fn record_host_ref(
     sbm: &SitebootMachine,
     api: &Api<SitebootMachine>,
+    ctx: &Ctx,
     host: &Host,
 ) -> Result<(), Error> {
     let host_ref =
         HostRef { namespace: host.namespace().unwrap_or_default(), name: host.name_any() };
-    let patch = json!({ "spec": { "hostRef": host_ref } });
-    api.patch(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    let patch = json!({ "metadata": { "annotations": { BINDER_ANNOTATION: null } }, "spec": { "hostRef": host_ref } });
+    match api.patch(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 422 => {
+            let why = format!("SitebootMachine {} was bound to another host", key(sbm));
+            release(ctx, host, &why).await.map(drop)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Clears `host`'s claim if it is unchanged since read. `Ok(false)`: it changed; the next pass
+/// looks again.
+async fn release(ctx: &Ctx, host: &Host, why: &str) -> Result<bool, Error> {
+    let patch = json!({ "metadata": { "resourceVersion": host.resource_version() }, "spec": { "consumerRef": null } });
+    match ctx
+        .hosts_api(&host.namespace().unwrap_or_default())
+        .patch(&host.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(released) => {
+            tracing::info!(host = %released.name_any(), "released the Host: {why}");
+            ctx.event(&released, false, "Released", why.to_owned()).await;
+            Ok(true)
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Hosts claimed for this machine other than `bound` (a claim whose hostRef write lost to
+/// another appliance's, or a crash in between): released while they hold nothing of it.
+async fn release_orphans(
+    sbm: &SitebootMachine,
+    ctx: &Ctx,
+    bound: Option<&str>,
+) -> Result<(), Error> {
+    for host in ctx.hosts.all() {
+        if consumed_by(&host, sbm)
+            && Some(host.name_any().as_str()) != bound
+            && host.spec.provisioning.is_none()
+        {
+            release(
+                ctx,
+                &host,
+                &format!("a claim by SitebootMachine {} it does not use", key(sbm)),
+            )
+            .await?;
+        }
+    }
     Ok(())
 }
 
@@ -506,12 +585,11 @@ async fn delete(
             );
             return Ok(Action::requeue(Duration::from_secs(10)));
         }
-        let patch = json!({ "metadata": { "resourceVersion": host.resource_version() }, "spec": { "consumerRef": null } });
-        hosts_api.patch(&host.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
-        tracing::info!(machine = %key(sbm), host = %host.name_any(), "released the Host");
-        ctx.event(&host, false, "Released", format!("released by SitebootMachine {}", key(sbm)))
-            .await;
+        if !release(ctx, &host, &format!("released by SitebootMachine {}", key(sbm))).await? {
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        }
     }
+    release_orphans(sbm, ctx, None).await?;
     let finalizers: Vec<String> =
         sbm.finalizers().iter().filter(|f| *f != FINALIZER).cloned().collect();
     let patch = json!({ "metadata": { "finalizers": finalizers, "resourceVersion": sbm.resource_version() } });

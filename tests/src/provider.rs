@@ -57,7 +57,17 @@ pub struct ProviderLab {
     pub lab: Netns,
     // Last: the apiserver outlives everything that talks to it.
     pub env: KubeEnv,
+    /// The siteboot ServiceAccount's token, for more appliances.
+    token: String,
     _slot: tokio::sync::SemaphorePermit<'static>,
+}
+
+/// Another appliance of the same site, in a namespace of its own (its boot plane reaches no
+/// host: it only reconciles).
+pub struct OtherAppliance {
+    pub siteboot: Appliance,
+    _forward: LoopbackForward,
+    pub ns: Netns,
 }
 
 impl Drop for ProviderLab {
@@ -93,18 +103,9 @@ impl ProviderLab {
         let token = service_account_token(&env).await?;
 
         let lab = appliance::lab_network("prov")?;
-        let forward = LoopbackForward::start(&lab, env.apiserver_port())?;
-        let kubeconfig = env.dir().join("siteboot.kubeconfig");
-        std::fs::write(&kubeconfig, service_account_kubeconfig(&env, forward.port(), &token)?)?;
-
-        let mut cfg = appliance::lab_config("full");
-        cfg.as_object_mut().unwrap().remove("unknown_hosts");
-        cfg["profiles"]["ramdisk"] = json!({ "kernel": "ramdisk/vmlinuz", "initrds": ["ramdisk/initrd.img"], "cmdline": "console=ttyS0" });
-        cfg["kubernetes"] =
-            json!({ "site": SITE, "ramdisk_profile": "ramdisk", "lease_namespace": SYSTEM_NS });
+        let mut cfg = appliance_config();
         config(&mut cfg);
-        let siteboot =
-            Appliance::start_with_args(&lab, cfg, &["--kubeconfig", kubeconfig.to_str().unwrap()])?;
+        let (forward, siteboot) = start_appliance(&env, &lab, &token, cfg)?;
         let ramdisk = siteboot.http_root().join("ramdisk");
         std::fs::create_dir_all(&ramdisk)?;
         std::fs::write(ramdisk.join("vmlinuz"), vec![0xaa; 64 * 1024])?;
@@ -121,6 +122,7 @@ impl ProviderLab {
             _forward: forward,
             lab,
             env,
+            token,
             _slot: slot,
         };
         for i in 0..sims.count {
@@ -139,6 +141,15 @@ impl ProviderLab {
             Arc::new(start(&self.lab, appliance::BRIDGE, &sim_mac(i), self.siteboot.base_url())?);
         self.sims.lock().unwrap().push(sim.clone());
         Ok(sim)
+    }
+
+    /// Starts another appliance for the site; `config` adjusts its configuration.
+    pub fn other_appliance(&self, config: impl FnOnce(&mut Value)) -> Result<OtherAppliance> {
+        let ns = appliance::lab_network("prov2")?;
+        let mut cfg = appliance_config();
+        config(&mut cfg);
+        let (forward, siteboot) = start_appliance(&self.env, &ns, &self.token, cfg)?;
+        Ok(OtherAppliance { siteboot, _forward: forward, ns })
     }
 
     pub fn sims(&self) -> Vec<Arc<SimHost>> {
@@ -344,6 +355,31 @@ pub fn image_spec(image: &str) -> Value {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The lab config in Kubernetes mode for site `lab`, with the ramdisk profile.
+fn appliance_config() -> Value {
+    let mut cfg = appliance::lab_config("full");
+    cfg.as_object_mut().unwrap().remove("unknown_hosts");
+    cfg["profiles"]["ramdisk"] = json!({ "kernel": "ramdisk/vmlinuz", "initrds": ["ramdisk/initrd.img"], "cmdline": "console=ttyS0" });
+    cfg["kubernetes"] =
+        json!({ "site": SITE, "ramdisk_profile": "ramdisk", "lease_namespace": SYSTEM_NS });
+    cfg
+}
+
+/// siteboot in `ns`, reaching the apiserver as its ServiceAccount through a loopback forward.
+fn start_appliance(
+    env: &KubeEnv,
+    ns: &Netns,
+    token: &str,
+    config: Value,
+) -> Result<(LoopbackForward, Appliance)> {
+    let forward = LoopbackForward::start(ns, env.apiserver_port())?;
+    let kubeconfig = env.dir().join(format!("siteboot-{}.kubeconfig", ns.name()));
+    std::fs::write(&kubeconfig, service_account_kubeconfig(env, forward.port(), token)?)?;
+    let siteboot =
+        Appliance::start_with_args(ns, config, &["--kubeconfig", kubeconfig.to_str().unwrap()])?;
+    Ok((forward, siteboot))
 }
 
 async fn create_host(api: &Api<Host>, i: usize) -> Result<()> {

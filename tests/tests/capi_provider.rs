@@ -443,3 +443,85 @@ async fn wait_token(sim: &siteboot_tests::sim::SimHost) -> String {
     .await
     .unwrap()
 }
+
+/// Two appliances of one site reconcile at once (no leader election, so both are active): every
+/// claim is a compare-and-swap, so no Host ever has two Machines and no Machine two Hosts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_appliances_never_claim_one_host_twice() {
+    let no_election =
+        |config: &mut serde_json::Value| config["kubernetes"]["leader_election"] = json!(false);
+    let lab = ProviderLab::start(6, no_election).await.unwrap();
+    let other = lab
+        .other_appliance(|config| {
+            no_election(config);
+            config["dhcp"] = json!({ "mode": "off" });
+        })
+        .unwrap();
+    lab.create_cluster("c6", "#cloud-config\n").await.unwrap();
+    lab.create_template("t", "v1").await.unwrap();
+    lab.create_machine_deployment("workers", "c6", "t", 6).await.unwrap();
+    let deployments = lab.api("MachineDeployment");
+    for round in 0..2 {
+        lab.wait_running("workers", 6, ROLLOUT)
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e:#}"));
+        assert_one_to_one(&lab).await;
+        deployments
+            .patch(
+                "workers",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": { "replicas": 0 } })),
+            )
+            .await
+            .unwrap();
+        lab.wait_hosts(HostState::Available, 6, ROLLOUT).await.unwrap();
+        wait_sbm_count(&lab, 0).await;
+        assert!(
+            lab.hosts()
+                .list(&ListParams::default())
+                .await
+                .unwrap()
+                .items
+                .iter()
+                .all(|h| h.spec.consumer_ref.is_none()),
+            "a claim outlived its machine"
+        );
+        deployments
+            .patch(
+                "workers",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": { "replicas": 6 } })),
+            )
+            .await
+            .unwrap();
+    }
+    lab.wait_running("workers", 6, ROLLOUT).await.unwrap();
+    assert_one_to_one(&lab).await;
+    // Claims that lost the race to bind the machine are given back at once; every other claim
+    // is one Machine's one host.
+    let count = |pattern: &str| {
+        lab.siteboot.log().matches(pattern).count() + other.siteboot.log().matches(pattern).count()
+    };
+    let (claims, given_back) = (count("claimed a Host"), count("was bound to another host"));
+    eprintln!("claims: {claims}, given back after losing the bind: {given_back}");
+    assert_eq!(claims - given_back, 18, "every Machine claimed exactly one host, once");
+}
+
+/// Every SitebootMachine has one Host, and that Host names it as its only consumer.
+async fn assert_one_to_one(lab: &ProviderLab) {
+    let sbms = lab.api("SitebootMachine").list(&ListParams::default()).await.unwrap().items;
+    let hosts = lab.hosts().list(&ListParams::default()).await.unwrap().items;
+    let mut seen = std::collections::BTreeSet::new();
+    for sbm in &sbms {
+        let host = sbm.data["spec"]["hostRef"]["name"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{} has no host", sbm.name_any()));
+        assert!(seen.insert(host.to_owned()), "host {host} is bound to two machines");
+        let claimers: Vec<_> = hosts
+            .iter()
+            .filter(|h| h.spec.consumer_ref.as_ref().is_some_and(|c| c.name == sbm.name_any()))
+            .map(|h| h.name_any())
+            .collect();
+        assert_eq!(claimers, [host.to_owned()], "{} is claimed by {claimers:?}", sbm.name_any());
+    }
+}
