@@ -501,6 +501,24 @@ unknown_hosts:
         assert!(e.message.contains("'$'"), "{e}");
     }
 
+    /// The example configurations are valid (their directories replaced by ones that exist).
+    #[test]
+    fn examples_load() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("undionly.kpxe"), b"x").unwrap();
+        let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        for name in ["standalone.yaml", "kubernetes.yaml"] {
+            let text = std::fs::read_to_string(examples.join(name)).unwrap();
+            let here = dir.path().to_str().unwrap();
+            let text = text
+                .replace("/srv/siteboot", here)
+                .replace("/usr/lib/ipxe", here)
+                .replace("# root: /srv/tftp", "");
+            let config = Config::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(config.kubernetes.is_some(), name == "kubernetes.yaml");
+        }
+    }
+
     #[test]
     fn load_reports_the_file() {
         let e = Config::load(Path::new("/nonexistent/siteboot.yaml")).unwrap_err();

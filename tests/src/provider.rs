@@ -248,6 +248,15 @@ impl ProviderLab {
         out.join("\n")
     }
 
+    /// `kubectl get` as the apiserver renders it (a meta.k8s.io Table: the CRD's printer
+    /// columns) for `path`, e.g. `/apis/siteboot.dev/v1alpha1/namespaces/metal/hosts`.
+    pub async fn table(&self, path: &str) -> Result<Value> {
+        let request = http::Request::get(path)
+            .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+            .body(Vec::new())?;
+        Ok(serde_json::from_str(&self.env.client().request_text(request).await?)?)
+    }
+
     /// The Node of a provisioned host reports NotReady (or Ready again).
     pub fn set_node_ready(&self, host: &str, ready: bool) {
         let mut set = self.not_ready.lock().unwrap();

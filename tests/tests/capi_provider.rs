@@ -69,6 +69,43 @@ async fn machine_deployment_claims_provisions_scales_and_releases_hosts() {
     }
     assert_eq!(lab.sims().iter().filter(|s| !s.bootstrap_data().is_empty()).count(), 3);
 
+    // `kubectl get hosts,sitebootmachines` shows what each host is doing.
+    let hosts_table =
+        lab.table("/apis/siteboot.dev/v1alpha1/namespaces/metal/hosts").await.unwrap();
+    assert_eq!(
+        columns(&hosts_table),
+        ["Name", "State", "Power", "Consumer", "Site", "Maintenance", "MAC", "Age"]
+    );
+    let rows = cells(&hosts_table);
+    assert_eq!(
+        rows.iter()
+            .filter(|r| r[1] == "Provisioned" && r[3].starts_with("workers-") && r[4] == "lab")
+            .count(),
+        3,
+        "{rows:?}"
+    );
+    assert_eq!(
+        rows.iter().filter(|r| r[1] == "Available" && r[3].is_empty()).count(),
+        1,
+        "{rows:?}"
+    );
+    let sbm_table = lab
+        .table("/apis/infrastructure.cluster.x-k8s.io/v1alpha1/namespaces/metal/sitebootmachines")
+        .await
+        .unwrap();
+    assert_eq!(
+        columns(&sbm_table),
+        ["Name", "Cluster", "Host", "Ready", "Reason", "ProviderID", "Machine", "Age"]
+    );
+    assert!(
+        cells(&sbm_table).iter().all(|r| r[1] == "c1"
+            && r[2].starts_with("host-")
+            && r[3] == "True"
+            && r[4] == "Provisioned"),
+        "{:?}",
+        cells(&sbm_table)
+    );
+
     // Scale to 1: CAPI deletes 2 Machines; their hosts are wiped and Available again, and
     // every Host still exists.
     let deployments = lab.api("MachineDeployment");
@@ -126,6 +163,36 @@ async fn wait_sbm_count(lab: &ProviderLab, count: usize) {
     })
     .await
     .unwrap();
+}
+
+fn columns(table: &serde_json::Value) -> Vec<String> {
+    table["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Table cells as strings (empty for a missing value).
+fn cells(table: &serde_json::Value) -> Vec<Vec<String>> {
+    table["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r["cells"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| {
+                    c.as_str()
+                        .map(str::to_owned)
+                        .unwrap_or_else(|| if c.is_null() { String::new() } else { c.to_string() })
+                })
+                .collect()
+        })
+        .collect()
 }
 
 fn ready_condition(sbm: &kube::api::DynamicObject) -> serde_json::Value {
