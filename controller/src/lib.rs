@@ -2,6 +2,7 @@
 //! provider, reconciled from inside the appliance.
 
 pub mod agent;
+pub mod bmc;
 pub mod cache;
 pub mod cluster;
 pub mod context;

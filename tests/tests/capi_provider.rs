@@ -69,6 +69,19 @@ async fn machine_deployment_claims_provisions_scales_and_releases_hosts() {
     }
     assert_eq!(lab.sims().iter().filter(|s| !s.bootstrap_data().is_empty()).count(), 3);
 
+    // The site is the Cluster's failure domain.
+    let sbc = lab.api("SitebootCluster").get("c1").await.unwrap();
+    assert_eq!(
+        sbc.data["status"]["failureDomains"],
+        json!([{ "name": "lab", "controlPlane": true }])
+    );
+    let cluster = lab.api("Cluster").get("c1").await.unwrap();
+    assert_eq!(
+        cluster.data["status"]["failureDomains"][0]["name"], "lab",
+        "{}",
+        cluster.data["status"]
+    );
+
     // `kubectl get hosts,sitebootmachines` shows what each host is doing.
     let hosts_table =
         lab.table("/apis/siteboot.dev/v1alpha1/namespaces/metal/hosts").await.unwrap();
@@ -591,4 +604,60 @@ async fn assert_one_to_one(lab: &ProviderLab) {
             .collect();
         assert_eq!(claimers, [host.to_owned()], "{} is claimed by {claimers:?}", sbm.name_any());
     }
+}
+
+/// With leader election, one replica of a site reconciles; when it dies, another takes the
+/// site's Lease and carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn another_replica_takes_over_when_the_leader_dies() {
+    let mut lab = ProviderLab::start(1, |_| {}).await.unwrap();
+    let other = lab.other_appliance(|config| config["dhcp"] = json!({ "mode": "off" })).unwrap();
+    let leases = kube::Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(
+        lab.env.client(),
+        "siteboot-system",
+    );
+    let sites = kube::Api::<siteboot_controller::crd::Site>::all(lab.env.client());
+    let holder =
+        || async { leases.get_opt("siteboot-lab").await.ok().flatten()?.spec?.holder_identity };
+    let first = lab.siteboot.pid().unwrap();
+    let leader = siteboot_tests::wait::for_async(
+        "the first appliance to lead",
+        Duration::from_secs(60),
+        || async { holder().await.filter(|h| h.ends_with(&format!("-{first}"))) },
+    )
+    .await
+    .unwrap();
+    siteboot_tests::wait::for_async(
+        "the Site heartbeat from the leader",
+        Duration::from_secs(60),
+        || async { (sites.get("lab").await.ok()?.status?.leader? == leader).then_some(()) },
+    )
+    .await
+    .unwrap();
+
+    lab.siteboot.kill9();
+    let second = other.siteboot.pid().unwrap();
+    let leader = siteboot_tests::wait::for_async(
+        "the other appliance to take the Lease",
+        Duration::from_secs(90),
+        || async { holder().await.filter(|h| h.ends_with(&format!("-{second}"))) },
+    )
+    .await
+    .unwrap();
+    siteboot_tests::wait::for_async(
+        "the Site heartbeat from the new leader",
+        Duration::from_secs(60),
+        || async { (sites.get("lab").await.ok()?.status?.leader? == leader).then_some(()) },
+    )
+    .await
+    .unwrap();
+    // The new leader reconciles: a new Host is registered and sent to inspection.
+    let host: siteboot_controller::crd::Host = serde_json::from_value(json!({
+        "apiVersion": "siteboot.dev/v1alpha1", "kind": "Host",
+        "metadata": { "name": "host-9", "labels": { "siteboot.dev/site": "lab" } },
+        "spec": { "bootMACAddress": "52:54:00:00:0c:09" },
+    }))
+    .unwrap();
+    lab.hosts().create(&kube::api::PostParams::default(), &host).await.unwrap();
+    lab.wait_hosts(HostState::Inspecting, 1, Duration::from_secs(60)).await.unwrap();
 }

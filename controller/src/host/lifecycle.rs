@@ -39,14 +39,8 @@ pub fn next(host: &Host) -> Option<Transition> {
     match state {
         None => t(HostState::Registering, None, "Registered", "new host"),
         Some(HostState::Registering) => {
-            if host.spec.bmc.is_some() {
-                // The Redfish driver arrives with the imaging milestone.
-                return t(
-                    HostState::Quarantined,
-                    None,
-                    "UnsupportedBMC",
-                    "spec.bmc is set, but this siteboot drives no BMC yet: remove spec.bmc and boot the host from the network",
-                );
+            if let Err(e) = crate::bmc::driver_for(host) {
+                return t(HostState::Quarantined, None, "BMCFailed", &e.to_string());
             }
             if status.and_then(|s| s.hardware.as_ref()).is_some() {
                 t(HostState::Available, None, "Registered", "hardware already known")
@@ -351,6 +345,7 @@ mod tests {
         h.spec.bmc = Some(Bmc { address: "redfish://x".into(), credentials_name: "c".into() });
         step(&mut h);
         assert_eq!(step(&mut h), Some(HostState::Quarantined));
-        assert!(h.status.unwrap().quarantine_reason.unwrap().contains("UnsupportedBMC"));
+        let reason = h.status.unwrap().quarantine_reason.unwrap();
+        assert!(reason.starts_with("BMCFailed: spec.bmc names \"redfish://x\""), "{reason}");
     }
 }

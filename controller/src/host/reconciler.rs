@@ -14,6 +14,7 @@ use kube::runtime::watcher;
 use serde_json::json;
 
 use super::lifecycle::{self, RETRY_ANNOTATION};
+use crate::bmc;
 use crate::context::{Ctx, Error, host_key, update_host_status};
 use crate::crd::{Host, HostState, SITE_LABEL};
 
@@ -33,6 +34,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
 
 async fn reconcile(host: Arc<Host>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let Some(transition) = lifecycle::next(&host) else {
+        refresh_power(&host, &ctx).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));
     };
     let namespace = host.namespace().unwrap_or_default();
@@ -56,11 +58,35 @@ async fn reconcile(host: Arc<Host>, ctx: Arc<Ctx>) -> Result<Action, Error> {
         format!("{from:?} -> {:?}: {}", transition.to, transition.message),
     )
     .await;
+    if transition.operation.is_some()
+        && let Ok(driver) = bmc::driver_for(&written)
+        && let Err(e) = driver.boot_from_network().await
+    {
+        tracing::warn!(host = %host_key(&written), error = %e, "cannot boot the host into the ramdisk; it will when it restarts");
+    }
     if transition.to == HostState::Registering && lifecycle::retry_requested(&written) {
         let patch = json!({ "metadata": { "annotations": { RETRY_ANNOTATION: null } } });
         api.patch(&written.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
     }
     Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// Records what the BMC says about power, when it changed.
+async fn refresh_power(host: &Host, ctx: &Ctx) -> Result<(), Error> {
+    let Ok(driver) = bmc::driver_for(host) else { return Ok(()) };
+    let Ok(power) = driver.power().await else { return Ok(()) };
+    if host.status.as_ref().and_then(|s| s.power) == Some(power) {
+        return Ok(());
+    }
+    let api = ctx.hosts_api(&host.namespace().unwrap_or_default());
+    update_host_status(&api, &host.name_any(), |current| {
+        let mut status = current.status.clone().unwrap_or_default();
+        status.power = Some(power);
+        Ok::<_, ()>(Some(status))
+    })
+    .await?
+    .ok();
+    Ok(())
 }
 
 fn error_policy(host: Arc<Host>, error: &Error, _: Arc<Ctx>) -> Action {
