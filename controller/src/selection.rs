@@ -129,18 +129,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn host(name: &str, site: &str, state: HostState) -> Host {
-        let mut h = Host::new(
-            name,
-            HostSpec {
-                boot_mac_address: "52:54:00:00:00:01".into(),
-                online: true,
-                maintenance: false,
-                bmc: None,
-                consumer_ref: None,
-                provisioning: None,
-                wipe: None,
-            },
-        );
+        let mut h = Host::new(name, HostSpec::new("52:54:00:00:00:01"));
         h.metadata.labels = Some(BTreeMap::from([
             (SITE_LABEL.to_owned(), site.to_owned()),
             ("rack".into(), "r1".into()),

@@ -392,18 +392,7 @@ fn start_appliance(
 }
 
 async fn create_host(api: &Api<Host>, i: usize) -> Result<()> {
-    let mut host = Host::new(
-        &host_name(i),
-        HostSpec {
-            boot_mac_address: sim_mac(i),
-            online: true,
-            maintenance: false,
-            bmc: None,
-            consumer_ref: None,
-            provisioning: None,
-            wipe: None,
-        },
-    );
+    let mut host = Host::new(&host_name(i), HostSpec::new(sim_mac(i)));
     host.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), SITE.to_owned())]));
     api.create(&PostParams::default(), &host).await?;
     Ok(())

@@ -619,38 +619,27 @@ async fn another_replica_takes_over_when_the_leader_dies() {
     let sites = kube::Api::<siteboot_controller::crd::Site>::all(lab.env.client());
     let holder =
         || async { leases.get_opt("siteboot-lab").await.ok().flatten()?.spec?.holder_identity };
-    let first = lab.siteboot.pid().unwrap();
-    let leader = siteboot_tests::wait::for_async(
-        "the first appliance to lead",
-        Duration::from_secs(60),
-        || async { holder().await.filter(|h| h.ends_with(&format!("-{first}"))) },
-    )
-    .await
-    .unwrap();
-    siteboot_tests::wait::for_async(
-        "the Site heartbeat from the leader",
-        Duration::from_secs(60),
-        || async { (sites.get("lab").await.ok()?.status?.leader? == leader).then_some(()) },
-    )
-    .await
-    .unwrap();
-
+    // Waits until the appliance with `pid` holds the Lease and writes the Site heartbeat.
+    let leads = |pid: u32, what: &'static str| {
+        let (holder, sites) = (&holder, &sites);
+        async move {
+            let leader = siteboot_tests::wait::for_async(what, Duration::from_secs(90), || async {
+                holder().await.filter(|h| h.ends_with(&format!("-{pid}")))
+            })
+            .await
+            .unwrap();
+            siteboot_tests::wait::for_async(
+                "the Site heartbeat from the leader",
+                Duration::from_secs(60),
+                || async { (sites.get("lab").await.ok()?.status?.leader? == leader).then_some(()) },
+            )
+            .await
+            .unwrap();
+        }
+    };
+    leads(lab.siteboot.pid().unwrap(), "the first appliance to lead").await;
     lab.siteboot.kill9();
-    let second = other.siteboot.pid().unwrap();
-    let leader = siteboot_tests::wait::for_async(
-        "the other appliance to take the Lease",
-        Duration::from_secs(90),
-        || async { holder().await.filter(|h| h.ends_with(&format!("-{second}"))) },
-    )
-    .await
-    .unwrap();
-    siteboot_tests::wait::for_async(
-        "the Site heartbeat from the new leader",
-        Duration::from_secs(60),
-        || async { (sites.get("lab").await.ok()?.status?.leader? == leader).then_some(()) },
-    )
-    .await
-    .unwrap();
+    leads(other.siteboot.pid().unwrap(), "the other appliance to take the Lease").await;
     // The new leader reconciles: a new Host is registered and sent to inspection.
     let host: siteboot_controller::crd::Host = serde_json::from_value(json!({
         "apiVersion": "siteboot.dev/v1alpha1", "kind": "Host",

@@ -58,6 +58,21 @@ fn default_true() -> bool {
     true
 }
 
+impl HostSpec {
+    /// A host that boots from `boot_mac_address`, online, not in maintenance, unclaimed.
+    pub fn new(boot_mac_address: impl Into<String>) -> Self {
+        Self {
+            boot_mac_address: boot_mac_address.into(),
+            online: true,
+            maintenance: false,
+            bmc: None,
+            consumer_ref: None,
+            provisioning: None,
+            wipe: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Bmc {

@@ -236,18 +236,7 @@ mod tests {
     use crate::crd::{Bmc, ConsumerRef, HostSpec, Image, Provisioning, SecretRef};
 
     fn host() -> Host {
-        Host::new(
-            "h",
-            HostSpec {
-                boot_mac_address: "52:54:00:00:00:01".into(),
-                online: true,
-                maintenance: false,
-                bmc: None,
-                consumer_ref: None,
-                provisioning: None,
-                wipe: None,
-            },
-        )
+        Host::new("h", HostSpec::new("52:54:00:00:00:01"))
     }
 
     fn step(h: &mut Host) -> Option<HostState> {
