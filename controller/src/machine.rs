@@ -346,7 +346,7 @@ fn host_namespace(sbm: &SitebootMachine) -> String {
 }
 
 /// A Host already claimed for this machine (the claim happened, the hostRef write did not).
-async fn already_claimed(sbm: &SitebootMachine, hosts: &[Host]) -> Option<Host> {
+fn already_claimed(sbm: &SitebootMachine, hosts: &[Host]) -> Option<Host> {
     hosts.iter().find(|h| consumed_by(h, sbm)).cloned()
 }
 
@@ -393,7 +393,7 @@ async fn bind(
     let hosts_api = ctx.hosts_api(&namespace);
     let site = format!("{SITE_LABEL}={}", ctx.site);
     let hosts = hosts_api.list(&ListParams::default().labels(&site)).await?.items;
-    let adopt = already_claimed(sbm, &hosts).await;
+    let adopt = already_claimed(sbm, &hosts);
     let seed = sbm
         .uid()
         .map(|u| u.bytes().fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(b))))
@@ -544,14 +544,8 @@ async fn delete(
         Bound::Host(h) => Some(*h),
         // Claimed but not yet recorded: find it by its consumerRef.
         Bound::Unbound => {
-            already_claimed(
-                sbm,
-                &hosts_api
-                    .list(&ListParams::default().labels(&format!("{SITE_LABEL}={}", ctx.site)))
-                    .await?
-                    .items,
-            )
-            .await
+            let site = format!("{SITE_LABEL}={}", ctx.site);
+            already_claimed(sbm, &hosts_api.list(&ListParams::default().labels(&site)).await?.items)
         }
         Bound::Missing(_) => None,
     };
