@@ -1,0 +1,108 @@
+//! siteboot's CRDs in the real apiserver: the validation they declare (patterns, CEL
+//! immutability) refuses bad objects, and conditions merge per type under server-side apply.
+
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use serde_json::json;
+use siteboot_controller::manifests;
+use siteboot_tests::kube::KubeEnv;
+
+const INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
+
+async fn create(
+    api: &Api<DynamicObject>,
+    object: serde_json::Value,
+) -> Result<DynamicObject, kube::Error> {
+    api.create(&PostParams::default(), &serde_json::from_value(object).unwrap()).await
+}
+
+fn refused(result: Result<DynamicObject, kube::Error>, why: &str) {
+    match result {
+        Err(kube::Error::Api(status)) if status.code == 422 => {
+            assert!(
+                status.message.contains(why),
+                "refused, but not for {why:?}: {}",
+                status.message
+            )
+        }
+        other => panic!("expected a 422 mentioning {why:?}, got {other:?}"),
+    }
+}
+
+fn image(url: &str, checksum: &str) -> serde_json::Value {
+    json!({ "url": url, "checksum": checksum })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crd_validation_refuses_bad_objects_and_conditions_merge() {
+    let env = KubeEnv::start().await.unwrap();
+    for crd in manifests::crds() {
+        env.install_crd(&serde_json::to_value(crd).unwrap()).await.unwrap();
+    }
+    let hosts = env.api("siteboot.dev/v1alpha1", "Host", Some("default"));
+    let host = |name: &str, mac: &str| json!({ "apiVersion": "siteboot.dev/v1alpha1", "kind": "Host", "metadata": { "name": name }, "spec": { "bootMACAddress": mac } });
+    refused(create(&hosts, host("bad-mac", "52:54:00:ZZ:00:01")).await, "bootMACAddress");
+    refused(create(&hosts, host("upper", "52:54:00:AB:00:01")).await, "bootMACAddress");
+    create(&hosts, host("h1", "52:54:00:00:00:01")).await.unwrap();
+    let change_mac = json!({ "spec": { "bootMACAddress": "52:54:00:00:00:02" } });
+    match hosts.patch("h1", &PatchParams::default(), &Patch::Merge(change_mac)).await {
+        Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("immutable") => {}
+        other => panic!("changing the boot MAC should be refused: {other:?}"),
+    }
+
+    let good = "sha256:".to_owned() + &"a".repeat(64);
+    let sbms = env.api(INFRA, "SitebootMachine", Some("default"));
+    let sbm = |name: &str, image: serde_json::Value| json!({ "apiVersion": INFRA, "kind": "SitebootMachine", "metadata": { "name": name }, "spec": { "image": image } });
+    refused(create(&sbms, sbm("m1", image("ftp://x/img", &good))).await, "url");
+    refused(create(&sbms, sbm("m2", image("http://x/img", "md5:abc"))).await, "checksum");
+    create(&sbms, sbm("m3", image("http://x/img", &good))).await.unwrap();
+    let set =
+        |field: &str, value: serde_json::Value| Patch::Merge(json!({ "spec": { field: value } }));
+    sbms.patch(
+        "m3",
+        &PatchParams::default(),
+        &set("hostRef", json!({ "namespace": "default", "name": "h1" })),
+    )
+    .await
+    .unwrap();
+    match sbms
+        .patch(
+            "m3",
+            &PatchParams::default(),
+            &set("hostRef", json!({ "namespace": "default", "name": "h2" })),
+        )
+        .await
+    {
+        Err(kube::Error::Api(s))
+            if s.code == 422 && s.message.contains("hostRef cannot change") => {}
+        other => panic!("re-pointing hostRef should be refused: {other:?}"),
+    }
+
+    let templates = env.api(INFRA, "SitebootMachineTemplate", Some("default"));
+    let template = json!({ "apiVersion": INFRA, "kind": "SitebootMachineTemplate", "metadata": { "name": "t1" },
+        "spec": { "template": { "spec": { "image": image("http://x/img", &good) } } } });
+    create(&templates, template).await.unwrap();
+    let new_image =
+        json!({ "spec": { "template": { "spec": { "image": image("http://x/other", &good) } } } });
+    match templates.patch("t1", &PatchParams::default(), &Patch::Merge(new_image)).await {
+        Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("immutable") => {}
+        other => panic!("a template spec change should be refused: {other:?}"),
+    }
+
+    // Two field managers applying different condition types: both stay (a list-map by type).
+    let condition = |type_: &str| json!({ "type": type_, "status": "True", "reason": "Test", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z" });
+    for (manager, type_) in [("one", "Ready"), ("two", "Claimed")] {
+        let status = json!({ "apiVersion": "siteboot.dev/v1alpha1", "kind": "Host", "metadata": { "name": "h1" }, "status": { "conditions": [condition(type_)] } });
+        hosts
+            .patch_status("h1", &PatchParams::apply(manager).force(), &Patch::Apply(status))
+            .await
+            .unwrap();
+    }
+    let h1 = hosts.get("h1").await.unwrap();
+    let types: Vec<&str> = h1.data["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(types, ["Ready", "Claimed"]);
+}
