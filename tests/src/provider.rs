@@ -319,6 +319,13 @@ impl ProviderLab {
         Ok(())
     }
 
+    /// Sets a MachineDeployment's replicas.
+    pub async fn scale(&self, deployment: &str, replicas: u32) -> Result<()> {
+        let patch = Patch::Merge(json!({ "spec": { "replicas": replicas } }));
+        self.api("MachineDeployment").patch(deployment, &PatchParams::default(), &patch).await?;
+        Ok(())
+    }
+
     /// Machines of a MachineDeployment that are Running with a nodeRef.
     pub async fn running_machines(&self, deployment: &str) -> Result<Vec<DynamicObject>> {
         let lp =

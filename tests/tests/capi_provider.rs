@@ -122,14 +122,7 @@ async fn machine_deployment_claims_provisions_scales_and_releases_hosts() {
     // Scale to 1: CAPI deletes 2 Machines; their hosts are wiped and Available again, and
     // every Host still exists.
     let deployments = lab.api("MachineDeployment");
-    deployments
-        .patch(
-            "workers",
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "replicas": 1 } })),
-        )
-        .await
-        .unwrap();
+    lab.scale("workers", 1).await.unwrap();
     lab.wait_running("workers", 1, ROLLOUT).await.unwrap();
     lab.wait_hosts(HostState::Available, 3, ROLLOUT).await.unwrap();
     let hosts = lab.hosts().list(&ListParams::default()).await.unwrap().items;
@@ -359,14 +352,7 @@ async fn a_crash_during_provisioning_or_deprovisioning_is_finished_after_restart
     lab.wait_running("workers", 1, ROLLOUT).await.unwrap();
 
     // kill -9 while the ramdisk wipes.
-    lab.api("MachineDeployment")
-        .patch(
-            "workers",
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "replicas": 0 } })),
-        )
-        .await
-        .unwrap();
+    lab.scale("workers", 0).await.unwrap();
     siteboot_tests::wait::for_async("the ramdisk to report wiping", ROLLOUT, || async {
         let hosts = lab.hosts().list(&ListParams::default()).await.ok()?.items;
         hosts.iter().any(|h| step_of(h) == Some("wiping")).then_some(())
@@ -540,20 +526,12 @@ async fn two_appliances_never_claim_one_host_twice() {
     lab.create_cluster("c6", "#cloud-config\n").await.unwrap();
     lab.create_template("t", "v1").await.unwrap();
     lab.create_machine_deployment("workers", "c6", "t", 6).await.unwrap();
-    let deployments = lab.api("MachineDeployment");
     for round in 0..2 {
         lab.wait_running("workers", 6, ROLLOUT)
             .await
             .unwrap_or_else(|e| panic!("round {round}: {e:#}"));
         assert_one_to_one(&lab).await;
-        deployments
-            .patch(
-                "workers",
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "spec": { "replicas": 0 } })),
-            )
-            .await
-            .unwrap();
+        lab.scale("workers", 0).await.unwrap();
         lab.wait_hosts(HostState::Available, 6, ROLLOUT).await.unwrap();
         wait_sbm_count(&lab, 0).await;
         assert!(
@@ -566,14 +544,7 @@ async fn two_appliances_never_claim_one_host_twice() {
                 .all(|h| h.spec.consumer_ref.is_none()),
             "a claim outlived its machine"
         );
-        deployments
-            .patch(
-                "workers",
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "spec": { "replicas": 6 } })),
-            )
-            .await
-            .unwrap();
+        lab.scale("workers", 6).await.unwrap();
     }
     lab.wait_running("workers", 6, ROLLOUT).await.unwrap();
     assert_one_to_one(&lab).await;
