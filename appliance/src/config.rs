@@ -63,6 +63,10 @@ pub struct KubernetesFile {
     /// How long a ramdisk token is accepted after it is issued. Default 2h.
     #[serde(default = "default_token_max_age", with = "humantime_serde")]
     pub token_max_age: std::time::Duration,
+    /// Namespaces, besides a SitebootMachine's own, that its `hostSelector.namespace` may take
+    /// Hosts from. Default none: a machine gets Hosts of its own namespace only.
+    #[serde(default)]
+    pub host_namespaces: Vec<String>,
 }
 
 fn default_token_max_age() -> std::time::Duration {
@@ -85,6 +89,7 @@ pub struct KubernetesConfig {
     pub lease_namespace: String,
     pub leader_election: bool,
     pub token_max_age: std::time::Duration,
+    pub host_namespaces: Vec<String>,
 }
 
 fn default_state_dir() -> PathBuf {
@@ -291,6 +296,7 @@ impl Config {
                     lease_namespace: k.lease_namespace.clone(),
                     leader_election: k.leader_election,
                     token_max_age: k.token_max_age,
+                    host_namespaces: k.host_namespaces.clone(),
                 })
             }
         };

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use siteboot_controller::manifests::SecretAccess;
 
 use crate::config::Config;
 
@@ -55,6 +56,14 @@ enum Command {
         /// The namespace the appliance's ServiceAccount and leader Lease live in.
         #[arg(long, default_value = "siteboot-system")]
         namespace: String,
+        /// A namespace whose Machines this appliance serves: it may read bootstrap data Secrets
+        /// there, and nowhere else. Repeat for more. Default: `default`.
+        #[arg(long = "machine-namespace", value_name = "NAMESPACE")]
+        machine_namespaces: Vec<String>,
+        /// Grant reading Secrets in every namespace instead (opt-in: whoever controls the
+        /// appliance could then read any Secret by name).
+        #[arg(long, conflicts_with = "machine_namespaces")]
+        all_namespaces: bool,
     },
     /// Check a configuration file and exit: 0 if it is valid, 1 with the field and the problem
     /// if not.
@@ -95,13 +104,22 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Manifests { output_dir, namespace } => match manifests(output_dir, &namespace) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e:#}");
-                ExitCode::FAILURE
+        Command::Manifests { output_dir, namespace, machine_namespaces, all_namespaces } => {
+            let secrets = if all_namespaces {
+                SecretAccess::Cluster
+            } else if machine_namespaces.is_empty() {
+                siteboot_controller::manifests::default_secret_access()
+            } else {
+                SecretAccess::Namespaces(machine_namespaces)
+            };
+            match manifests(output_dir, &namespace, &secrets) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
             }
-        },
+        }
         Command::Serve { config, kubeconfig, site, identity } => {
             let config = match Config::load(&config) {
                 Ok(c) => c,
@@ -161,10 +179,14 @@ async fn kube_mode(
     Ok(Some(serve::KubeMode { client, site, identity }))
 }
 
-fn manifests(output_dir: Option<PathBuf>, namespace: &str) -> anyhow::Result<()> {
+fn manifests(
+    output_dir: Option<PathBuf>,
+    namespace: &str,
+    secrets: &SecretAccess,
+) -> anyhow::Result<()> {
     use siteboot_controller::manifests::{crds, rbac, to_yaml};
     let crds = to_yaml(&crds());
-    let rbac = to_yaml(&rbac(namespace));
+    let rbac = to_yaml(&rbac(namespace, secrets));
     match output_dir {
         None => print!("{crds}---\n{rbac}"),
         Some(dir) => {

@@ -64,6 +64,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
                 k.ramdisk.clone(),
             );
             ctx.token_max_age = k.token_max_age;
+            ctx.machine_policy.host_namespaces = k.host_namespaces.clone();
             let ctx = Arc::new(ctx);
             let options = siteboot_controller::run::Options {
                 lease_namespace: k.lease_namespace.clone(),

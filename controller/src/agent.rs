@@ -21,7 +21,10 @@ use serde_json::json;
 use siteboot_boot::inventory::{AgentRequest, AgentResponse};
 
 use crate::context::{Ctx, host_key, update_host_status};
-use crate::crd::{Hardware, Host, MachineAddress, Operation, OperationKind, WipePolicy};
+use crate::crd::capi::Machine;
+use crate::crd::{
+    Hardware, Host, MachineAddress, Operation, OperationKind, SitebootMachine, WipePolicy,
+};
 use crate::host::lifecycle::{completed, older_than};
 use crate::token;
 
@@ -66,6 +69,8 @@ pub enum Refusal {
     WrongOperation(OperationKind),
     /// Bootstrap data was already handed out for this operation.
     Replayed,
+    /// The Host is not bound to a machine whose bootstrap data it may have (why, in words).
+    NotBound(String),
     BadRequest(String),
 }
 
@@ -92,6 +97,7 @@ impl fmt::Display for Refusal {
             Refusal::NoOperation => f.write_str("no operation in progress"),
             Refusal::WrongOperation(k) => write!(f, "not allowed during {k:?}"),
             Refusal::Replayed => f.write_str("bootstrap data already delivered for this operation"),
+            Refusal::NotBound(why) => write!(f, "not bound to a machine: {why}"),
             Refusal::BadRequest(m) => write!(f, "bad request: {m}"),
         }
     }
@@ -226,7 +232,7 @@ async fn finish(
         let reason = host
             .status
             .as_ref()
-            .and_then(|s| crate::crd::condition(&s.conditions, "Ready"))
+            .and_then(|s| crate::crd::condition(&s.conditions, crate::conditions::READY))
             .map(|c| c.reason.clone())
             .unwrap_or_default();
         tracing::info!(host = %host_key(&host), ?kind, ok, state = ?state, "ramdisk finished an operation");
@@ -274,18 +280,30 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
         return Err(Refusal::WrongOperation(op.kind).into());
     }
     if op.bootstrap_delivered {
+        let note = format!(
+            "bootstrap data for operation {} was asked for again (from {}) after it was delivered; refused",
+            op.id, req.remote
+        );
+        ctx.event(&host, true, "BootstrapDataReplayed", note).await;
         return Err(Refusal::Replayed.into());
     }
-    let Some(provisioning) = &host.spec.provisioning else {
-        return Err(Refusal::NoOperation.into());
+    let secret = match bootstrap_secret(ctx, &host).await? {
+        Ok(secret) => secret,
+        Err(refusal) => {
+            let note = format!("bootstrap data refused: {refusal}");
+            ctx.event(&host, true, "BootstrapDataRefused", note).await;
+            return Err(refusal.into());
+        }
     };
-    let secret_ref = &provisioning.bootstrap_data_secret;
-    let secret = Api::<Secret>::namespaced(ctx.client.clone(), &secret_ref.namespace)
-        .get(&secret_ref.name)
-        .await?;
+    let Some(secret) = secret else {
+        return Ok(AgentResponse::text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "bootstrap data not ready\n",
+        ));
+    };
     let data = secret.data.unwrap_or_default();
     let Some(value) = data.get("value") else {
-        tracing::error!(host = %host_key(&host), secret = %format!("{}/{}", secret_ref.namespace, secret_ref.name), "bootstrap Secret has no key `value`");
+        tracing::error!(host = %host_key(&host), secret = %secret.metadata.name.unwrap_or_default(), "bootstrap Secret has no key `value`");
         return Ok(AgentResponse::text(
             StatusCode::SERVICE_UNAVAILABLE,
             "bootstrap data not ready\n",
@@ -319,4 +337,54 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
         content_type,
         body: bytes::Bytes::from(value.0.clone()),
     })
+}
+
+/// The bootstrap data Secret of the machine `host` is bound to, found from the binding alone:
+/// the Host's `consumerRef` names a SitebootMachine with the same uid whose `spec.hostRef` names
+/// this Host; its owner Machine names the Secret (`spec.bootstrap.dataSecretName`), read in
+/// the Machine's namespace. Nothing a Host says can point at another Secret. `Ok(None)`: the
+/// Secret does not exist yet.
+async fn bootstrap_secret(
+    ctx: &Ctx,
+    host: &Host,
+) -> Result<Result<Option<Secret>, Refusal>, kube::Error> {
+    let not_bound = |why: &str| Ok(Err(Refusal::NotBound(why.to_owned())));
+    let Some(consumer) = &host.spec.consumer_ref else { return not_bound("no consumerRef") };
+    if consumer.kind != "SitebootMachine" {
+        return not_bound("the consumer is not a SitebootMachine");
+    }
+    let machines: Api<SitebootMachine> = Api::namespaced(ctx.client.clone(), &consumer.namespace);
+    let Some(sbm) = machines.get_opt(&consumer.name).await? else {
+        return not_bound("its SitebootMachine does not exist");
+    };
+    if sbm.metadata.uid.as_deref() != Some(consumer.uid.as_str()) {
+        return not_bound("consumerRef.uid is not its SitebootMachine's");
+    }
+    let names_host = sbm.spec.host_ref.as_ref().is_some_and(|r| {
+        Some(r.namespace.as_str()) == host.metadata.namespace.as_deref()
+            && Some(r.name.as_str()) == host.metadata.name.as_deref()
+    });
+    if !names_host {
+        return not_bound("its SitebootMachine's hostRef does not name this Host");
+    }
+    let Some(owner) = sbm
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
+    else {
+        return not_bound("its SitebootMachine has no owner Machine");
+    };
+    let machines: Api<Machine> = Api::namespaced(ctx.client.clone(), &consumer.namespace);
+    let Some(machine) = machines.get_opt(&owner.name).await? else {
+        return not_bound("its Machine does not exist");
+    };
+    if machine.metadata.uid.as_deref() != Some(owner.uid.as_str()) {
+        return not_bound("its owner Machine was replaced");
+    }
+    let Some(name) = machine.spec.bootstrap.data_secret_name else {
+        return Ok(Ok(None));
+    };
+    Api::<Secret>::namespaced(ctx.client.clone(), &consumer.namespace).get_opt(&name).await.map(Ok)
 }

@@ -25,6 +25,8 @@ pub trait BmcDriver: Send + Sync {
     fn power(&self) -> BoxFuture<'_, Result<PowerState, BmcError>>;
     /// Boots the host from the network now: an operation needs the ramdisk.
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>>;
+    /// Turns the host off (a deleted Host, after its wipe).
+    fn power_off(&self) -> BoxFuture<'_, Result<(), BmcError>>;
 }
 
 /// No BMC: the host boots from the network on its own whenever it restarts.
@@ -41,6 +43,11 @@ impl BmcDriver for SelfBooting {
 
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>> {
         // Nothing to do: the next time the host restarts it boots the ramdisk.
+        Box::pin(async { Ok(()) })
+    }
+
+    fn power_off(&self) -> BoxFuture<'_, Result<(), BmcError>> {
+        // Nothing siteboot can do; the operator unplugs a deleted host.
         Box::pin(async { Ok(()) })
     }
 }

@@ -14,7 +14,8 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use serde_json::json;
 
-use crate::context::{Ctx, Error};
+use crate::conditions::{PAUSED, READY, Reason};
+use crate::context::{Ctx, Error, ErrorKind};
 use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, PAUSED_ANNOTATION};
 use crate::crd::{FailureDomain, Initialization, Site, SitebootCluster, set_condition};
 
@@ -37,12 +38,30 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
         .await;
 }
 
-fn error_policy(_: Arc<SitebootCluster>, error: &Error, _: Arc<Ctx>) -> Action {
-    tracing::warn!(error = %error, "SitebootCluster reconcile failed; retrying");
-    Action::requeue(Duration::from_secs(5))
+fn error_policy(sbc: Arc<SitebootCluster>, error: &Error, ctx: Arc<Ctx>) -> Action {
+    let retry = ctx.backoff.retry_after(&key(&sbc), error);
+    tracing::warn!(cluster = %key(&sbc), error = %error, kind = ?error.kind(), ?retry, "SitebootCluster reconcile failed");
+    Action::requeue(retry)
+}
+
+fn key(sbc: &SitebootCluster) -> String {
+    format!("SitebootCluster {}/{}", sbc.namespace().unwrap_or_default(), sbc.name_any())
 }
 
 async fn reconcile(sbc: Arc<SitebootCluster>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    let result = pass(&sbc, &ctx).await;
+    match &result {
+        Ok(_) => ctx.backoff.succeeded(&key(&sbc)),
+        Err(e) if e.kind() == ErrorKind::Refused => {
+            let note = format!("the API server refused a request: {e}");
+            ctx.event(&*sbc, true, &Reason::ApiRefused.to_string(), note).await;
+        }
+        Err(_) => {}
+    }
+    result
+}
+
+async fn pass(sbc: &SitebootCluster, ctx: &Ctx) -> Result<Action, Error> {
     let namespace = sbc.namespace().unwrap_or_default();
     let api: Api<SitebootCluster> = Api::namespaced(ctx.client.clone(), &namespace);
     let mut status = sbc.status.clone().unwrap_or_default();
@@ -55,14 +74,8 @@ async fn reconcile(sbc: Arc<SitebootCluster>, ctx: Arc<Ctx>) -> Result<Action, E
     };
     let paused = cluster.as_ref().is_some_and(Cluster::is_paused)
         || sbc.annotations().contains_key(PAUSED_ANNOTATION);
-    set_condition(
-        &mut status.conditions,
-        "Paused",
-        paused,
-        if paused { "Paused" } else { "NotPaused" },
-        "",
-        generation,
-    );
+    let reason = if paused { Reason::Paused } else { Reason::NotPaused };
+    set_condition(&mut status.conditions, PAUSED, paused, &reason.to_string(), "", generation);
     if !paused {
         let sites = Api::<Site>::all(ctx.client.clone()).list(&ListParams::default()).await?.items;
         status.failure_domains = sites
@@ -77,7 +90,8 @@ async fn reconcile(sbc: Arc<SitebootCluster>, ctx: Arc<Ctx>) -> Result<Action, E
         status.failure_domains.sort_by(|a, b| a.name.cmp(&b.name));
         status.initialization = Some(Initialization { provisioned: Some(true) });
         let message = format!("{} sites as failure domains", status.failure_domains.len());
-        set_condition(&mut status.conditions, "Ready", true, "Provisioned", &message, generation);
+        let reason = Reason::Provisioned.to_string();
+        set_condition(&mut status.conditions, READY, true, &reason, &message, generation);
     }
     if sbc.status.as_ref() != Some(&status) {
         api.patch_status(

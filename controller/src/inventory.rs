@@ -42,7 +42,12 @@ impl KubeInventory {
             Some(HostState::Provisioned) => Some(BootAction::LocalDisk(LocalBoot::Exit)),
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning) => {
                 if !request.remote_holds_mac {
-                    tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host_key(&host), "boot script asked for by an address that does not hold this MAC's lease; no token issued");
+                    tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host_key(&host), "boot script asked for by an address that does not hold this MAC; no token issued");
+                    let note = format!(
+                        "{} asked for this host's boot script but does not hold its MAC; no token issued",
+                        request.remote
+                    );
+                    self.ctx.event(&*host, true, "TokenRefused", note).await;
                     return Some(self.ramdisk(&[]));
                 }
                 match self.issue_token(&host, request).await {
@@ -62,7 +67,8 @@ impl KubeInventory {
     }
 
     /// Mints a token for the Host's current operation and stores its hash. `None` if the Host
-    /// has no operation any more.
+    /// has no operation any more, or if the operation's bootstrap data was already delivered:
+    /// once per operation means no token can fetch it again.
     async fn issue_token(
         &self,
         host: &Host,
@@ -74,11 +80,13 @@ impl KubeInventory {
         let mut operation_id = None;
         let written = update_host_status(&api, &name, |current| {
             let mut status = current.status.clone().unwrap_or_default();
-            let Some(op) = status.operation.as_mut() else { return Ok::<_, ()>(None) };
+            let Some(op) = status.operation.as_mut() else { return Ok(None) };
+            if op.bootstrap_delivered {
+                return Err(op.id.clone());
+            }
             op.token_hash = Some(hash.clone());
             op.token_address = Some(request.remote.to_string());
             op.token_issued = Some(now());
-            op.bootstrap_delivered = false;
             operation_id = Some(op.id.clone());
             Ok(Some(status))
         })
@@ -87,6 +95,15 @@ impl KubeInventory {
             (Ok(Some(_)), Some(id)) => {
                 tracing::info!(mac = %request.mac, host = %host_key(host), operation = %id, "issued a ramdisk token");
                 Some((token, id))
+            }
+            (Err(delivered), _) => {
+                tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host_key(host), operation = %delivered, "boot script asked for after the operation's bootstrap data was delivered; no new token");
+                let note = format!(
+                    "{} asked for a new token after operation {delivered} delivered its bootstrap data; refused (retry the host to start a new operation)",
+                    request.remote
+                );
+                self.ctx.event(host, true, "TokenRefused", note).await;
+                None
             }
             _ => None,
         })

@@ -5,6 +5,7 @@ pub mod agent;
 pub mod bmc;
 pub mod cache;
 pub mod cluster;
+pub mod conditions;
 pub mod context;
 pub mod crd;
 pub mod host;

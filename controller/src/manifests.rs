@@ -109,9 +109,20 @@ fn add_rule(schema: &mut Value, path: &[&str], rule: &str, message: &str) {
         .push(json!({ "rule": rule, "message": message }));
 }
 
+/// Where the appliance may read bootstrap data Secrets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SecretAccess {
+    /// `get` in these namespaces only (a Role and RoleBinding each): the namespaces whose
+    /// Machines this appliance serves. The default, with the appliance's own namespace.
+    Namespaces(Vec<String>),
+    /// `get` in every namespace (a ClusterRole rule): the opt-in for appliances that serve
+    /// Machines anywhere. Anyone who controls the appliance can then read any Secret by name.
+    Cluster,
+}
+
 /// The RBAC of the appliance (`siteboot` ServiceAccount in `namespace`), and the ClusterRole
 /// aggregated to the Cluster API core manager.
-pub fn rbac(namespace: &str) -> Vec<Value> {
+pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
     let manager_rules = json!([
         { "apiGroups": ["siteboot.dev"], "resources": ["hosts", "sites"],
           "verbs": ["get", "list", "watch", "create", "update", "patch"] },
@@ -128,11 +139,35 @@ pub fn rbac(namespace: &str) -> Vec<Value> {
           "verbs": ["get", "list", "watch"] },
         { "apiGroups": ["cluster.x-k8s.io"], "resources": ["machines", "clusters"],
           "verbs": ["get", "list", "watch"] },
-        // Only get: the provider reads the one bootstrap Secret a Machine names, never lists.
-        { "apiGroups": [""], "resources": ["secrets"], "verbs": ["get"] },
         { "apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"] },
     ]);
-    vec![
+    // Only get: the provider reads the one bootstrap Secret a Machine names, never lists.
+    let secrets_rule = json!({ "apiGroups": [""], "resources": ["secrets"], "verbs": ["get"] });
+    let mut manager_rules = manager_rules;
+    let secret_namespaces = match secrets {
+        SecretAccess::Cluster => {
+            manager_rules.as_array_mut().expect("rules are a list").push(secrets_rule.clone());
+            Vec::new()
+        }
+        SecretAccess::Namespaces(namespaces) => namespaces.clone(),
+    };
+    let subject = json!([{ "kind": "ServiceAccount", "name": "siteboot", "namespace": namespace }]);
+    let secret_roles = secret_namespaces.iter().flat_map(|ns| {
+        [
+            json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": { "name": "siteboot-bootstrap-data", "namespace": ns },
+                "rules": [secrets_rule.clone()],
+            }),
+            json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                "metadata": { "name": "siteboot-bootstrap-data", "namespace": ns },
+                "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "siteboot-bootstrap-data" },
+                "subjects": subject.clone(),
+            }),
+        ]
+    });
+    let mut objects = vec![
         json!({
             "apiVersion": "v1", "kind": "ServiceAccount",
             "metadata": { "name": "siteboot", "namespace": namespace },
@@ -180,7 +215,14 @@ pub fn rbac(namespace: &str) -> Vec<Value> {
                 "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
             }],
         }),
-    ]
+    ];
+    objects.extend(secret_roles);
+    objects
+}
+
+/// What `siteboot manifests` grants with no namespace named: bootstrap Secrets in `default`.
+pub fn default_secret_access() -> SecretAccess {
+    SecretAccess::Namespaces(vec!["default".to_owned()])
 }
 
 /// Multi-document YAML.
@@ -231,11 +273,28 @@ mod tests {
     /// The committed manifests are what this code generates: regenerate them with
     /// `siteboot manifests --output-dir deploy` after changing a CRD type or the RBAC.
     #[test]
+    fn secrets_are_readable_only_where_machines_are_served() {
+        let grants = |access| {
+            rbac("sys", &access)
+                .into_iter()
+                .filter(|o| o.to_string().contains("\"secrets\""))
+                .map(|o| format!("{} {}", o["kind"], o["metadata"]["namespace"]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            grants(SecretAccess::Namespaces(vec!["a".into(), "b".into()])),
+            [r#""Role" "a""#, r#""Role" "b""#]
+        );
+        assert_eq!(grants(SecretAccess::Cluster), [r#""ClusterRole" null"#]);
+    }
+
+    #[test]
     fn committed_manifests_do_not_drift() {
         let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
-        for (file, generated) in
-            [("crds.yaml", to_yaml(&crds())), ("rbac.yaml", to_yaml(&rbac("siteboot-system")))]
-        {
+        for (file, generated) in [
+            ("crds.yaml", to_yaml(&crds())),
+            ("rbac.yaml", to_yaml(&rbac("siteboot-system", &default_secret_access()))),
+        ] {
             let committed = std::fs::read_to_string(deploy.join(file)).unwrap_or_default();
             assert!(
                 committed == generated,

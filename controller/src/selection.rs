@@ -1,5 +1,8 @@
 //! Which Hosts a SitebootMachine may be given. Pure, so the rules are unit-tested.
 
+use std::collections::HashSet;
+use std::fmt;
+
 use crate::crd::{HardwareSelector, Host, HostSelector, HostState, SITE_LABEL};
 
 /// Why a host is not a candidate (the first reason found), for the "no host" condition.
@@ -13,6 +16,58 @@ pub enum Excluded {
     OtherSite,
     Labels,
     Hardware,
+    /// Another Host of the site has the same boot MAC: neither is given out until one is fixed.
+    DuplicateBootMac,
+}
+
+impl fmt::Display for Excluded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Excluded::NotAvailable => "not Available",
+            Excluded::Claimed => "claimed",
+            Excluded::Maintenance => "in maintenance",
+            Excluded::Offline => "offline",
+            Excluded::Deleting => "being deleted",
+            Excluded::OtherSite => "in another site",
+            Excluded::Labels => "without the selector's labels",
+            Excluded::Hardware => "without the required hardware",
+            Excluded::DuplicateBootMac => "sharing a boot MAC with another Host",
+        })
+    }
+}
+
+/// The boot MACs that more than one of `hosts` has.
+pub fn duplicate_macs<'a>(hosts: impl IntoIterator<Item = &'a Host>) -> HashSet<String> {
+    let mut seen = HashSet::new();
+    let mut duplicates = HashSet::new();
+    for h in hosts {
+        let mac = h.spec.boot_mac_address.to_ascii_lowercase();
+        if !seen.insert(mac.clone()) {
+            duplicates.insert(mac);
+        }
+    }
+    duplicates
+}
+
+/// Whether a host already claimed for a machine still fits it: every rule of [`check`] but
+/// the claim itself. `duplicates` is what [`duplicate_macs`] says of the site's hosts.
+pub fn fits(
+    host: &Host,
+    selector: Option<&HostSelector>,
+    site: Option<&str>,
+    duplicates: &HashSet<String>,
+) -> Result<(), Excluded> {
+    if duplicates.contains(&host.spec.boot_mac_address.to_ascii_lowercase()) {
+        return Err(Excluded::DuplicateBootMac);
+    }
+    match check(host, selector, site) {
+        Err(Excluded::Claimed) => {
+            let mut unclaimed = host.clone();
+            unclaimed.spec.consumer_ref = None;
+            check(&unclaimed, selector, site)
+        }
+        other => other,
+    }
 }
 
 /// Whether `host` can be claimed for a machine with `selector`, in `site` (the Machine's
@@ -79,8 +134,12 @@ pub fn candidates<'a>(
     site: Option<&str>,
     seed: u64,
 ) -> Vec<&'a Host> {
-    let mut found: Vec<&Host> =
-        hosts.into_iter().filter(|h| check(h, selector, site).is_ok()).collect();
+    let hosts: Vec<&Host> = hosts.into_iter().collect();
+    let duplicates = duplicate_macs(hosts.iter().copied());
+    let mut found: Vec<&Host> = hosts
+        .into_iter()
+        .filter(|h| fits(h, selector, site, &duplicates).is_ok() && h.spec.consumer_ref.is_none())
+        .collect();
     found.sort_by_key(|h| {
         let name = h.metadata.name.as_deref().unwrap_or("");
         // FNV-1a of the name, mixed with the seed: deterministic per seed, spread across seeds.
@@ -97,24 +156,19 @@ pub fn explain<'a>(
     selector: Option<&HostSelector>,
     site: Option<&str>,
 ) -> String {
-    let mut counts: std::collections::BTreeMap<&'static str, usize> = Default::default();
-    let mut total = 0;
-    for h in hosts {
-        total += 1;
-        if let Err(e) = check(h, selector, site) {
-            let why = match e {
-                Excluded::NotAvailable => "not Available",
-                Excluded::Claimed => "claimed",
-                Excluded::Maintenance => "in maintenance",
-                Excluded::Offline => "offline",
-                Excluded::Deleting => "being deleted",
-                Excluded::OtherSite => "in another site",
-                Excluded::Labels => "without the selector's labels",
-                Excluded::Hardware => "without the required hardware",
-            };
-            *counts.entry(why).or_default() += 1;
+    let hosts: Vec<&Host> = hosts.into_iter().collect();
+    let duplicates = duplicate_macs(hosts.iter().copied());
+    let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+    for h in &hosts {
+        let result = match check(h, selector, site) {
+            Ok(()) => fits(h, selector, site, &duplicates),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = result {
+            *counts.entry(e.to_string()).or_default() += 1;
         }
     }
+    let total = hosts.len();
     let parts: Vec<String> = counts.iter().map(|(why, n)| format!("{n} {why}")).collect();
     format!(
         "{total} hosts: {}",
@@ -129,7 +183,9 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn host(name: &str, site: &str, state: HostState) -> Host {
-        let mut h = Host::new(name, HostSpec::new("52:54:00:00:00:01"));
+        // A MAC of the name's own: a shared boot MAC excludes both hosts.
+        let n = name.bytes().fold(0u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
+        let mut h = Host::new(name, HostSpec::new(format!("52:54:00:00:01:{n:02x}")));
         h.metadata.labels = Some(BTreeMap::from([
             (SITE_LABEL.to_owned(), site.to_owned()),
             ("rack".into(), "r1".into()),

@@ -152,6 +152,14 @@ impl ProviderLab {
         Ok(OtherAppliance { siteboot, _forward: forward, ns })
     }
 
+    /// A client that acts as siteboot's ServiceAccount, with exactly the RBAC siteboot ships.
+    pub async fn siteboot_client(&self) -> Result<kube::Client> {
+        let yaml = service_account_kubeconfig(&self.env, self.env.apiserver_port(), &self.token)?;
+        let kubeconfig: kube::config::Kubeconfig = serde_yaml::from_str(&yaml)?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+        Ok(kube::Client::try_from(config)?)
+    }
+
     pub fn sims(&self) -> Vec<Arc<SimHost>> {
         self.sims.lock().unwrap().clone()
     }
@@ -405,10 +413,16 @@ async fn create_host(api: &Api<Host>, i: usize) -> Result<()> {
     Ok(())
 }
 
+fn object_namespace(object: &Value) -> &str {
+    object["metadata"]["namespace"].as_str().unwrap_or(SYSTEM_NS)
+}
+
 /// The ServiceAccount siteboot ships with, its RBAC, and a token for it.
 async fn service_account_token(env: &KubeEnv) -> Result<String> {
     let client = env.client();
-    for object in manifests::rbac(SYSTEM_NS) {
+    for object in
+        manifests::rbac(SYSTEM_NS, &manifests::SecretAccess::Namespaces(vec![NS.to_owned()]))
+    {
         let pp = PostParams::default();
         match object["kind"].as_str() {
             Some("ServiceAccount") => drop(
@@ -427,12 +441,12 @@ async fn service_account_token(env: &KubeEnv) -> Result<String> {
                     .await?,
             ),
             Some("Role") => drop(
-                Api::<Role>::namespaced(client.clone(), SYSTEM_NS)
+                Api::<Role>::namespaced(client.clone(), object_namespace(&object))
                     .create(&pp, &serde_json::from_value(object)?)
                     .await?,
             ),
             Some("RoleBinding") => drop(
-                Api::<RoleBinding>::namespaced(client.clone(), SYSTEM_NS)
+                Api::<RoleBinding>::namespaced(client.clone(), object_namespace(&object))
                     .create(&pp, &serde_json::from_value(object)?)
                     .await?,
             ),

@@ -97,16 +97,8 @@ pub struct ConsumerRef {
 #[serde(rename_all = "camelCase")]
 pub struct Provisioning {
     pub image: Image,
-    /// The Machine's bootstrap data Secret (key `value`, optional `format`). Only a reference:
-    /// the data itself never appears in a Host.
-    pub bootstrap_data_secret: SecretRef,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct SecretRef {
-    pub namespace: String,
-    pub name: String,
+    // No bootstrap data reference: whoever may edit a Host could point it at any Secret. The
+    // agent API finds the data from the binding (consumerRef -> SitebootMachine -> Machine).
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -241,6 +233,11 @@ pub struct HostStatus {
     pub addresses: Vec<MachineAddress>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quarantine_reason: Option<String>,
+    /// The host may hold a tenant's data (provisioning started and no wipe has finished since):
+    /// it returns to Available only through a successful wipe. In status, where those who may
+    /// edit a Host cannot clear it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub wipe_required: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_transition_time: Option<Time>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

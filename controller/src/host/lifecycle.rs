@@ -6,6 +6,11 @@
 //! Registering -> Inspecting -> Available -> Provisioning -> Provisioned -> Deprovisioning -> Available
 //!                    (any failure) -> Quarantined -> (retry annotation) -> Registering
 //! ```
+//!
+//! From the moment provisioning starts until a wipe succeeds, `status.wipeRequired` is set: a
+//! host that may hold a tenant's data goes from Registering to Deprovisioning, never to
+//! Available, whatever released it (a Machine deleted while the host was Quarantined, a retry).
+//! Deleting a Host waits for its consumer to let go and for that wipe ([`on_delete`]).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
@@ -16,6 +21,10 @@ use crate::crd::{
 
 /// Annotation an operator sets on a Quarantined host to try again from Registering.
 pub const RETRY_ANNOTATION: &str = "siteboot.dev/retry";
+/// Keeps a deleted Host until it is released and wiped.
+pub const FINALIZER: &str = "siteboot.dev/host";
+/// Annotation that lets a deleted Host go at once: no wait for its consumer, no wipe.
+pub const FORCE_DELETE_ANNOTATION: &str = "siteboot.dev/force-delete";
 
 /// A change of state, with what the Event says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,7 +51,9 @@ pub fn next(host: &Host) -> Option<Transition> {
             if let Err(e) = crate::bmc::driver_for(host) {
                 return t(HostState::Quarantined, None, "BMCFailed", &e.to_string());
             }
-            if status.and_then(|s| s.hardware.as_ref()).is_some() {
+            if status.is_some_and(|s| s.wipe_required) {
+                deprovision(host, "WipeBeforeReuse", "the host may hold a previous tenant's data")
+            } else if status.and_then(|s| s.hardware.as_ref()).is_some() {
                 t(HostState::Available, None, "Registered", "hardware already known")
             } else {
                 t(
@@ -145,7 +156,12 @@ pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
                 Some(format!("{}: {}", transition.reason, transition.message))
         }
         HostState::Registering => status.quarantine_reason = None,
-        HostState::Available => status.installed = None,
+        HostState::Provisioning => status.wipe_required = true,
+        // Only a successful wipe (or the operator's `wipe: none`) leads here from a used host.
+        HostState::Available => {
+            status.installed = None;
+            status.wipe_required = false;
+        }
         _ => {}
     }
     if status.power.is_none() {
@@ -154,7 +170,7 @@ pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
     let ready = matches!(transition.to, HostState::Available | HostState::Provisioned);
     set_condition(
         &mut status.conditions,
-        "Ready",
+        crate::conditions::READY,
         ready,
         transition.reason,
         &transition.message,
@@ -224,6 +240,40 @@ pub fn completed(
     status
 }
 
+/// What a deleted Host needs before it may go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deletion {
+    /// Its consumer still holds it: deleting the Machine releases it.
+    WaitForRelease,
+    /// Wipe first.
+    Wipe(Transition),
+    /// A wipe (or another operation) is running.
+    WaitForWipe,
+    /// Power it off and drop the finalizer.
+    Finish,
+}
+
+/// The step for a Host being deleted (`metadata.deletionTimestamp` set).
+pub fn on_delete(host: &Host) -> Deletion {
+    if host.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(FORCE_DELETE_ANNOTATION)) {
+        return Deletion::Finish;
+    }
+    if host.spec.consumer_ref.is_some() {
+        return Deletion::WaitForRelease;
+    }
+    let status = host.status.as_ref();
+    if status.is_some_and(|s| s.operation.is_some()) {
+        return Deletion::WaitForWipe;
+    }
+    if status.is_some_and(|s| s.wipe_required) {
+        return match deprovision(host, "WipeBeforeDelete", "the Host is deleted") {
+            Some(t) if t.operation.is_some() => Deletion::Wipe(t),
+            _ => Deletion::Finish,
+        };
+    }
+    Deletion::Finish
+}
+
 /// Whether `time` is older than `max_age` seconds.
 pub fn older_than(time: &Time, max_age_secs: i64) -> bool {
     let age = k8s_openapi::jiff::Timestamp::now().as_second() - time.0.as_second();
@@ -233,7 +283,7 @@ pub fn older_than(time: &Time, max_age_secs: i64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{Bmc, ConsumerRef, HostSpec, Image, Provisioning, SecretRef};
+    use crate::crd::{Bmc, ConsumerRef, HostSpec, Image, Provisioning};
 
     fn host() -> Host {
         Host::new("h", HostSpec::new("52:54:00:00:00:01"))
@@ -261,10 +311,7 @@ mod tests {
             name: "m".into(),
             uid: "u".into(),
         });
-        h.spec.provisioning = Some(Provisioning {
-            image: image(n),
-            bootstrap_data_secret: SecretRef { namespace: "ns".into(), name: "m-bootstrap".into() },
-        });
+        h.spec.provisioning = Some(Provisioning { image: image(n) });
     }
 
     #[test]
@@ -325,7 +372,7 @@ mod tests {
         h.metadata.annotations = Some([(RETRY_ANNOTATION.to_owned(), "".to_owned())].into());
         assert_eq!(step(&mut h), Some(HostState::Registering));
         assert!(h.status.as_ref().unwrap().quarantine_reason.is_none());
-        assert_eq!(step(&mut h), Some(HostState::Available), "hardware already known");
+        assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "provisioning began: wipe first");
     }
 
     #[test]
@@ -336,5 +383,70 @@ mod tests {
         assert_eq!(step(&mut h), Some(HostState::Quarantined));
         let reason = h.status.unwrap().quarantine_reason.unwrap();
         assert!(reason.starts_with("BMCFailed: spec.bmc names \"redfish://x\""), "{reason}");
+    }
+
+    fn provisioned() -> Host {
+        let mut h = host();
+        h.status = Some(HostStatus {
+            state: Some(HostState::Available),
+            hardware: Some(Hardware::default()),
+            ..Default::default()
+        });
+        claim(&mut h, 1);
+        assert_eq!(step(&mut h), Some(HostState::Provisioning));
+        assert!(h.status.as_ref().unwrap().wipe_required);
+        h
+    }
+
+    #[test]
+    fn a_used_host_is_available_again_only_through_a_wipe() {
+        // Provisioning failed; the Machine is deleted (consumer and provisioning gone) while the
+        // host is Quarantined; the operator retries.
+        let mut h = provisioned();
+        h.status = Some(completed(&h, OperationKind::Provision, false, "disk full", None));
+        h.spec.consumer_ref = None;
+        h.spec.provisioning = None;
+        assert_eq!(step(&mut h), None, "Quarantined stays");
+        h.metadata.annotations = Some([(RETRY_ANNOTATION.to_owned(), "".to_owned())].into());
+        assert_eq!(step(&mut h), Some(HostState::Registering));
+        assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "wiped, not Available");
+        h.status = Some(completed(&h, OperationKind::Deprovision, false, "sda", None));
+        assert_eq!(h.status.as_ref().unwrap().state, Some(HostState::Quarantined));
+        assert!(h.status.as_ref().unwrap().wipe_required, "a failed wipe leaves it required");
+        assert_eq!(step(&mut h), Some(HostState::Registering), "the annotation is still there");
+        assert_eq!(step(&mut h), Some(HostState::Deprovisioning));
+        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None));
+        let s = h.status.as_ref().unwrap();
+        assert_eq!(s.state, Some(HostState::Available));
+        assert!(!s.wipe_required);
+    }
+
+    #[test]
+    fn a_deleted_host_waits_for_release_and_wipe() {
+        let mut h = provisioned();
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        assert_eq!(on_delete(&h), Deletion::WaitForRelease);
+        h.spec.consumer_ref = None;
+        h.spec.provisioning = None;
+        // The lifecycle starts the wipe (released); deletion waits for it.
+        assert_eq!(step(&mut h), Some(HostState::Deprovisioning));
+        assert_eq!(on_delete(&h), Deletion::WaitForWipe);
+        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None));
+        assert_eq!(on_delete(&h), Deletion::Finish);
+
+        // Quarantined with data on it: wiped before it goes.
+        let mut q = provisioned();
+        q.status = Some(completed(&q, OperationKind::Provision, false, "x", None));
+        q.spec.consumer_ref = None;
+        q.spec.provisioning = None;
+        let Deletion::Wipe(t) = on_delete(&q) else { panic!("{:?}", on_delete(&q)) };
+        assert_eq!(t.to, HostState::Deprovisioning);
+
+        // Never used: nothing to wait for. Forced: nothing either.
+        assert_eq!(on_delete(&host()), Deletion::Finish);
+        let mut forced = provisioned();
+        forced.metadata.annotations =
+            Some([(FORCE_DELETE_ANNOTATION.to_owned(), "".to_owned())].into());
+        assert_eq!(on_delete(&forced), Deletion::Finish);
     }
 }

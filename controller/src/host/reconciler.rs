@@ -1,6 +1,7 @@
 //! The Host reconciler: reads a Host, computes its one next step (see [`lifecycle`]), writes it
 //! with the Host's resourceVersion and records an Event. Killed between any two lines, it
-//! recomputes the same step from what is stored.
+//! recomputes the same step from what is stored. It also keeps a finalizer on every Host, so a
+//! deleted one is released and wiped before it goes, and reports boot MACs two Hosts share.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -13,10 +14,11 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
 use serde_json::json;
 
-use super::lifecycle::{self, RETRY_ANNOTATION};
+use super::lifecycle::{self, Deletion, FINALIZER, RETRY_ANNOTATION, Transition};
 use crate::bmc;
-use crate::context::{Ctx, Error, host_key, update_host_status};
-use crate::crd::{Host, HostState, SITE_LABEL};
+use crate::conditions::{BOOT_MAC_UNIQUE, Reason};
+use crate::context::{Ctx, Error, ErrorKind, host_key, patch_unchanged, update_host_status};
+use crate::crd::{Host, HostState, SITE_LABEL, set_condition};
 
 pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
     let api: Api<Host> = Api::all(ctx.client.clone());
@@ -33,16 +35,54 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
 }
 
 async fn reconcile(host: Arc<Host>, ctx: Arc<Ctx>) -> Result<Action, Error> {
-    let Some(transition) = lifecycle::next(&host) else {
-        refresh_power(&host, &ctx).await?;
+    match pass(&host, &ctx).await {
+        Ok(action) => {
+            ctx.backoff.succeeded(&host_key(&host));
+            Ok(action)
+        }
+        Err(e) => {
+            if e.kind() == ErrorKind::Refused {
+                let note = format!("the API server refused a request: {e}");
+                ctx.event(&*host, true, &Reason::ApiRefused.to_string(), note).await;
+            }
+            Err(e)
+        }
+    }
+}
+
+async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
+    let api = ctx.hosts_api(&host.namespace().unwrap_or_default());
+    if host.metadata.deletion_timestamp.is_some() {
+        return delete(host, ctx, &api).await;
+    }
+    if !host.finalizers().iter().any(|f| f == FINALIZER) {
+        let mut finalizers = host.finalizers().to_vec();
+        finalizers.push(FINALIZER.to_owned());
+        patch_unchanged(&api, host, json!({ "metadata": { "finalizers": finalizers } })).await?;
+        return Ok(Action::requeue(Duration::ZERO));
+    }
+    if report_shared_mac(host, ctx, &api).await? {
+        return Ok(Action::requeue(Duration::from_secs(300)));
+    }
+    let Some(transition) = lifecycle::next(host) else {
+        refresh_power(host, ctx).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));
     };
-    let namespace = host.namespace().unwrap_or_default();
-    let api = ctx.hosts_api(&namespace);
-    let written = update_host_status(&api, &host.name_any(), |current| {
+    transit(host, ctx, &api, &transition, lifecycle::next).await
+}
+
+/// Writes `transition` if `still` computes it again from the fresh Host, then records it.
+async fn transit(
+    host: &Host,
+    ctx: &Ctx,
+    api: &Api<Host>,
+    transition: &Transition,
+    still: fn(&Host) -> Option<Transition>,
+) -> Result<Action, Error> {
+    let written = update_host_status(api, &host.name_any(), |current| {
         // Re-check on the fresh Host: the step must still be the one to take.
-        Ok::<_, ()>(match lifecycle::next(current) {
-            Some(t) if t == transition => Some(lifecycle::apply(current, &t)),
+        Ok::<_, ()>(match still(current) {
+            Some(t) if &t == transition => Some(lifecycle::apply(current, &t)),
             _ => None,
         })
     })
@@ -71,6 +111,86 @@ async fn reconcile(host: Arc<Host>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     Ok(Action::requeue(Duration::from_secs(300)))
 }
 
+/// A deleted Host goes once its consumer let go and its disks are wiped (see
+/// [`lifecycle::on_delete`]).
+async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error> {
+    if !host.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    match lifecycle::on_delete(host) {
+        Deletion::WaitForRelease | Deletion::WaitForWipe => {
+            Ok(Action::requeue(Duration::from_secs(30)))
+        }
+        Deletion::Wipe(t) => {
+            let still = |h: &Host| match lifecycle::on_delete(h) {
+                Deletion::Wipe(t) => Some(t),
+                _ => None,
+            };
+            transit(host, ctx, api, &t, still).await
+        }
+        Deletion::Finish => {
+            if let Ok(driver) = bmc::driver_for(host)
+                && let Err(e) = driver.power_off().await
+            {
+                tracing::warn!(host = %host_key(host), error = %e, "cannot power off the deleted host");
+            }
+            let finalizers: Vec<&String> =
+                host.finalizers().iter().filter(|f| *f != FINALIZER).collect();
+            patch_unchanged(api, host, json!({ "metadata": { "finalizers": finalizers } })).await?;
+            tracing::info!(host = %host_key(host), "Host deleted");
+            Ok(Action::await_change())
+        }
+    }
+}
+
+/// Reports on the Host whether another Host of the site has its boot MAC (then neither boots
+/// nor is claimed). Returns whether it is shared.
+async fn report_shared_mac(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<bool, Error> {
+    let others: Vec<String> = ctx.hosts.sharing_mac(host).iter().map(|h| host_key(h)).collect();
+    let shared = !others.is_empty();
+    let (reason, message) = if shared {
+        let message = format!(
+            "Hosts {} have the same boot MAC {}: none of them boots or is claimed until all but one are fixed",
+            others.join(", "),
+            host.spec.boot_mac_address
+        );
+        (Reason::DuplicateBootMAC, message)
+    } else {
+        (Reason::BootMACUnique, String::new())
+    };
+    let mut conditions = host.status.clone().unwrap_or_default().conditions;
+    let reason = reason.to_string();
+    if !set_condition(
+        &mut conditions,
+        BOOT_MAC_UNIQUE,
+        !shared,
+        &reason,
+        &message,
+        host.metadata.generation,
+    ) {
+        return Ok(shared);
+    }
+    if shared {
+        tracing::error!(host = %host_key(host), "{message}");
+        ctx.event(host, true, &reason, message.clone()).await;
+    }
+    update_host_status(api, &host.name_any(), |current| {
+        let mut status = current.status.clone().unwrap_or_default();
+        set_condition(
+            &mut status.conditions,
+            BOOT_MAC_UNIQUE,
+            !shared,
+            &reason,
+            &message,
+            current.metadata.generation,
+        );
+        Ok::<_, ()>(Some(status))
+    })
+    .await?
+    .ok();
+    Ok(shared)
+}
+
 /// Records what the BMC says about power, when it changed.
 async fn refresh_power(host: &Host, ctx: &Ctx) -> Result<(), Error> {
     let Ok(driver) = bmc::driver_for(host) else { return Ok(()) };
@@ -89,7 +209,8 @@ async fn refresh_power(host: &Host, ctx: &Ctx) -> Result<(), Error> {
     Ok(())
 }
 
-fn error_policy(host: Arc<Host>, error: &Error, _: Arc<Ctx>) -> Action {
-    tracing::warn!(host = %host_key(&host), error = %error, "Host reconcile failed; retrying");
-    Action::requeue(Duration::from_secs(5))
+fn error_policy(host: Arc<Host>, error: &Error, ctx: Arc<Ctx>) -> Action {
+    let retry = ctx.backoff.retry_after(&host_key(&host), error);
+    tracing::warn!(host = %host_key(&host), error = %error, kind = ?error.kind(), ?retry, "Host reconcile failed");
+    Action::requeue(retry)
 }

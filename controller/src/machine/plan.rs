@@ -1,0 +1,857 @@
+//! What a SitebootMachine needs next, as a pure function of what was read: the SitebootMachine,
+//! its Machine and Cluster, the Host it is bound to, and the Hosts of the site. [`plan`] returns
+//! the one write to make (a [`Step`]), the status to report, and when to look again; the
+//! reconciler performs it. Every rule of the InfraMachine contract is a match arm here, so the
+//! unit tests below cover them in milliseconds, without Kubernetes.
+//!
+//! Binding a machine to a host takes three writes, each a compare-and-swap: the machine's
+//! binder mark naming the host to claim ([`Mark`]), the Host's `spec.consumerRef`, then the
+//! machine's `spec.hostRef` (which also drops the mark). A host is adopted after a crash only if
+//! the machine's own mark names it and it still fits the machine: a Host that merely says it
+//! belongs to a machine (anyone who may edit Hosts can write that) is never adopted; its claim
+//! is given back.
+
+use std::time::Duration;
+
+use kube::ResourceExt;
+
+use crate::conditions::{PAUSED, READY, Reason};
+use crate::crd::capi::{Cluster, Machine, PAUSED_ANNOTATION};
+use crate::crd::{
+    Host, HostRef, HostState, Initialization, MachineAddress, Provisioning, SITE_LABEL,
+    SitebootMachine, SitebootMachineStatus, condition, set_condition,
+};
+use crate::selection;
+
+pub const FINALIZER: &str = "sitebootmachine.infrastructure.cluster.x-k8s.io";
+/// The binder mark (see [`Mark`]).
+pub const BINDER_ANNOTATION: &str = "siteboot.dev/binder";
+/// A binder that has not finished within this many seconds has died; another may take over.
+pub const BINDER_TIMEOUT: u64 = 60;
+
+/// How often a machine waiting for a host looks again (Host changes also wake it at once).
+pub const NO_HOST_RETRY: Duration = Duration::from_secs(60);
+/// How often a machine whose host is working looks again.
+const PROGRESS_RETRY: Duration = Duration::from_secs(30);
+const DEPROVISION_RETRY: Duration = Duration::from_secs(10);
+const PROVISIONED_RETRY: Duration = Duration::from_secs(600);
+
+/// What this appliance may do, from its configuration.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// The site this appliance serves.
+    pub site: String,
+    /// This appliance, as written in binder marks.
+    pub identity: String,
+    /// Namespaces besides the machine's own that `hostSelector.namespace` may name.
+    pub host_namespaces: Vec<String>,
+}
+
+/// What one pass read.
+pub struct Observed<'a> {
+    pub machine: &'a SitebootMachine,
+    /// The Cluster API Machine that owns it.
+    pub owner: Option<&'a Machine>,
+    pub cluster: Option<&'a Cluster>,
+    /// The Host that `spec.hostRef` names, if it exists.
+    pub bound: Option<&'a Host>,
+    /// The site's Hosts (candidates, and claims made for this machine).
+    pub hosts: &'a [Host],
+    /// Seconds since the Unix epoch.
+    pub now: u64,
+}
+
+/// The one write a pass makes (besides the status).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step<'a> {
+    /// Nothing to write but the status.
+    None,
+    AddFinalizer,
+    /// Take the machine for binding, naming the host this appliance will claim.
+    Mark(Mark),
+    /// Claim the host: write its `consumerRef`, if it is unchanged since read.
+    Claim(&'a Host),
+    /// Record the host claimed for this machine in `spec.hostRef`, dropping the mark.
+    RecordHostRef(&'a Host),
+    /// Give back a claim for this machine that it does not use.
+    Release {
+        host: &'a Host,
+        why: String,
+    },
+    /// Ask the host to install the machine's image.
+    RequestProvisioning {
+        host: &'a Host,
+        provisioning: Provisioning,
+    },
+    SetProviderId(String),
+    /// Let go of `spec.provisioning`: the host wipes itself.
+    CancelProvisioning(&'a Host),
+    RemoveFinalizer,
+}
+
+/// When to look again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requeue {
+    Now,
+    After(Duration),
+    /// Only when something watched changes.
+    OnChange,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan<'a> {
+    pub step: Step<'a>,
+    pub status: SitebootMachineStatus,
+    pub requeue: Requeue,
+}
+
+/// The binder mark: `<appliance>@<unix seconds> claims <namespace>/<host>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    pub binder: String,
+    pub at: u64,
+    pub host: HostRef,
+}
+
+impl Mark {
+    pub fn parse(value: &str) -> Option<Mark> {
+        let (who_at, host) = value.split_once(" claims ")?;
+        let (binder, at) = who_at.rsplit_once('@')?;
+        let (namespace, name) = host.split_once('/')?;
+        Some(Mark {
+            binder: binder.to_owned(),
+            at: at.parse().ok()?,
+            host: HostRef { namespace: namespace.to_owned(), name: name.to_owned() },
+        })
+    }
+
+    pub fn of(machine: &SitebootMachine) -> Option<Mark> {
+        Mark::parse(machine.annotations().get(BINDER_ANNOTATION)?)
+    }
+
+    fn fresh(&self, now: u64) -> bool {
+        now.saturating_sub(self.at) < BINDER_TIMEOUT
+    }
+
+    fn names(&self, host: &Host) -> bool {
+        self.host.name == host.name_any()
+            && Some(self.host.namespace.as_str()) == host.namespace().as_deref()
+    }
+}
+
+impl std::fmt::Display for Mark {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{} claims {}/{}", self.binder, self.at, self.host.namespace, self.host.name)
+    }
+}
+
+pub fn plan<'a>(seen: &Observed<'a>, policy: &Policy) -> Plan<'a> {
+    let mut report = Report {
+        status: seen.machine.status.clone().unwrap_or_default(),
+        generation: seen.machine.metadata.generation,
+    };
+    let (step, requeue) = decide(seen, policy, &mut report);
+    Plan { step, status: report.status, requeue }
+}
+
+/// The status being built in one pass.
+struct Report {
+    status: SitebootMachineStatus,
+    generation: Option<i64>,
+}
+
+impl Report {
+    fn ready(&mut self, ready: bool, reason: Reason, message: &str) {
+        let reason = reason.to_string();
+        set_condition(&mut self.status.conditions, READY, ready, &reason, message, self.generation);
+    }
+
+    fn wait(
+        &mut self,
+        reason: Reason,
+        message: &str,
+        requeue: Requeue,
+    ) -> (Step<'static>, Requeue) {
+        self.ready(false, reason, message);
+        (Step::None, requeue)
+    }
+}
+
+fn decide<'a>(seen: &Observed<'a>, policy: &Policy, report: &mut Report) -> (Step<'a>, Requeue) {
+    let sbm = seen.machine;
+    let paused = seen.cluster.is_some_and(Cluster::is_paused)
+        || sbm.annotations().contains_key(PAUSED_ANNOTATION);
+    let (reason, message) = if paused {
+        (Reason::Paused, "the Cluster or this object is paused: no changes are made")
+    } else {
+        (Reason::NotPaused, "")
+    };
+    set_condition(
+        &mut report.status.conditions,
+        PAUSED,
+        paused,
+        &reason.to_string(),
+        message,
+        report.generation,
+    );
+    if paused {
+        return (Step::None, Requeue::OnChange);
+    }
+    if sbm.metadata.deletion_timestamp.is_some() {
+        return delete(seen, report);
+    }
+    if !sbm.finalizers().iter().any(|f| f == FINALIZER) {
+        return (Step::AddFinalizer, Requeue::Now);
+    }
+    let Some(machine) = seen.owner else {
+        return report.wait(
+            Reason::WaitingForMachine,
+            "no owner Machine yet (Cluster API sets it)",
+            Requeue::OnChange,
+        );
+    };
+    let Some(cluster) = seen.cluster else {
+        return report.wait(
+            Reason::WaitingForCluster,
+            "the Machine's Cluster does not exist",
+            Requeue::OnChange,
+        );
+    };
+    if !cluster.infrastructure_provisioned() {
+        return report.wait(
+            Reason::WaitingForClusterInfrastructure,
+            "the Cluster's infrastructure is not provisioned yet",
+            Requeue::OnChange,
+        );
+    }
+    if machine.spec.bootstrap.data_secret_name.is_none() {
+        return report.wait(
+            Reason::WaitingForBootstrapData,
+            "Machine.spec.bootstrap.dataSecretName is not set yet",
+            Requeue::OnChange,
+        );
+    }
+    match &sbm.spec.host_ref {
+        Some(host_ref) => match seen.bound.filter(|h| consumed_by(h, sbm)) {
+            Some(host) => {
+                if let Some(orphan) = orphans(seen, Some(host)).next() {
+                    return release_orphan(sbm, orphan);
+                }
+                bound(seen, host, report)
+            }
+            None => report.wait(
+                Reason::HostMissing,
+                &format!(
+                    "Host {}/{} no longer exists or no longer names this machine",
+                    host_ref.namespace, host_ref.name
+                ),
+                Requeue::After(NO_HOST_RETRY),
+            ),
+        },
+        None => bind(seen, machine, policy, report),
+    }
+}
+
+/// The machine has its host: have it provisioned, then report it.
+fn bound<'a>(seen: &Observed<'a>, host: &'a Host, report: &mut Report) -> (Step<'a>, Requeue) {
+    let desired = Provisioning { image: seen.machine.spec.image.clone() };
+    if host.spec.provisioning.as_ref() != Some(&desired) {
+        report.ready(false, Reason::Provisioning, "asked the Host to install the image");
+        return (
+            Step::RequestProvisioning { host, provisioning: desired },
+            Requeue::After(PROGRESS_RETRY),
+        );
+    }
+    let status = host.status.clone().unwrap_or_default();
+    report.status.failure_domain = host.labels().get(SITE_LABEL).cloned();
+    match status.state {
+        Some(HostState::Provisioned)
+            if status.installed.as_ref().is_some_and(|i| i.image == desired.image) =>
+        {
+            let mut addresses = status.addresses.clone();
+            addresses.push(MachineAddress { kind: "Hostname".into(), address: host.name_any() });
+            report.status.addresses = addresses;
+            report.status.initialization = Some(Initialization { provisioned: Some(true) });
+            report.ready(
+                true,
+                Reason::Provisioned,
+                &format!("running on Host {}", host.name_any()),
+            );
+            let provider_id = provider_id(host);
+            if seen.machine.spec.provider_id.as_deref() != Some(provider_id.as_str()) {
+                return (Step::SetProviderId(provider_id), Requeue::After(PROVISIONED_RETRY));
+            }
+            (Step::None, Requeue::After(PROVISIONED_RETRY))
+        }
+        Some(HostState::Quarantined) => {
+            let why = status.quarantine_reason.unwrap_or_default();
+            report.wait(
+                Reason::HostQuarantined,
+                &format!("Host {} is quarantined: {why}", host.name_any()),
+                Requeue::After(NO_HOST_RETRY),
+            )
+        }
+        state => {
+            let step = status.operation.and_then(|o| o.step).map(|s| format!(" ({s})"));
+            report.wait(
+                Reason::Provisioning,
+                &format!("Host {} is {state:?}{}", host.name_any(), step.unwrap_or_default()),
+                Requeue::After(PROGRESS_RETRY),
+            )
+        }
+    }
+}
+
+/// `siteboot://<namespace>/<host>`.
+pub fn provider_id(host: &Host) -> String {
+    format!("siteboot://{}/{}", host.namespace().unwrap_or_default(), host.name_any())
+}
+
+/// No host yet: mark, claim, record (see the module doc).
+fn bind<'a>(
+    seen: &Observed<'a>,
+    machine: &Machine,
+    policy: &Policy,
+    report: &mut Report,
+) -> (Step<'a>, Requeue) {
+    let sbm = seen.machine;
+    // A machine pinned to another site is that site's appliance's business.
+    if machine.spec.failure_domain.as_deref().is_some_and(|fd| !fd.is_empty() && fd != policy.site)
+    {
+        return (Step::None, Requeue::OnChange);
+    }
+    let namespace = host_namespace(sbm);
+    if namespace != sbm.namespace().unwrap_or_default()
+        && !policy.host_namespaces.contains(&namespace)
+    {
+        return report.wait(
+            Reason::HostNamespaceNotAllowed,
+            &format!(
+                "hostSelector.namespace {namespace:?} is not one this appliance may take hosts from (kubernetes.host_namespaces)"
+            ),
+            Requeue::OnChange,
+        );
+    }
+    let mark = Mark::of(sbm);
+    if let Some(m) = &mark
+        && m.fresh(seen.now)
+        && m.binder != policy.identity
+    {
+        return report.wait(
+            Reason::BindingElsewhere,
+            &format!("appliance {} is binding this machine", m.binder),
+            Requeue::After(Duration::from_secs(5)),
+        );
+    }
+    let selector = sbm.spec.host_selector.as_ref();
+    let site = Some(policy.site.as_str());
+    let hosts: Vec<&Host> = seen
+        .hosts
+        .iter()
+        .filter(|h| h.namespace().as_deref() == Some(namespace.as_str()))
+        .collect();
+    let duplicates = selection::duplicate_macs(hosts.iter().copied());
+    // The host the mark names, claimed for this machine: adopt it if it still fits.
+    if let Some(m) = &mark
+        && let Some(host) = hosts.iter().copied().find(|h| m.names(h) && consumed_by(h, sbm))
+    {
+        return match selection::fits(host, selector, site, &duplicates) {
+            Ok(()) => (Step::RecordHostRef(host), Requeue::Now),
+            Err(e) => (
+                Step::Release {
+                    host,
+                    why: format!(
+                        "claimed for SitebootMachine {} but no longer fits it: {e}",
+                        key(sbm)
+                    ),
+                },
+                Requeue::Now,
+            ),
+        };
+    }
+    if let Some(orphan) = orphans(seen, None).next() {
+        return release_orphan(sbm, orphan);
+    }
+    let candidates = selection::candidates(hosts.iter().copied(), selector, site, seed(sbm));
+    let Some(first) = candidates.first().copied() else {
+        let why = selection::explain(hosts.iter().copied(), selector, site);
+        return report.wait(
+            Reason::NoHostAvailable,
+            &format!("no Available Host in site {} matches ({why})", policy.site),
+            Requeue::After(NO_HOST_RETRY),
+        );
+    };
+    // Ours and fresh, naming a host that is still a candidate: claim it. Otherwise (no mark, a
+    // stale one, or the named host went to someone else) mark the first candidate.
+    if let Some(m) = &mark
+        && m.fresh(seen.now)
+        && m.binder == policy.identity
+        && let Some(host) = candidates.iter().copied().find(|h| m.names(h))
+    {
+        report.ready(false, Reason::Provisioning, &format!("claiming Host {}", host.name_any()));
+        return (Step::Claim(host), Requeue::Now);
+    }
+    let host = HostRef { namespace: namespace.clone(), name: first.name_any() };
+    (Step::Mark(Mark { binder: policy.identity.clone(), at: seen.now, host }), Requeue::Now)
+}
+
+/// The machine is being deleted: wipe and release its host, then let it go.
+fn delete<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
+    let sbm = seen.machine;
+    if !sbm.finalizers().iter().any(|f| f == FINALIZER) {
+        return (Step::None, Requeue::OnChange);
+    }
+    let mark = Mark::of(sbm);
+    let host = seen.bound.filter(|h| consumed_by(h, sbm)).or_else(|| {
+        // Claimed but not yet recorded: the host the mark names.
+        let m = mark.as_ref()?;
+        seen.hosts.iter().find(|h| m.names(h) && consumed_by(h, sbm))
+    });
+    if let Some(host) = host {
+        if host.spec.provisioning.is_some() {
+            report.ready(
+                false,
+                Reason::Deprovisioning,
+                &format!("Host {} is being wiped", host.name_any()),
+            );
+            return (Step::CancelProvisioning(host), Requeue::After(DEPROVISION_RETRY));
+        }
+        let state = host.status.as_ref().and_then(|s| s.state);
+        // A host that may hold this machine's OS is released after its wipe. A Quarantined one
+        // may be released as it is: the Host lifecycle wipes it before it is Available again.
+        if matches!(
+            state,
+            Some(HostState::Provisioning | HostState::Provisioned | HostState::Deprovisioning)
+        ) {
+            return report.wait(
+                Reason::Deprovisioning,
+                &format!("waiting for Host {} to be wiped (now {state:?})", host.name_any()),
+                Requeue::After(DEPROVISION_RETRY),
+            );
+        }
+        let why = format!("released by SitebootMachine {}", key(sbm));
+        return (Step::Release { host, why }, Requeue::Now);
+    }
+    if let Some(orphan) = orphans(seen, None).next() {
+        return release_orphan(sbm, orphan);
+    }
+    (Step::RemoveFinalizer, Requeue::OnChange)
+}
+
+/// Hosts that say they are claimed for this machine, other than `keep` (callers handle the host
+/// the mark names first): a claim whose hostRef write lost to another appliance's, or a Host made or edited to
+/// name this machine.
+fn orphans<'a, 's>(
+    seen: &'s Observed<'a>,
+    keep: Option<&'s Host>,
+) -> impl Iterator<Item = &'a Host> + 's {
+    seen.hosts
+        .iter()
+        .filter(move |h| consumed_by(h, seen.machine) && keep.is_none_or(|k| k.uid() != h.uid()))
+}
+
+fn release_orphan<'a>(sbm: &SitebootMachine, host: &'a Host) -> (Step<'a>, Requeue) {
+    let why =
+        format!("a claim for SitebootMachine {} that it did not make or does not use", key(sbm));
+    (Step::Release { host, why }, Requeue::Now)
+}
+
+pub fn consumed_by(host: &Host, sbm: &SitebootMachine) -> bool {
+    host.spec
+        .consumer_ref
+        .as_ref()
+        .is_some_and(|c| c.kind == "SitebootMachine" && Some(&c.uid) == sbm.uid().as_ref())
+}
+
+/// Where the machine's hosts are looked for.
+pub fn host_namespace(sbm: &SitebootMachine) -> String {
+    sbm.spec
+        .host_selector
+        .as_ref()
+        .and_then(|s| s.namespace.clone())
+        .unwrap_or_else(|| sbm.namespace().unwrap_or_default())
+}
+
+pub fn key(sbm: &SitebootMachine) -> String {
+    format!("{}/{}", sbm.namespace().unwrap_or_default(), sbm.name_any())
+}
+
+/// Spreads two appliances' first choices over different hosts.
+fn seed(sbm: &SitebootMachine) -> u64 {
+    sbm.uid()
+        .map(|u| u.bytes().fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(b))))
+        .unwrap_or(0)
+}
+
+/// Whether the machine last reported that no host was available (so a repeat is not logged).
+pub fn was_waiting_for_a_host(sbm: &SitebootMachine) -> bool {
+    sbm.status
+        .as_ref()
+        .and_then(|s| condition(&s.conditions, READY))
+        .is_some_and(|c| c.reason == Reason::NoHostAvailable.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+    use super::*;
+    use crate::crd::capi::{ClusterInitialization, ClusterStatus};
+    use crate::crd::{
+        ConsumerRef, HostSelector, HostSpec, HostStatus, Image, Installed, SitebootMachineSpec, now,
+    };
+
+    const NOW: u64 = 1_000_000;
+
+    fn policy() -> Policy {
+        Policy { site: "lab".into(), identity: "me".into(), host_namespaces: vec!["pool".into()] }
+    }
+
+    fn image() -> Image {
+        Image {
+            url: "http://x/os.img".into(),
+            checksum: format!("sha256:{}", "0".repeat(64)),
+            format: None,
+        }
+    }
+
+    fn sbm() -> SitebootMachine {
+        let mut m = SitebootMachine::new(
+            "m",
+            SitebootMachineSpec {
+                provider_id: None,
+                host_selector: None,
+                image: image(),
+                host_ref: None,
+            },
+        );
+        m.metadata.namespace = Some("ns".into());
+        m.metadata.uid = Some("sbm-uid".into());
+        m.metadata.finalizers = Some(vec![FINALIZER.into()]);
+        m.metadata.owner_references = Some(vec![OwnerReference {
+            api_version: "cluster.x-k8s.io/v1beta2".into(),
+            kind: "Machine".into(),
+            name: "machine".into(),
+            uid: "machine-uid".into(),
+            ..Default::default()
+        }]);
+        m
+    }
+
+    fn machine() -> Machine {
+        let mut m = Machine::new("machine", Default::default());
+        m.spec.bootstrap.data_secret_name = Some("machine-bootstrap".into());
+        m
+    }
+
+    fn cluster() -> Cluster {
+        let mut c = Cluster::new("c", Default::default());
+        c.status = Some(ClusterStatus {
+            initialization: Some(ClusterInitialization { infrastructure_provisioned: Some(true) }),
+        });
+        c
+    }
+
+    fn host(name: &str, mac: &str, state: HostState) -> Host {
+        let mut h = Host::new(name, HostSpec::new(mac));
+        h.metadata.namespace = Some("ns".into());
+        h.metadata.uid = Some(format!("{name}-uid"));
+        h.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), "lab".to_owned())]));
+        h.status = Some(HostStatus { state: Some(state), ..Default::default() });
+        h
+    }
+
+    fn available(n: u8) -> Host {
+        host(&format!("h{n}"), &format!("52:54:00:00:00:{n:02x}"), HostState::Available)
+    }
+
+    fn claimed_for(mut h: Host, sbm: &SitebootMachine) -> Host {
+        h.spec.consumer_ref = Some(ConsumerRef {
+            api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
+            kind: "SitebootMachine".into(),
+            namespace: "ns".into(),
+            name: sbm.name_any(),
+            uid: sbm.uid().unwrap(),
+        });
+        h
+    }
+
+    fn marked(mut m: SitebootMachine, binder: &str, at: u64, host: &str) -> SitebootMachine {
+        let mark = Mark {
+            binder: binder.into(),
+            at,
+            host: HostRef { namespace: "ns".into(), name: host.into() },
+        };
+        m.metadata.annotations =
+            Some(BTreeMap::from([(BINDER_ANNOTATION.into(), mark.to_string())]));
+        m
+    }
+
+    fn bound_to(mut m: SitebootMachine, host: &str) -> SitebootMachine {
+        m.spec.host_ref = Some(HostRef { namespace: "ns".into(), name: host.into() });
+        m
+    }
+
+    struct World {
+        sbm: SitebootMachine,
+        machine: Option<Machine>,
+        cluster: Option<Cluster>,
+        hosts: Vec<Host>,
+    }
+
+    impl World {
+        fn new(sbm: SitebootMachine, hosts: Vec<Host>) -> Self {
+            World { sbm, machine: Some(machine()), cluster: Some(cluster()), hosts }
+        }
+
+        fn plan(&self) -> Plan<'_> {
+            let bound = self
+                .sbm
+                .spec
+                .host_ref
+                .as_ref()
+                .and_then(|r| self.hosts.iter().find(|h| h.name_any() == r.name));
+            let seen = Observed {
+                machine: &self.sbm,
+                owner: self.machine.as_ref(),
+                cluster: self.cluster.as_ref(),
+                bound,
+                hosts: &self.hosts,
+                now: NOW,
+            };
+            plan(&seen, &policy())
+        }
+    }
+
+    fn ready(plan: &Plan) -> (String, String, String) {
+        let c = condition(&plan.status.conditions, READY).expect("a Ready condition");
+        (c.status.clone(), c.reason.clone(), c.message.clone())
+    }
+
+    fn waits(plan: &Plan, reason: Reason) {
+        assert_eq!(plan.step, Step::None, "{plan:?}");
+        let (status, r, message) = ready(plan);
+        assert_eq!(
+            (status.as_str(), r.as_str()),
+            ("False", reason.to_string().as_str()),
+            "{message}"
+        );
+    }
+
+    fn name(step: &Step) -> String {
+        match step {
+            Step::Claim(h) | Step::RecordHostRef(h) | Step::CancelProvisioning(h) => h.name_any(),
+            Step::Release { host, .. } | Step::RequestProvisioning { host, .. } => host.name_any(),
+            Step::Mark(m) => m.host.name.clone(),
+            other => format!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn pause_stops_everything_even_deletion() {
+        let mut w = World::new(sbm(), vec![available(1)]);
+        w.cluster.as_mut().unwrap().spec.paused = Some(true);
+        let p = w.plan();
+        assert_eq!((p.step.clone(), p.requeue), (Step::None, Requeue::OnChange));
+        assert_eq!(condition(&p.status.conditions, PAUSED).unwrap().status, "True");
+        w.sbm.metadata.deletion_timestamp = Some(now());
+        assert_eq!(w.plan().step, Step::None);
+        w.cluster.as_mut().unwrap().spec.paused = None;
+        let mut annotated = sbm();
+        annotated.metadata.annotations =
+            Some(BTreeMap::from([(PAUSED_ANNOTATION.into(), "".into())]));
+        assert_eq!(World::new(annotated, vec![]).plan().step, Step::None);
+    }
+
+    #[test]
+    fn waits_for_finalizer_machine_cluster_infrastructure_and_data_in_order() {
+        let mut m = sbm();
+        m.metadata.finalizers = None;
+        assert_eq!(World::new(m, vec![]).plan().step, Step::AddFinalizer);
+
+        let mut w = World::new(sbm(), vec![available(1)]);
+        w.machine = None;
+        waits(&w.plan(), Reason::WaitingForMachine);
+        w.machine = Some(machine());
+        w.cluster = None;
+        waits(&w.plan(), Reason::WaitingForCluster);
+        w.cluster = Some(Cluster::new("c", Default::default()));
+        waits(&w.plan(), Reason::WaitingForClusterInfrastructure);
+        w.cluster = Some(cluster());
+        w.machine.as_mut().unwrap().spec.bootstrap.data_secret_name = None;
+        waits(&w.plan(), Reason::WaitingForBootstrapData);
+        assert_eq!(w.plan().requeue, Requeue::OnChange, "a change wakes it, no polling");
+    }
+
+    #[test]
+    fn binding_marks_then_claims_then_records() {
+        let w = World::new(sbm(), vec![available(1)]);
+        let Step::Mark(mark) = w.plan().step else { panic!("{:?}", w.plan()) };
+        assert_eq!((mark.binder.as_str(), mark.at, mark.host.name.as_str()), ("me", NOW, "h1"));
+        assert_eq!(Mark::parse(&mark.to_string()), Some(mark));
+
+        let w = World::new(marked(sbm(), "me", NOW - 1, "h1"), vec![available(1)]);
+        assert_eq!(name(&w.plan().step), "h1");
+        assert!(matches!(w.plan().step, Step::Claim(_)));
+
+        let m = marked(sbm(), "me", NOW - 1, "h1");
+        let w = World::new(m.clone(), vec![claimed_for(available(1), &m)]);
+        assert!(matches!(w.plan().step, Step::RecordHostRef(h) if h.name_any() == "h1"));
+    }
+
+    #[test]
+    fn claim_race_outcomes() {
+        // Another appliance's fresh mark: wait for it.
+        let w = World::new(marked(sbm(), "other", NOW - 10, "h1"), vec![available(1)]);
+        waits(&w.plan(), Reason::BindingElsewhere);
+        // The host named went to another machine: mark the next candidate.
+        let other = {
+            let mut o = sbm();
+            o.metadata.uid = Some("other-uid".into());
+            o
+        };
+        let w = World::new(
+            marked(sbm(), "me", NOW - 1, "h1"),
+            vec![claimed_for(available(1), &other), available(2)],
+        );
+        assert!(matches!(&w.plan().step, Step::Mark(m) if m.host.name == "h2"), "{:?}", w.plan());
+        // A stale mark of a dead binder whose claim went through: adopted.
+        let m = marked(sbm(), "dead", NOW - BINDER_TIMEOUT - 1, "h1");
+        let w = World::new(m.clone(), vec![claimed_for(available(1), &m)]);
+        assert!(matches!(w.plan().step, Step::RecordHostRef(_)));
+        // A stale mark whose claim did not: marked anew by us.
+        let w =
+            World::new(marked(sbm(), "dead", NOW - BINDER_TIMEOUT - 1, "h1"), vec![available(1)]);
+        assert!(matches!(&w.plan().step, Step::Mark(m) if m.binder == "me"));
+    }
+
+    #[test]
+    fn a_host_that_names_the_machine_is_not_adopted() {
+        // Made (or edited) by someone who may edit Hosts, naming a waiting machine: given back.
+        let m = sbm();
+        let planted = claimed_for(available(9), &m);
+        let w = World::new(m.clone(), vec![planted.clone(), available(1)]);
+        let p = w.plan();
+        assert!(matches!(&p.step, Step::Release { host, .. } if host.name_any() == "h9"), "{p:?}");
+        // Also with a mark that names another host.
+        let m = marked(sbm(), "me", NOW - 1, "h1");
+        let w = World::new(m.clone(), vec![claimed_for(available(9), &m), available(1)]);
+        assert!(matches!(&w.plan().step, Step::Release { host, .. } if host.name_any() == "h9"));
+        // The marked host, claimed, but now in maintenance or no longer matching: given back.
+        let mut cordoned = claimed_for(available(1), &m);
+        cordoned.spec.maintenance = true;
+        let w = World::new(m.clone(), vec![cordoned]);
+        assert!(matches!(&w.plan().step, Step::Release { why, .. } if why.contains("maintenance")));
+        let mut picky = marked(sbm(), "me", NOW - 1, "h1");
+        picky.spec.host_selector = Some(HostSelector {
+            match_labels: BTreeMap::from([("rack".into(), "r9".into())]),
+            ..Default::default()
+        });
+        let w = World::new(picky.clone(), vec![claimed_for(available(1), &picky)]);
+        assert!(matches!(&w.plan().step, Step::Release { .. }));
+    }
+
+    #[test]
+    fn no_host_reasons() {
+        let w = World::new(sbm(), vec![host("p", "52:54:00:00:00:01", HostState::Provisioned)]);
+        waits(&w.plan(), Reason::NoHostAvailable);
+        assert!(ready(&w.plan()).2.contains("1 not Available"), "{:?}", ready(&w.plan()));
+        assert_eq!(w.plan().requeue, Requeue::After(NO_HOST_RETRY));
+        // Two Hosts with one boot MAC: neither is a candidate.
+        let mut twin = available(1);
+        twin.metadata.name = Some("twin".into());
+        twin.metadata.uid = Some("twin-uid".into());
+        let w = World::new(sbm(), vec![available(1), twin]);
+        waits(&w.plan(), Reason::NoHostAvailable);
+        assert!(ready(&w.plan()).2.contains("2 sharing a boot MAC"), "{:?}", ready(&w.plan()));
+    }
+
+    #[test]
+    fn host_namespaces_and_sites_are_the_operators_choice() {
+        let mut m = sbm();
+        m.spec.host_selector =
+            Some(HostSelector { namespace: Some("kube-system".into()), ..Default::default() });
+        waits(&World::new(m.clone(), vec![]).plan(), Reason::HostNamespaceNotAllowed);
+        m.spec.host_selector.as_mut().unwrap().namespace = Some("pool".into());
+        let mut h = available(1);
+        h.metadata.namespace = Some("pool".into());
+        let w = World::new(m, vec![h, available(2)]);
+        assert!(
+            matches!(&w.plan().step, Step::Mark(m) if m.host.namespace == "pool" && m.host.name == "h1")
+        );
+        // Hosts of another namespace are not candidates.
+        let mut elsewhere = available(1);
+        elsewhere.metadata.namespace = Some("other".into());
+        waits(&World::new(sbm(), vec![elsewhere]).plan(), Reason::NoHostAvailable);
+        // Pinned to another site: another appliance's.
+        let mut w = World::new(sbm(), vec![available(1)]);
+        w.machine.as_mut().unwrap().spec.failure_domain = Some("far".into());
+        assert_eq!((w.plan().step, w.plan().requeue), (Step::None, Requeue::OnChange));
+    }
+
+    #[test]
+    fn a_bound_machine_is_provisioned_and_reported() {
+        let m = bound_to(sbm(), "h1");
+        let w = World::new(m.clone(), vec![claimed_for(available(1), &m)]);
+        let Step::RequestProvisioning { provisioning, .. } = w.plan().step else { panic!() };
+        assert_eq!(provisioning.image, image());
+
+        let mut h = claimed_for(available(1), &m);
+        h.spec.provisioning = Some(Provisioning { image: image() });
+        h.status.as_mut().unwrap().state = Some(HostState::Provisioning);
+        let w = World::new(m.clone(), vec![h.clone()]);
+        waits(&w.plan(), Reason::Provisioning);
+
+        let status = h.status.as_mut().unwrap();
+        status.state = Some(HostState::Provisioned);
+        status.installed = Some(Installed { image: image(), consumer: "ns/m".into() });
+        status.addresses =
+            vec![MachineAddress { kind: "InternalIP".into(), address: "10.0.0.5".into() }];
+        let w = World::new(m.clone(), vec![h.clone()]);
+        let p = w.plan();
+        assert_eq!(p.step, Step::SetProviderId("siteboot://ns/h1".into()));
+        assert_eq!(ready(&p).0, "True");
+        assert_eq!(p.status.initialization, Some(Initialization { provisioned: Some(true) }));
+        assert_eq!(p.status.addresses.len(), 2);
+        assert_eq!(p.status.failure_domain.as_deref(), Some("lab"));
+        let mut done = m.clone();
+        done.spec.provider_id = Some("siteboot://ns/h1".into());
+        assert_eq!(World::new(done, vec![h.clone()]).plan().step, Step::None);
+
+        h.status.as_mut().unwrap().state = Some(HostState::Quarantined);
+        waits(&World::new(m.clone(), vec![h.clone()]).plan(), Reason::HostQuarantined);
+        waits(&World::new(m.clone(), vec![]).plan(), Reason::HostMissing);
+        // Bound, and another Host names the machine too: that one is given back first.
+        let w = World::new(m.clone(), vec![h, claimed_for(available(2), &m)]);
+        assert!(matches!(&w.plan().step, Step::Release { host, .. } if host.name_any() == "h2"));
+    }
+
+    #[test]
+    fn deletion_wipes_then_releases_then_lets_go() {
+        let mut m = bound_to(sbm(), "h1");
+        m.metadata.deletion_timestamp = Some(now());
+        let mut h = claimed_for(host("h1", "52:54:00:00:00:01", HostState::Provisioned), &m);
+        h.spec.provisioning = Some(Provisioning { image: image() });
+        let w = World::new(m.clone(), vec![h.clone()]);
+        assert!(matches!(w.plan().step, Step::CancelProvisioning(_)));
+        h.spec.provisioning = None;
+        for state in [HostState::Provisioned, HostState::Deprovisioning] {
+            h.status.as_mut().unwrap().state = Some(state);
+            waits(&World::new(m.clone(), vec![h.clone()]).plan(), Reason::Deprovisioning);
+        }
+        // Available after its wipe, or Quarantined (the Host wipes it before reuse): released.
+        for state in [HostState::Available, HostState::Quarantined] {
+            h.status.as_mut().unwrap().state = Some(state);
+            let w = World::new(m.clone(), vec![h.clone()]);
+            assert!(matches!(w.plan().step, Step::Release { .. }), "{state:?}");
+        }
+        assert_eq!(World::new(m.clone(), vec![]).plan().step, Step::RemoveFinalizer);
+        // Claimed, not yet recorded: found through the mark.
+        let mut unbound = marked(sbm(), "me", NOW, "h1");
+        unbound.metadata.deletion_timestamp = Some(now());
+        let w = World::new(unbound.clone(), vec![claimed_for(available(1), &unbound)]);
+        assert!(matches!(w.plan().step, Step::Release { .. }));
+    }
+}

@@ -1,0 +1,318 @@
+//! The SitebootMachine reconciler: reads what [`plan`] needs, performs the step it returns with a
+//! compare-and-swap, and writes the status. Killed between any two lines, the next pass reads
+//! what was stored and plans the same step or the one after it.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use serde_json::json;
+
+use super::plan::{
+    self, BINDER_ANNOTATION, FINALIZER, Observed, Plan, Requeue, Step, consumed_by, key,
+};
+use crate::conditions::{READY, Reason};
+use crate::context::{Ctx, Error, ErrorKind, patch_unchanged, unix_now};
+use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
+use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine, set_condition};
+
+const API_VERSION: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
+/// After losing a compare-and-swap: long enough for the watch to bring the winner's write.
+const LOST_RACE_RETRY: Duration = Duration::from_secs(1);
+
+pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
+    let client = ctx.client.clone();
+    let controller =
+        Controller::new(Api::<SitebootMachine>::all(client.clone()), watcher::Config::default());
+    let store = controller.store();
+    let by_host = store.clone();
+    let by_cluster = store.clone();
+    controller
+        .watches(
+            Api::<Host>::all(client.clone()),
+            watcher::Config::default().labels(&format!("{SITE_LABEL}={}", ctx.site)),
+            move |host| machines_for_host(&host, &by_host),
+        )
+        .watches(Api::<Machine>::all(client.clone()), watcher::Config::default(), |machine| {
+            let namespace = machine.namespace().unwrap_or_default();
+            machine
+                .spec
+                .infrastructure_ref
+                .filter(|r| r.kind == "SitebootMachine")
+                .map(|r| ObjectRef::new(&r.name).within(&namespace))
+        })
+        .watches(Api::<Cluster>::all(client), watcher::Config::default(), move |cluster| {
+            let (name, namespace) = (cluster.name_any(), cluster.namespace().unwrap_or_default());
+            by_cluster
+                .state()
+                .into_iter()
+                .filter(|m| {
+                    m.namespace().as_deref() == Some(namespace.as_str())
+                        && m.labels().get(CLUSTER_NAME_LABEL) == Some(&name)
+                })
+                .map(|m| ObjectRef::from_obj(&*m))
+                .collect::<Vec<_>>()
+        })
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "SitebootMachine reconcile error");
+            }
+        })
+        .await;
+}
+
+/// A Host change concerns its consumer, and, if it may have become claimable, every machine
+/// still waiting for a host.
+fn machines_for_host(
+    host: &Host,
+    store: &Store<SitebootMachine>,
+) -> Vec<ObjectRef<SitebootMachine>> {
+    let mut refs = Vec::new();
+    if let Some(c) = &host.spec.consumer_ref
+        && c.kind == "SitebootMachine"
+    {
+        refs.push(ObjectRef::new(&c.name).within(&c.namespace));
+    }
+    if host.spec.consumer_ref.is_none() {
+        refs.extend(
+            store
+                .state()
+                .into_iter()
+                .filter(|m| m.spec.host_ref.is_none())
+                .map(|m| ObjectRef::from_obj(&*m)),
+        );
+    }
+    refs
+}
+
+fn error_policy(sbm: Arc<SitebootMachine>, error: &Error, ctx: Arc<Ctx>) -> Action {
+    let retry = ctx.backoff.retry_after(&key(&sbm), error);
+    tracing::warn!(machine = %key(&sbm), error = %error, kind = ?error.kind(), ?retry, "SitebootMachine reconcile failed");
+    Action::requeue(retry)
+}
+
+async fn reconcile(sbm: Arc<SitebootMachine>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    match pass(&sbm, &ctx).await {
+        Ok(action) => {
+            ctx.backoff.succeeded(&key(&sbm));
+            Ok(action)
+        }
+        Err(e) => {
+            if e.kind() == ErrorKind::Refused {
+                report_refused(&sbm, &ctx, &e).await;
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Says on the object that the API server refused what the reconciler needed, so the operator
+/// sees it without reading logs (best effort: this write may be refused too).
+async fn report_refused(sbm: &SitebootMachine, ctx: &Ctx, error: &Error) {
+    let mut status = sbm.status.clone().unwrap_or_default();
+    let message = format!("the API server refused a request: {error}");
+    let reason = Reason::ApiRefused.to_string();
+    if set_condition(
+        &mut status.conditions,
+        READY,
+        false,
+        &reason,
+        &message,
+        sbm.metadata.generation,
+    ) {
+        let api: Api<SitebootMachine> =
+            Api::namespaced(ctx.client.clone(), &sbm.namespace().unwrap_or_default());
+        let patch = json!({ "status": status });
+        if let Err(e) =
+            api.patch_status(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await
+        {
+            tracing::debug!(machine = %key(sbm), error = %e, "cannot report the refusal either");
+        }
+    }
+}
+
+async fn pass(sbm: &SitebootMachine, ctx: &Ctx) -> Result<Action, Error> {
+    let namespace = sbm.namespace().unwrap_or_default();
+    let owner = match owner_machine(sbm) {
+        Some(name) => {
+            Api::<Machine>::namespaced(ctx.client.clone(), &namespace).get_opt(&name).await?
+        }
+        None => None,
+    };
+    let cluster_name =
+        sbm.labels().get(CLUSTER_NAME_LABEL).cloned().or_else(|| {
+            owner.as_ref().map(|m| m.spec.cluster_name.clone()).filter(|n| !n.is_empty())
+        });
+    let cluster = match &cluster_name {
+        Some(name) => {
+            Api::<Cluster>::namespaced(ctx.client.clone(), &namespace).get_opt(name).await?
+        }
+        None => None,
+    };
+    let bound = match &sbm.spec.host_ref {
+        Some(r) => ctx.hosts_api(&r.namespace).get_opt(&r.name).await?,
+        None => None,
+    };
+    let hosts: Vec<Host> = ctx.hosts.all().iter().map(|h| (**h).clone()).collect();
+    let seen = Observed {
+        machine: sbm,
+        owner: owner.as_ref(),
+        cluster: cluster.as_ref(),
+        bound: bound.as_ref(),
+        hosts: &hosts,
+        now: unix_now(),
+    };
+    let Plan { step, status, requeue } = plan::plan(&seen, &ctx.machine_policy);
+    if status_reason(&status) == Some(Reason::NoHostAvailable.to_string())
+        && !plan::was_waiting_for_a_host(sbm)
+    {
+        tracing::info!(machine = %key(sbm), "{}", status_message(&status));
+    }
+    let api: Api<SitebootMachine> = Api::namespaced(ctx.client.clone(), &namespace);
+    let requeue = match perform(sbm, ctx, &api, step).await? {
+        Done::Yes => requeue,
+        Done::LostRace => Requeue::After(LOST_RACE_RETRY),
+    };
+    if sbm.status.as_ref() != Some(&status) && !gone(&api, sbm).await? {
+        let patch = json!({ "status": status });
+        api.patch_status(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    }
+    Ok(match requeue {
+        Requeue::Now => Action::requeue(Duration::ZERO),
+        Requeue::After(d) => Action::requeue(d),
+        Requeue::OnChange => Action::await_change(),
+    })
+}
+
+fn status_reason(status: &crate::crd::SitebootMachineStatus) -> Option<String> {
+    crate::crd::condition(&status.conditions, READY).map(|c| c.reason.clone())
+}
+
+fn status_message(status: &crate::crd::SitebootMachineStatus) -> String {
+    crate::crd::condition(&status.conditions, READY).map(|c| c.message.clone()).unwrap_or_default()
+}
+
+/// The Machine that owns this SitebootMachine.
+fn owner_machine(sbm: &SitebootMachine) -> Option<String> {
+    sbm.owner_references()
+        .iter()
+        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
+        .map(|o| o.name.clone())
+}
+
+/// Whether the object was deleted during this pass (the last finalizer removed).
+async fn gone(api: &Api<SitebootMachine>, sbm: &SitebootMachine) -> Result<bool, Error> {
+    Ok(sbm.metadata.deletion_timestamp.is_some() && api.get_opt(&sbm.name_any()).await?.is_none())
+}
+
+enum Done {
+    Yes,
+    /// A compare-and-swap found the object changed since it was read.
+    LostRace,
+}
+
+fn done<K>(written: Option<K>) -> Done {
+    if written.is_some() { Done::Yes } else { Done::LostRace }
+}
+
+async fn perform(
+    sbm: &SitebootMachine,
+    ctx: &Ctx,
+    api: &Api<SitebootMachine>,
+    step: Step<'_>,
+) -> Result<Done, Error> {
+    let hosts_api = |host: &Host| ctx.hosts_api(&host.namespace().unwrap_or_default());
+    Ok(match step {
+        Step::None => Done::Yes,
+        Step::AddFinalizer => {
+            let mut finalizers = sbm.finalizers().to_vec();
+            finalizers.push(FINALIZER.to_owned());
+            done(
+                patch_unchanged(api, sbm, json!({ "metadata": { "finalizers": finalizers } }))
+                    .await?,
+            )
+        }
+        Step::RemoveFinalizer => {
+            let finalizers: Vec<&String> =
+                sbm.finalizers().iter().filter(|f| *f != FINALIZER).collect();
+            done(
+                patch_unchanged(api, sbm, json!({ "metadata": { "finalizers": finalizers } }))
+                    .await?,
+            )
+        }
+        Step::Mark(mark) => {
+            let patch =
+                json!({ "metadata": { "annotations": { BINDER_ANNOTATION: mark.to_string() } } });
+            done(patch_unchanged(api, sbm, patch).await?)
+        }
+        Step::Claim(host) => {
+            let consumer = ConsumerRef {
+                api_version: API_VERSION.into(),
+                kind: "SitebootMachine".into(),
+                namespace: sbm.namespace().unwrap_or_default(),
+                name: sbm.name_any(),
+                uid: sbm.uid().unwrap_or_default(),
+            };
+            let patch = json!({ "spec": { "consumerRef": consumer } });
+            match patch_unchanged(&hosts_api(host), host, patch).await? {
+                Some(claimed) => {
+                    tracing::info!(machine = %key(sbm), host = %claimed.name_any(), "claimed a Host");
+                    let note = format!("claimed by SitebootMachine {}", key(sbm));
+                    ctx.event(&claimed, false, "Claimed", note).await;
+                    Done::Yes
+                }
+                None => {
+                    tracing::debug!(machine = %key(sbm), host = %host.name_any(), "lost the race for a Host");
+                    Done::LostRace
+                }
+            }
+        }
+        Step::RecordHostRef(host) => {
+            let host_ref =
+                HostRef { namespace: host.namespace().unwrap_or_default(), name: host.name_any() };
+            let patch = json!({ "metadata": { "annotations": { BINDER_ANNOTATION: null } }, "spec": { "hostRef": host_ref } });
+            match api.patch(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
+                Ok(_) => Done::Yes,
+                // The CEL rule keeps hostRef once set: this machine was bound elsewhere (a binder
+                // that timed out). The next pass gives this claim back as an orphan.
+                Err(kube::Error::Api(e)) if e.code == 422 => Done::LostRace,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Step::Release { host, why } => {
+            // Only a claim for this machine is released; provisioning goes with it, and the Host
+            // lifecycle wipes whatever may have been written.
+            debug_assert!(consumed_by(host, sbm));
+            let patch = json!({ "spec": { "consumerRef": null, "provisioning": null } });
+            match patch_unchanged(&hosts_api(host), host, patch).await? {
+                Some(released) => {
+                    tracing::info!(host = %released.name_any(), "released the Host: {why}");
+                    ctx.event(&released, false, "Released", why).await;
+                    Done::Yes
+                }
+                None => Done::LostRace,
+            }
+        }
+        Step::RequestProvisioning { host, provisioning } => {
+            let patch = json!({ "spec": { "provisioning": provisioning } });
+            done(patch_unchanged(&hosts_api(host), host, patch).await?)
+        }
+        Step::CancelProvisioning(host) => {
+            let patch = json!({ "spec": { "provisioning": null } });
+            done(patch_unchanged(&hosts_api(host), host, patch).await?)
+        }
+        Step::SetProviderId(provider_id) => {
+            let patch = json!({ "spec": { "providerID": provider_id } });
+            api.patch(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+            Done::Yes
+        }
+    })
+}
