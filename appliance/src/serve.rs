@@ -3,7 +3,7 @@
 //! arrives.
 
 use std::net::SocketAddrV4;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, bail};
 use siteboot_boot::decision::DhcpMode;
@@ -13,7 +13,7 @@ use siteboot_boot::dhcp::server::{self, DhcpServer, PXE_PORT, SERVER_PORT};
 use siteboot_boot::dhcp::{DhcpService, bind_socket};
 use siteboot_boot::http::HttpServer;
 use siteboot_boot::metrics::Metrics;
-use siteboot_boot::neighbors::Neighbors;
+use siteboot_boot::neighbors::{KernelArp, Neighbors};
 use siteboot_boot::tftp::TftpServer;
 use siteboot_boot::timeline::Timeline;
 use siteboot_boot::{Endpoints, Inventory};
@@ -44,7 +44,24 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     }
     let timeline = Arc::new(Timeline::new());
     let metrics = Arc::new(Metrics::new());
-    let neighbors = Arc::new(Neighbors::new());
+    let leases = Arc::new(Mutex::new(LeaseTable::new(Arc::new(config.plan))));
+    let journal = if config.dhcp.mode == DhcpMode::Full {
+        let path = config.state_dir.join("leases.log");
+        let (journal, replay) = Journal::open(&path)?;
+        let mut table = leases.lock().expect("lease table lock");
+        for record in &replay.records {
+            table.apply(record);
+        }
+        tracing::info!(path = %path.display(), records = replay.records.len(), torn_bytes = replay.torn_bytes, corrupt_lines = replay.corrupt_lines, "lease file replayed");
+        Some(journal)
+    } else {
+        None
+    };
+    // Who holds a client address: our leases when we hand them out, else the ARP table.
+    let neighbors = Arc::new(match config.dhcp.mode {
+        DhcpMode::Full => Neighbors::from_leases(leases.clone(), KernelArp),
+        DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(KernelArp),
+    });
     // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader.
     let (leading_tx, leading_rx) = tokio::sync::watch::channel(kube.is_none());
     let mut tasks = JoinSet::new();
@@ -114,19 +131,6 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     if config.dhcp.mode != DhcpMode::Off {
         let dhcp_socket = bind_socket(interface, SERVER_PORT)?;
         let pxe_socket = bind_socket(interface, PXE_PORT)?;
-        let plan = Arc::new(config.plan);
-        let mut table = LeaseTable::new(plan);
-        let journal = if config.dhcp.mode == DhcpMode::Full {
-            let path = config.state_dir.join("leases.log");
-            let (journal, replay) = Journal::open(&path)?;
-            for record in &replay.records {
-                table.apply(record);
-            }
-            tracing::info!(path = %path.display(), records = replay.records.len(), torn_bytes = replay.torn_bytes, corrupt_lines = replay.corrupt_lines, "lease file replayed");
-            Some(journal)
-        } else {
-            None
-        };
         let ctx = server::Context {
             mode: config.dhcp.mode,
             endpoints: endpoints.clone(),
@@ -134,9 +138,8 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             inventory: inventory.clone(),
             timeline: timeline.clone(),
             metrics: metrics.clone(),
-            neighbors: neighbors.clone(),
         };
-        let mut service = DhcpService::new(DhcpServer::new(ctx, table), journal);
+        let mut service = DhcpService::new(DhcpServer::new(ctx, leases), journal);
         if config.dhcp.mode == DhcpMode::Full {
             service = service.gated_by(leading_rx.clone());
         }
