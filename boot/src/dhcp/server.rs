@@ -97,8 +97,13 @@ impl DhcpServer {
             return Outcome::default();
         };
         let msg_type = msg.opts().msg_type().expect("decode checked the message type");
-        self.ctx.metrics.dhcp_received(msg_type);
         let mut table = self.table();
+        if !table.plan().relay_trusted(msg.giaddr()) {
+            self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::debug!(%from, giaddr = %msg.giaddr(), mac = %client.mac, "dropping a message relayed by a relay not in dhcp.trusted_relays");
+            return Outcome::default();
+        }
+        self.ctx.metrics.dhcp_received(msg_type);
         table.sweep(now);
         let outcome = match (self.ctx.mode, port) {
             (DhcpMode::Off, _) => Outcome::default(),
@@ -595,6 +600,7 @@ mod tests {
                 address: "10.0.0.20".parse().unwrap(),
                 hostname: Some("node-r".into()),
             }],
+            trusted_relays: vec![ip("10.0.5.1")],
             ..Settings::default()
         };
         let plan = NetworkPlan::new(&settings, SERVER, "dhcp").unwrap();
@@ -850,8 +856,30 @@ mod tests {
             opt(&offer, OptionCode::Router),
             Some(&DhcpOption::Router(vec![ip("10.0.5.1")]))
         );
-        discover.set_giaddr(ip("172.16.0.1"));
-        assert!(h.send(&discover, Port::Dhcp, relay).0.is_none(), "unknown relay subnet");
+    }
+
+    #[test]
+    fn relayed_messages_are_answered_only_from_trusted_relays() {
+        let dropped = |h: &Harness| {
+            h.server.ctx.metrics.dhcp_dropped.load(std::sync::atomic::Ordering::Relaxed)
+        };
+        for mode in [DhcpMode::Full, DhcpMode::Proxy] {
+            let h = harness(mode);
+            // A relay in a served subnet but not trusted, and one claiming a foreign subnet.
+            for giaddr in ["10.0.5.2", "172.16.0.1"] {
+                let mut discover = request(mac(1), MessageType::Discover, pxe_opts(0));
+                discover.set_giaddr(ip(giaddr));
+                let from = SocketAddrV4::new(ip(giaddr), SERVER_PORT);
+                assert!(h.send(&discover, Port::Dhcp, from).0.is_none(), "{mode:?} {giaddr}");
+            }
+            assert_eq!(dropped(&h), 2, "{mode:?}");
+            let mut discover = request(mac(1), MessageType::Discover, pxe_opts(0));
+            discover.set_giaddr(ip("10.0.5.1"));
+            let from = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
+            let (r, _) = h.send(&discover, Port::Dhcp, from);
+            assert_eq!(r.unwrap().1, from, "{mode:?}: answered through the trusted relay");
+            assert_eq!(dropped(&h), 2);
+        }
     }
 
     fn pxe_opts(arch: u16) -> Vec<DhcpOption> {
