@@ -125,6 +125,10 @@ pub struct Config {
     pub state_dir: PathBuf,
     pub dhcp: DhcpSettings,
     pub plan: NetworkPlan,
+    /// `dhcp.known_hosts_only`, its default decided: true in Kubernetes mode (a machine gets
+    /// its Host object before it first boots, so it is answered and inspected), false
+    /// standalone (where `unknown_hosts` may boot machines nobody listed).
+    pub known_hosts_only: bool,
     pub tftp: TftpSettings,
     pub http: HttpSettings,
     pub binaries: IpxeBinaries,
@@ -294,8 +298,10 @@ impl Config {
                 })
             }
         };
+        let known_hosts_only = file.dhcp.known_hosts_only.unwrap_or(kubernetes.is_some());
         Ok(Self {
             kubernetes,
+            known_hosts_only,
             interface: file.interface,
             address: file.address,
             state_dir: file.state_dir,
@@ -516,6 +522,28 @@ unknown_hosts:
                 .replace("# root: /srv/tftp", "");
             let config = Config::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(config.kubernetes.is_some(), name == "kubernetes.yaml");
+        }
+    }
+
+    #[test]
+    fn known_hosts_only_defaults_by_mode() {
+        let kubernetes =
+            GOOD.replace("hosts:\n  - mac: 52:54:00:12:34:56\n    profile: linux\n", "").replace(
+                "unknown_hosts:\n  profile: disk\n",
+                "kubernetes:\n  ramdisk_profile: linux\n",
+            );
+        let explicit = |text: &str, value: bool| {
+            text.replace("dhcp:\n", &format!("dhcp:\n  known_hosts_only: {value}\n"))
+        };
+        for (text, expected) in [
+            (GOOD.to_owned(), false),
+            (explicit(GOOD, true), true),
+            (kubernetes.clone(), true),
+            (explicit(&kubernetes, false), false),
+        ] {
+            let (_dir, text) = with_ipxe(&text);
+            let config = Config::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            assert_eq!(config.known_hosts_only, expected, "{text}");
         }
     }
 

@@ -138,6 +138,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             inventory: inventory.clone(),
             timeline: timeline.clone(),
             metrics: metrics.clone(),
+            known_hosts_only: config.known_hosts_only,
         };
         let mut service = DhcpService::new(DhcpServer::new(ctx, leases), journal);
         if config.dhcp.mode == DhcpMode::Full {

@@ -53,6 +53,7 @@ fn server(mode: DhcpMode) -> Mutex<DhcpServer> {
         inventory: Arc::new(BootsEven),
         timeline: Arc::new(Timeline::new()),
         metrics: Arc::new(Metrics::new()),
+        known_hosts_only: false,
     };
     Mutex::new(DhcpServer::new(ctx, Arc::new(Mutex::new(LeaseTable::new(plan)))))
 }

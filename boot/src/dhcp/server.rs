@@ -62,6 +62,8 @@ pub struct Context {
     pub inventory: Arc<dyn Inventory>,
     pub timeline: Arc<Timeline>,
     pub metrics: Arc<Metrics>,
+    /// Full mode: answer only MACs the inventory [knows](Inventory::knows).
+    pub known_hosts_only: bool,
 }
 
 pub struct DhcpServer {
@@ -139,6 +141,11 @@ impl DhcpServer {
         now: UnixTime,
     ) -> Outcome {
         let mac = client.mac;
+        if self.ctx.known_hosts_only && !self.ctx.inventory.knows(mac) {
+            self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::debug!(%mac, "ignoring a MAC the inventory does not know (dhcp.known_hosts_only)");
+            return Outcome::default();
+        }
         let Some(subnet) = table.plan().subnet_for(msg.giaddr()) else {
             tracing::warn!(%mac, giaddr = %msg.giaddr(), "no configured subnet for this request; ignoring it");
             return Outcome::default();
@@ -586,6 +593,10 @@ mod tests {
     }
 
     fn harness(mode: DhcpMode) -> Harness {
+        harness_with(mode, |_| {})
+    }
+
+    fn harness_with(mode: DhcpMode, adjust: impl FnOnce(&mut Context)) -> Harness {
         let ipxe = tempfile::tempdir().unwrap();
         std::fs::write(ipxe.path().join("undionly.kpxe"), b"x").unwrap();
         std::fs::write(ipxe.path().join("snponly.efi"), b"x").unwrap();
@@ -604,14 +615,16 @@ mod tests {
             ..Settings::default()
         };
         let plan = NetworkPlan::new(&settings, SERVER, "dhcp").unwrap();
-        let ctx = Context {
+        let mut ctx = Context {
             mode,
             endpoints: Endpoints { address: SERVER, http_port: 8080 },
             binaries: Arc::new(IpxeBinaries::discover(ipxe.path())),
             inventory: Arc::new(TestInventory),
             timeline: Arc::new(Timeline::new()),
             metrics: Arc::new(Metrics::new()),
+            known_hosts_only: false,
         };
+        adjust(&mut ctx);
         let leases = Arc::new(Mutex::new(LeaseTable::new(Arc::new(plan))));
         Harness { server: DhcpServer::new(ctx, leases.clone()), leases, _ipxe: ipxe }
     }
@@ -856,6 +869,28 @@ mod tests {
             opt(&offer, OptionCode::Router),
             Some(&DhcpOption::Router(vec![ip("10.0.5.1")]))
         );
+    }
+
+    #[test]
+    fn known_hosts_only_answers_the_inventory_s_macs_alone() {
+        let unknown = MacAddr::new([2, 0, 0, 0, 0, 1]);
+        let discover = request(unknown, MessageType::Discover, vec![]);
+        let asks_for = |addr| {
+            request(unknown, MessageType::Request, vec![DhcpOption::RequestedIpAddress(ip(addr))])
+        };
+        // Off (the standalone default): an unknown MAC gets an address, and no boot file.
+        let h = harness(DhcpMode::Full);
+        assert!(h.send(&discover, Port::Dhcp, CLIENT).0.is_some());
+        assert!(h.send(&asks_for("10.0.0.100"), Port::Dhcp, CLIENT).0.is_some());
+
+        let h = harness_with(DhcpMode::Full, |ctx| ctx.known_hosts_only = true);
+        let (r, _) = h.send(&discover, Port::Dhcp, CLIENT);
+        assert!(r.is_none(), "no offer");
+        let (r, record) = h.send(&asks_for("10.0.0.100"), Port::Dhcp, CLIENT);
+        assert!(r.is_none() && record.is_none(), "no ACK, and no NAK either");
+        assert_eq!(h.server.ctx.metrics.dhcp_dropped.load(std::sync::atomic::Ordering::Relaxed), 2);
+        assert_eq!(h.server.table().free_count(0), 3, "nothing offered or leased");
+        assert_eq!(h.dora(mac(1), vec![]).yiaddr(), ip("10.0.0.100"), "a known MAC");
     }
 
     #[test]

@@ -33,6 +33,12 @@ pub struct Settings {
     /// Fixed addresses by MAC.
     #[serde(default)]
     pub reservations: Vec<Reservation>,
+    /// Full mode: answer only the MACs the inventory knows (listed under `hosts`, or with a
+    /// Host object in Kubernetes mode); any other machine gets no address. Unset, the appliance
+    /// decides: false standalone, true in Kubernetes mode (where a new machine gets its Host
+    /// before it first boots, and so is answered and inspected).
+    #[serde(default)]
+    pub known_hosts_only: Option<bool>,
     /// The DHCP relays (their `giaddr`) whose relayed messages are answered; a message relayed
     /// by any other is dropped. Empty, the default: relayed messages are refused, since any
     /// machine on the link can put a relay's address in a message.
@@ -48,6 +54,7 @@ impl Default for Settings {
             decline_quarantine: default_quarantine(),
             subnets: Vec::new(),
             reservations: Vec::new(),
+            known_hosts_only: None,
             trusted_relays: Vec::new(),
         }
     }
