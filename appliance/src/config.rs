@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use siteboot_boot::MacAddr;
+use siteboot_boot::admission::CapsError;
 use siteboot_boot::dhcp::settings::{FieldError, NetworkPlan, Settings as DhcpSettings};
 use siteboot_boot::files::check_relative;
 use siteboot_boot::http::HttpSettings;
@@ -201,15 +202,7 @@ impl Config {
         }
         let plan = NetworkPlan::new(&file.dhcp, file.address, "dhcp")?;
         check_tftp(&file.tftp)?;
-        if file.http.port == 0 {
-            return Err(FieldError::new("http.port", "must be 1-65535"));
-        }
-        if file.http.max_connections == 0 {
-            return Err(FieldError::new("http.max_connections", "must be at least 1"));
-        }
-        if let Some(root) = &file.http.root {
-            check_dir(root, "http.root")?;
-        }
+        check_http(&file.http)?;
         let binaries = IpxeBinaries::discover(&file.tftp.ipxe_dir);
         if binaries.platforms().next().is_none() {
             return Err(FieldError::new(
@@ -324,6 +317,33 @@ pub fn check_site_name(site: &str, field: &str) -> Result<(), FieldError> {
             format!("{site:?} is not a site name (lower-case letters, digits and '-', at most 63)"),
         ))
     }
+}
+
+fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
+    if h.port == 0 {
+        return Err(FieldError::new("http.port", "must be 1-65535"));
+    }
+    h.caps().map_err(|e| {
+        let field = match e {
+            CapsError::ZeroTotal => "http.max_connections",
+            CapsError::ZeroPerAddress => "http.max_connections_per_address",
+            CapsError::ReserveNotBelowTotal { .. } => "http.reserved_connections",
+        };
+        FieldError::new(field, e.to_string())
+    })?;
+    for (field, timeout) in [
+        ("http.header_timeout", h.header_timeout),
+        ("http.body_timeout", h.body_timeout),
+        ("http.stall_timeout", h.stall_timeout),
+    ] {
+        if timeout.is_zero() {
+            return Err(FieldError::new(field, "must be longer than 0s"));
+        }
+    }
+    if let Some(root) = &h.root {
+        check_dir(root, "http.root")?;
+    }
+    Ok(())
 }
 
 fn check_tftp(t: &TftpSettings) -> Result<(), FieldError> {

@@ -98,8 +98,11 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         metrics.clone(),
         neighbors.clone(),
     )
-    .context("opening the HTTP root")?;
-    tasks.spawn(async move { http.run(http_listener).await.context("HTTP server") });
+    .context("starting the HTTP server")?;
+    tasks.spawn(async move {
+        http.run(http_listener).await;
+        bail!("the HTTP server stopped")
+    });
     let tftp = TftpServer::new(
         config.address,
         &config.tftp,
