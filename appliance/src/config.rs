@@ -351,17 +351,32 @@ fn check_tftp(t: &TftpSettings) -> Result<(), FieldError> {
     if let Some(root) = &t.root {
         check_dir(root, "tftp.root")?;
     }
-    if t.max_transfers == 0 {
-        return Err(FieldError::new("tftp.max_transfers", "must be at least 1"));
-    }
+    t.caps().map_err(|e| {
+        let field = match e {
+            CapsError::ZeroPerAddress => "tftp.max_transfers_per_address",
+            _ => "tftp.max_transfers",
+        };
+        FieldError::new(field, e.to_string())
+    })?;
     if !(512..=65464).contains(&t.max_block_size) {
         return Err(FieldError::new("tftp.max_block_size", "must be 512-65464 (RFC 2348)"));
     }
     if t.max_window_size == 0 {
         return Err(FieldError::new("tftp.max_window_size", "must be at least 1"));
     }
-    if t.timeout.is_zero() || t.timeout.as_secs() > 255 {
-        return Err(FieldError::new("tftp.timeout", "must be between 1s and 255s (RFC 2349)"));
+    let rfc_2349 =
+        |d: std::time::Duration| (1..=255).contains(&d.as_secs()) && d.subsec_nanos() == 0;
+    if !rfc_2349(t.max_timeout) {
+        return Err(FieldError::new(
+            "tftp.max_timeout",
+            "must be whole seconds from 1s to 255s (RFC 2349)",
+        ));
+    }
+    if t.timeout.is_zero() || t.timeout > t.max_timeout {
+        return Err(FieldError::new(
+            "tftp.timeout",
+            format!("must be longer than 0s and at most tftp.max_timeout ({:?})", t.max_timeout),
+        ));
     }
     Ok(())
 }
@@ -519,6 +534,44 @@ unknown_hosts:
             &GOOD.replace("    cmdline: console=ttyS0 quiet", "    cmdline: console=ttyS0 ${evil}"),
         );
         assert!(e.message.contains("'$'"), "{e}");
+    }
+
+    #[test]
+    fn connection_caps_and_deadlines_are_checked() {
+        let (_dir, text) = with_ipxe(GOOD);
+        let config = Config::parse(&text).unwrap();
+        assert_eq!(config.http.max_connections_per_address, 16);
+        assert_eq!(config.http.reserved_connections(), 64, "a sixteenth by default");
+        assert_eq!(config.http.header_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(config.tftp.max_transfers_per_address, 8);
+        assert_eq!(config.tftp.max_timeout, std::time::Duration::from_secs(10));
+        let cases: &[(&str, &str)] = &[
+            ("http:\n  max_connections: 0", "http.max_connections"),
+            ("http:\n  max_connections_per_address: 0", "http.max_connections_per_address"),
+            ("http:\n  max_connections: 8\n  reserved_connections: 8", "http.reserved_connections"),
+            ("http:\n  header_timeout: 0s", "http.header_timeout"),
+            ("http:\n  body_timeout: 0s", "http.body_timeout"),
+            ("http:\n  stall_timeout: 0s", "http.stall_timeout"),
+            ("  max_transfers: 0", "tftp.max_transfers"),
+            ("  max_transfers_per_address: 0", "tftp.max_transfers_per_address"),
+            ("  max_timeout: 256s", "tftp.max_timeout"),
+            ("  max_timeout: 1500ms", "tftp.max_timeout"),
+            ("  timeout: 11s", "tftp.timeout"),
+        ];
+        for (extra, field) in cases {
+            // http: lines start a section; indented ones go into the tftp: section.
+            let text = if extra.starts_with("http:") {
+                format!("{GOOD}\n{extra}\n")
+            } else {
+                GOOD.replace("  ipxe_dir: IPXE", &format!("  ipxe_dir: IPXE\n{extra}"))
+            };
+            let e = error_of(&text);
+            assert_eq!(&e.field, field, "{extra}: got {e}");
+        }
+        // The reserve follows max_connections unless set.
+        let small = format!("{GOOD}\nhttp:\n  max_connections: 8\n");
+        let (_dir, text) = with_ipxe(&small);
+        assert_eq!(Config::parse(&text).unwrap().http.reserved_connections(), 0);
     }
 
     /// The example configurations are valid (their directories replaced by ones that exist).

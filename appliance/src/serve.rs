@@ -111,8 +111,11 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         metrics.clone(),
         neighbors.clone(),
     )
-    .context("opening the TFTP roots")?;
-    tasks.spawn(async move { tftp.run(tftp_socket).await.context("TFTP server") });
+    .context("starting the TFTP server")?;
+    tasks.spawn(async move {
+        tftp.run(tftp_socket).await;
+        bail!("the TFTP server stopped")
+    });
 
     if config.dhcp.mode != DhcpMode::Off {
         let dhcp_socket = bind_socket(interface, SERVER_PORT)?;
