@@ -17,6 +17,7 @@ use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::tftp::TftpSettings;
 use siteboot_ipxe::{IpxeBinaries, Word};
 
+use crate::fd_limit;
 use crate::standalone::StaticInventory;
 
 /// The file as written.
@@ -155,17 +156,20 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 impl Config {
+    /// Reads, parses and checks a configuration file, also against this process's
+    /// file-descriptor limit (see [`fd_limit`]).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            file: path.to_owned(),
-            field: String::new(),
-            message: format!("cannot read: {e}"),
+        let error =
+            |field: String, message: String| ConfigError { file: path.to_owned(), field, message };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| error(String::new(), format!("cannot read: {e}")))?;
+        let config = Self::parse(&text).map_err(|e| error(e.field, e.message))?;
+        let limit = fd_limit::hard().map_err(|e| {
+            error(String::new(), format!("cannot read the file-descriptor limit: {e}"))
         })?;
-        Self::parse(&text).map_err(|e| ConfigError {
-            file: path.to_owned(),
-            field: e.field,
-            message: e.message,
-        })
+        fd_limit::check(&config.http, &config.tftp, limit)
+            .map_err(|e| error(e.field, e.message))?;
+        Ok(config)
     }
 
     /// Parses and checks the text of a configuration file.

@@ -37,6 +37,8 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     if !std::path::Path::new("/sys/class/net").join(interface).exists() {
         bail!("interface {interface:?} does not exist on this machine (see `ip link`)");
     }
+    // The config was checked against the hard limit; make it the one in force.
+    let fd_limit = crate::fd_limit::raise().context("raising the file-descriptor limit")?;
     let endpoints = Endpoints { address: config.address, http_port: config.http.port };
     let binaries = Arc::new(config.binaries);
     for platform in binaries.platforms() {
@@ -157,6 +159,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         dhcp = ?config.dhcp.mode,
         http = %http_addr,
         hosts = %known_hosts,
+        fd_limit,
         "siteboot serving"
     );
     let mut terminate = signal(SignalKind::terminate())?;
