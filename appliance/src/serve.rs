@@ -37,6 +37,8 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     if !std::path::Path::new("/sys/class/net").join(interface).exists() {
         bail!("interface {interface:?} does not exist on this machine (see `ip link`)");
     }
+    // The config was checked against the hard limit; make it the one in force.
+    let fd_limit = crate::fd_limit::raise().context("raising the file-descriptor limit")?;
     let endpoints = Endpoints { address: config.address, http_port: config.http.port };
     let binaries = Arc::new(config.binaries);
     for platform in binaries.platforms() {
@@ -115,8 +117,11 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         metrics.clone(),
         neighbors.clone(),
     )
-    .context("opening the HTTP root")?;
-    tasks.spawn(async move { http.run(http_listener).await.context("HTTP server") });
+    .context("starting the HTTP server")?;
+    tasks.spawn(async move {
+        http.run(http_listener).await;
+        bail!("the HTTP server stopped")
+    });
     let tftp = TftpServer::new(
         config.address,
         &config.tftp,
@@ -125,8 +130,11 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         metrics.clone(),
         neighbors.clone(),
     )
-    .context("opening the TFTP roots")?;
-    tasks.spawn(async move { tftp.run(tftp_socket).await.context("TFTP server") });
+    .context("starting the TFTP server")?;
+    tasks.spawn(async move {
+        tftp.run(tftp_socket).await;
+        bail!("the TFTP server stopped")
+    });
 
     if config.dhcp.mode != DhcpMode::Off {
         let dhcp_socket = bind_socket(interface, SERVER_PORT)?;
@@ -155,6 +163,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         dhcp = ?config.dhcp.mode,
         http = %http_addr,
         hosts = %known_hosts,
+        fd_limit,
         "siteboot serving"
     );
     let mut terminate = signal(SignalKind::terminate())?;
