@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use siteboot_boot::MacAddr;
+use siteboot_boot::admission::CapsError;
 use siteboot_boot::dhcp::settings::{FieldError, NetworkPlan, Settings as DhcpSettings};
 use siteboot_boot::files::check_relative;
 use siteboot_boot::http::HttpSettings;
@@ -16,6 +17,7 @@ use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::tftp::TftpSettings;
 use siteboot_ipxe::{IpxeBinaries, Word};
 
+use crate::fd_limit;
 use crate::standalone::StaticInventory;
 
 /// The file as written.
@@ -130,6 +132,10 @@ pub struct Config {
     pub state_dir: PathBuf,
     pub dhcp: DhcpSettings,
     pub plan: NetworkPlan,
+    /// `dhcp.known_hosts_only`, its default decided: true in Kubernetes mode (a machine gets
+    /// its Host object before it first boots, so it is answered and inspected), false
+    /// standalone (where `unknown_hosts` may boot machines nobody listed).
+    pub known_hosts_only: bool,
     pub tftp: TftpSettings,
     pub http: HttpSettings,
     pub binaries: IpxeBinaries,
@@ -159,17 +165,20 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 impl Config {
+    /// Reads, parses and checks a configuration file, also against this process's
+    /// file-descriptor limit (see [`fd_limit`]).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            file: path.to_owned(),
-            field: String::new(),
-            message: format!("cannot read: {e}"),
+        let error =
+            |field: String, message: String| ConfigError { file: path.to_owned(), field, message };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| error(String::new(), format!("cannot read: {e}")))?;
+        let config = Self::parse(&text).map_err(|e| error(e.field, e.message))?;
+        let limit = fd_limit::hard().map_err(|e| {
+            error(String::new(), format!("cannot read the file-descriptor limit: {e}"))
         })?;
-        Self::parse(&text).map_err(|e| ConfigError {
-            file: path.to_owned(),
-            field: e.field,
-            message: e.message,
-        })
+        fd_limit::check(&config.http, &config.tftp, limit)
+            .map_err(|e| error(e.field, e.message))?;
+        Ok(config)
     }
 
     /// Parses and checks the text of a configuration file.
@@ -206,15 +215,7 @@ impl Config {
         }
         let plan = NetworkPlan::new(&file.dhcp, file.address, "dhcp")?;
         check_tftp(&file.tftp)?;
-        if file.http.port == 0 {
-            return Err(FieldError::new("http.port", "must be 1-65535"));
-        }
-        if file.http.max_connections == 0 {
-            return Err(FieldError::new("http.max_connections", "must be at least 1"));
-        }
-        if let Some(root) = &file.http.root {
-            check_dir(root, "http.root")?;
-        }
+        check_http(&file.http)?;
         let binaries = IpxeBinaries::discover(&file.tftp.ipxe_dir);
         if binaries.platforms().next().is_none() {
             return Err(FieldError::new(
@@ -300,8 +301,10 @@ impl Config {
                 })
             }
         };
+        let known_hosts_only = file.dhcp.known_hosts_only.unwrap_or(kubernetes.is_some());
         Ok(Self {
             kubernetes,
+            known_hosts_only,
             interface: file.interface,
             address: file.address,
             state_dir: file.state_dir,
@@ -332,22 +335,64 @@ pub fn check_site_name(site: &str, field: &str) -> Result<(), FieldError> {
     }
 }
 
+fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
+    if h.port == 0 {
+        return Err(FieldError::new("http.port", "must be 1-65535"));
+    }
+    h.caps().map_err(|e| {
+        let field = match e {
+            CapsError::ZeroTotal => "http.max_connections",
+            CapsError::ZeroPerAddress => "http.max_connections_per_address",
+            CapsError::ReserveNotBelowTotal { .. } => "http.reserved_connections",
+        };
+        FieldError::new(field, e.to_string())
+    })?;
+    for (field, timeout) in [
+        ("http.header_timeout", h.header_timeout),
+        ("http.body_timeout", h.body_timeout),
+        ("http.stall_timeout", h.stall_timeout),
+    ] {
+        if timeout.is_zero() {
+            return Err(FieldError::new(field, "must be longer than 0s"));
+        }
+    }
+    if let Some(root) = &h.root {
+        check_dir(root, "http.root")?;
+    }
+    Ok(())
+}
+
 fn check_tftp(t: &TftpSettings) -> Result<(), FieldError> {
     check_dir(&t.ipxe_dir, "tftp.ipxe_dir")?;
     if let Some(root) = &t.root {
         check_dir(root, "tftp.root")?;
     }
-    if t.max_transfers == 0 {
-        return Err(FieldError::new("tftp.max_transfers", "must be at least 1"));
-    }
+    t.caps().map_err(|e| {
+        let field = match e {
+            CapsError::ZeroPerAddress => "tftp.max_transfers_per_address",
+            _ => "tftp.max_transfers",
+        };
+        FieldError::new(field, e.to_string())
+    })?;
     if !(512..=65464).contains(&t.max_block_size) {
         return Err(FieldError::new("tftp.max_block_size", "must be 512-65464 (RFC 2348)"));
     }
     if t.max_window_size == 0 {
         return Err(FieldError::new("tftp.max_window_size", "must be at least 1"));
     }
-    if t.timeout.is_zero() || t.timeout.as_secs() > 255 {
-        return Err(FieldError::new("tftp.timeout", "must be between 1s and 255s (RFC 2349)"));
+    let rfc_2349 =
+        |d: std::time::Duration| (1..=255).contains(&d.as_secs()) && d.subsec_nanos() == 0;
+    if !rfc_2349(t.max_timeout) {
+        return Err(FieldError::new(
+            "tftp.max_timeout",
+            "must be whole seconds from 1s to 255s (RFC 2349)",
+        ));
+    }
+    if t.timeout.is_zero() || t.timeout > t.max_timeout {
+        return Err(FieldError::new(
+            "tftp.timeout",
+            format!("must be longer than 0s and at most tftp.max_timeout ({:?})", t.max_timeout),
+        ));
     }
     Ok(())
 }
@@ -507,6 +552,44 @@ unknown_hosts:
         assert!(e.message.contains("'$'"), "{e}");
     }
 
+    #[test]
+    fn connection_caps_and_deadlines_are_checked() {
+        let (_dir, text) = with_ipxe(GOOD);
+        let config = Config::parse(&text).unwrap();
+        assert_eq!(config.http.max_connections_per_address, 16);
+        assert_eq!(config.http.reserved_connections(), 64, "a sixteenth by default");
+        assert_eq!(config.http.header_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(config.tftp.max_transfers_per_address, 8);
+        assert_eq!(config.tftp.max_timeout, std::time::Duration::from_secs(10));
+        let cases: &[(&str, &str)] = &[
+            ("http:\n  max_connections: 0", "http.max_connections"),
+            ("http:\n  max_connections_per_address: 0", "http.max_connections_per_address"),
+            ("http:\n  max_connections: 8\n  reserved_connections: 8", "http.reserved_connections"),
+            ("http:\n  header_timeout: 0s", "http.header_timeout"),
+            ("http:\n  body_timeout: 0s", "http.body_timeout"),
+            ("http:\n  stall_timeout: 0s", "http.stall_timeout"),
+            ("  max_transfers: 0", "tftp.max_transfers"),
+            ("  max_transfers_per_address: 0", "tftp.max_transfers_per_address"),
+            ("  max_timeout: 256s", "tftp.max_timeout"),
+            ("  max_timeout: 1500ms", "tftp.max_timeout"),
+            ("  timeout: 11s", "tftp.timeout"),
+        ];
+        for (extra, field) in cases {
+            // http: lines start a section; indented ones go into the tftp: section.
+            let text = if extra.starts_with("http:") {
+                format!("{GOOD}\n{extra}\n")
+            } else {
+                GOOD.replace("  ipxe_dir: IPXE", &format!("  ipxe_dir: IPXE\n{extra}"))
+            };
+            let e = error_of(&text);
+            assert_eq!(&e.field, field, "{extra}: got {e}");
+        }
+        // The reserve follows max_connections unless set.
+        let small = format!("{GOOD}\nhttp:\n  max_connections: 8\n");
+        let (_dir, text) = with_ipxe(&small);
+        assert_eq!(Config::parse(&text).unwrap().http.reserved_connections(), 0);
+    }
+
     /// The example configurations are valid (their directories replaced by ones that exist).
     #[test]
     fn examples_load() {
@@ -522,6 +605,28 @@ unknown_hosts:
                 .replace("# root: /srv/tftp", "");
             let config = Config::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(config.kubernetes.is_some(), name == "kubernetes.yaml");
+        }
+    }
+
+    #[test]
+    fn known_hosts_only_defaults_by_mode() {
+        let kubernetes =
+            GOOD.replace("hosts:\n  - mac: 52:54:00:12:34:56\n    profile: linux\n", "").replace(
+                "unknown_hosts:\n  profile: disk\n",
+                "kubernetes:\n  ramdisk_profile: linux\n",
+            );
+        let explicit = |text: &str, value: bool| {
+            text.replace("dhcp:\n", &format!("dhcp:\n  known_hosts_only: {value}\n"))
+        };
+        for (text, expected) in [
+            (GOOD.to_owned(), false),
+            (explicit(GOOD, true), true),
+            (kubernetes.clone(), true),
+            (explicit(&kubernetes, false), false),
+        ] {
+            let (_dir, text) = with_ipxe(&text);
+            let config = Config::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            assert_eq!(config.known_hosts_only, expected, "{text}");
         }
     }
 

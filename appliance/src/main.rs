@@ -1,6 +1,7 @@
 //! `siteboot`: a per-site network-boot appliance. See `siteboot --help`.
 
 mod config;
+mod fd_limit;
 mod serve;
 mod standalone;
 

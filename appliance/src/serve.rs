@@ -3,7 +3,7 @@
 //! arrives.
 
 use std::net::SocketAddrV4;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, bail};
 use siteboot_boot::decision::DhcpMode;
@@ -13,7 +13,7 @@ use siteboot_boot::dhcp::server::{self, DhcpServer, PXE_PORT, SERVER_PORT};
 use siteboot_boot::dhcp::{DhcpService, bind_socket};
 use siteboot_boot::http::HttpServer;
 use siteboot_boot::metrics::Metrics;
-use siteboot_boot::neighbors::Neighbors;
+use siteboot_boot::neighbors::{KernelArp, Neighbors};
 use siteboot_boot::tftp::TftpServer;
 use siteboot_boot::timeline::Timeline;
 use siteboot_boot::{Endpoints, Inventory};
@@ -37,6 +37,8 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     if !std::path::Path::new("/sys/class/net").join(interface).exists() {
         bail!("interface {interface:?} does not exist on this machine (see `ip link`)");
     }
+    // The config was checked against the hard limit; make it the one in force.
+    let fd_limit = crate::fd_limit::raise().context("raising the file-descriptor limit")?;
     let endpoints = Endpoints { address: config.address, http_port: config.http.port };
     let binaries = Arc::new(config.binaries);
     for platform in binaries.platforms() {
@@ -44,7 +46,24 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     }
     let timeline = Arc::new(Timeline::new());
     let metrics = Arc::new(Metrics::new());
-    let neighbors = Arc::new(Neighbors::new());
+    let leases = Arc::new(Mutex::new(LeaseTable::new(Arc::new(config.plan))));
+    let journal = if config.dhcp.mode == DhcpMode::Full {
+        let path = config.state_dir.join("leases.log");
+        let (journal, replay) = Journal::open(&path)?;
+        let mut table = leases.lock().expect("lease table lock");
+        for record in &replay.records {
+            table.apply(record);
+        }
+        tracing::info!(path = %path.display(), records = replay.records.len(), torn_bytes = replay.torn_bytes, corrupt_lines = replay.corrupt_lines, "lease file replayed");
+        Some(journal)
+    } else {
+        None
+    };
+    // Who holds a client address: our leases when we hand them out, else the ARP table.
+    let neighbors = Arc::new(match config.dhcp.mode {
+        DhcpMode::Full => Neighbors::from_leases(leases.clone(), KernelArp),
+        DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(KernelArp),
+    });
     // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader.
     let (leading_tx, leading_rx) = tokio::sync::watch::channel(kube.is_none());
     let mut tasks = JoinSet::new();
@@ -99,8 +118,11 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         metrics.clone(),
         neighbors.clone(),
     )
-    .context("opening the HTTP root")?;
-    tasks.spawn(async move { http.run(http_listener).await.context("HTTP server") });
+    .context("starting the HTTP server")?;
+    tasks.spawn(async move {
+        http.run(http_listener).await;
+        bail!("the HTTP server stopped")
+    });
     let tftp = TftpServer::new(
         config.address,
         &config.tftp,
@@ -109,25 +131,15 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         metrics.clone(),
         neighbors.clone(),
     )
-    .context("opening the TFTP roots")?;
-    tasks.spawn(async move { tftp.run(tftp_socket).await.context("TFTP server") });
+    .context("starting the TFTP server")?;
+    tasks.spawn(async move {
+        tftp.run(tftp_socket).await;
+        bail!("the TFTP server stopped")
+    });
 
     if config.dhcp.mode != DhcpMode::Off {
         let dhcp_socket = bind_socket(interface, SERVER_PORT)?;
         let pxe_socket = bind_socket(interface, PXE_PORT)?;
-        let plan = Arc::new(config.plan);
-        let mut table = LeaseTable::new(plan);
-        let journal = if config.dhcp.mode == DhcpMode::Full {
-            let path = config.state_dir.join("leases.log");
-            let (journal, replay) = Journal::open(&path)?;
-            for record in &replay.records {
-                table.apply(record);
-            }
-            tracing::info!(path = %path.display(), records = replay.records.len(), torn_bytes = replay.torn_bytes, corrupt_lines = replay.corrupt_lines, "lease file replayed");
-            Some(journal)
-        } else {
-            None
-        };
         let ctx = server::Context {
             mode: config.dhcp.mode,
             endpoints: endpoints.clone(),
@@ -135,9 +147,9 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             inventory: inventory.clone(),
             timeline: timeline.clone(),
             metrics: metrics.clone(),
-            neighbors: neighbors.clone(),
+            known_hosts_only: config.known_hosts_only,
         };
-        let mut service = DhcpService::new(DhcpServer::new(ctx, table), journal);
+        let mut service = DhcpService::new(DhcpServer::new(ctx, leases), journal);
         if config.dhcp.mode == DhcpMode::Full {
             service = service.gated_by(leading_rx.clone());
         }
@@ -152,6 +164,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         dhcp = ?config.dhcp.mode,
         http = %http_addr,
         hosts = %known_hosts,
+        fd_limit,
         "siteboot serving"
     );
     let mut terminate = signal(SignalKind::terminate())?;

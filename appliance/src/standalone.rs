@@ -31,6 +31,11 @@ impl Inventory for StaticInventory {
         self.lookup(mac).is_some()
     }
 
+    /// Listed under `hosts`: `unknown_hosts` does not make a MAC known.
+    fn knows(&self, mac: MacAddr) -> bool {
+        self.hosts.contains_key(&mac)
+    }
+
     fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
         let action = self.lookup(request.mac).cloned();
         Box::pin(async move { action })

@@ -102,6 +102,16 @@ pub trait Inventory: Send + Sync + 'static {
     /// answer from memory.
     fn boots(&self, mac: MacAddr) -> bool;
 
+    /// Whether `mac` is one of this site's hosts, whatever it boots now: listed in the config,
+    /// or with a Host object. With `dhcp.known_hosts_only`, full-mode DHCP answers only these.
+    /// Called on the DHCP path, so it must answer from memory. The default, [`boots`], also
+    /// leaves out known hosts that boot nothing now.
+    ///
+    /// [`boots`]: Self::boots
+    fn knows(&self, mac: MacAddr) -> bool {
+        self.boots(mac)
+    }
+
     /// What `request.mac` boots now; asked when its iPXE fetches `/boot/<mac>.ipxe`. `None`
     /// answers 404.
     fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>>;

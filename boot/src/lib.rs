@@ -4,6 +4,8 @@
 //! It knows nothing of Kubernetes: what each host boots comes from an [`Inventory`], which the
 //! appliance implements from its config file (standalone) or from its Host cache.
 
+pub mod admission;
+pub mod backoff;
 pub mod client;
 pub mod decision;
 pub mod dhcp;

@@ -70,6 +70,34 @@ impl HttpRoute {
     }
 }
 
+/// Why an HTTP request was refused before it was served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpRefusal {
+    /// A request other than a boot script, an iPXE binary or `/healthz` on a reserved slot.
+    ReservedSlot,
+    /// A boot report for a MAC the sender does not hold.
+    ReportNotHolder,
+    /// A boot report over the sender's rate.
+    ReportRate,
+}
+
+impl HttpRefusal {
+    const ALL: [HttpRefusal; 3] =
+        [HttpRefusal::ReservedSlot, HttpRefusal::ReportNotHolder, HttpRefusal::ReportRate];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            HttpRefusal::ReservedSlot => "reserved-slot",
+            HttpRefusal::ReportNotHolder => "report-not-holder",
+            HttpRefusal::ReportRate => "report-rate",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
 #[derive(Default)]
 pub struct Metrics {
     dhcp_received: [AtomicU64; DHCP_TYPES.len()],
@@ -86,7 +114,16 @@ pub struct Metrics {
     pub tftp_bytes: AtomicU64,
     pub tftp_active: AtomicU64,
     http_requests: [AtomicU64; HttpRoute::ALL.len()],
+    http_refused: [AtomicU64; HttpRefusal::ALL.len()],
     pub http_bytes: AtomicU64,
+    /// Connections being served (a gauge).
+    pub http_connections_active: AtomicU64,
+    /// Connections closed on arrival: their address already held its share.
+    pub http_connections_refused: AtomicU64,
+    /// Failed `accept()` calls (out of file descriptors, ...), each followed by a backoff.
+    pub http_accept_errors: AtomicU64,
+    /// Connections and requests cut off by a deadline.
+    pub http_timeouts: AtomicU64,
 }
 
 impl Metrics {
@@ -104,6 +141,10 @@ impl Metrics {
 
     pub fn http_request(&self, route: HttpRoute) {
         self.http_requests[route.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn http_refused(&self, why: HttpRefusal) {
+        self.http_refused[why.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn add(counter: &AtomicU64, n: u64) {
@@ -131,7 +172,7 @@ impl Metrics {
                 );
             }
         }
-        let scalars: [(&str, &str, &str, &AtomicU64); 9] = [
+        let scalars: [(&str, &str, &str, &AtomicU64); 13] = [
             (
                 "siteboot_dhcp_dropped_total",
                 "counter",
@@ -160,7 +201,7 @@ impl Metrics {
             (
                 "siteboot_tftp_requests_refused_total",
                 "counter",
-                "TFTP requests refused (writes, missing files, paths outside the root, over the transfer cap).",
+                "TFTP requests refused (writes, missing files, paths outside the root, over the transfer caps).",
                 &self.tftp_refused,
             ),
             (
@@ -181,6 +222,30 @@ impl Metrics {
                 "Body bytes sent over HTTP.",
                 &self.http_bytes,
             ),
+            (
+                "siteboot_http_connections_active",
+                "gauge",
+                "HTTP connections being served.",
+                &self.http_connections_active,
+            ),
+            (
+                "siteboot_http_connections_refused_total",
+                "counter",
+                "HTTP connections closed on arrival because their address held http.max_connections_per_address.",
+                &self.http_connections_refused,
+            ),
+            (
+                "siteboot_http_accept_errors_total",
+                "counter",
+                "Failed accepts of HTTP connections (e.g. out of file descriptors); each is retried after a backoff.",
+                &self.http_accept_errors,
+            ),
+            (
+                "siteboot_http_timeouts_total",
+                "counter",
+                "HTTP connections or requests cut off by a deadline (headers, agent body, a client that stopped reading).",
+                &self.http_timeouts,
+            ),
         ];
         for (name, kind, help, counter) in scalars {
             header(&mut out, name, kind, help);
@@ -193,6 +258,20 @@ impl Metrics {
                 "siteboot_http_requests_total{{route=\"{}\"}} {}",
                 route.as_str(),
                 get(&self.http_requests[route.index()])
+            );
+        }
+        header(
+            &mut out,
+            "siteboot_http_requests_refused_total",
+            "counter",
+            "HTTP requests refused before they were served, by reason.",
+        );
+        for why in HttpRefusal::ALL {
+            let _ = writeln!(
+                out,
+                "siteboot_http_requests_refused_total{{reason=\"{}\"}} {}",
+                why.as_str(),
+                get(&self.http_refused[why.index()])
             );
         }
         header(&mut out, "siteboot_boot_steps_total", "counter", "Boot steps recorded, by stage.");

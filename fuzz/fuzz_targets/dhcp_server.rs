@@ -13,7 +13,6 @@ use siteboot_boot::dhcp::server::{Context, DhcpServer, Port};
 use siteboot_boot::dhcp::settings::{NetworkPlan, Settings, SubnetSettings};
 use siteboot_boot::inventory::{BootAction, BootRequest, BoxFuture, Inventory, LocalBoot};
 use siteboot_boot::metrics::Metrics;
-use siteboot_boot::neighbors::Neighbors;
 use siteboot_boot::timeline::Timeline;
 use siteboot_boot::{Endpoints, MacAddr};
 use siteboot_ipxe::IpxeBinaries;
@@ -54,9 +53,9 @@ fn server(mode: DhcpMode) -> Mutex<DhcpServer> {
         inventory: Arc::new(BootsEven),
         timeline: Arc::new(Timeline::new()),
         metrics: Arc::new(Metrics::new()),
-        neighbors: Arc::new(Neighbors::new()),
+        known_hosts_only: false,
     };
-    Mutex::new(DhcpServer::new(ctx, LeaseTable::new(plan)))
+    Mutex::new(DhcpServer::new(ctx, Arc::new(Mutex::new(LeaseTable::new(plan)))))
 }
 
 static FULL: LazyLock<Mutex<DhcpServer>> = LazyLock::new(|| server(DhcpMode::Full));

@@ -6,6 +6,7 @@
 //! panics), and the logs of every process are printed when a test fails.
 
 pub mod appliance;
+pub mod attack;
 pub mod clients;
 pub mod forward;
 pub mod initramfs;

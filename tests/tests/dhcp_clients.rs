@@ -26,6 +26,8 @@ fn siteboot(tag: &str) -> (Netns, Appliance) {
     config["dhcp"]["lease_time"] = json!("10m");
     config["dhcp"]["reservations"] =
         json!([{ "mac": RESERVED_MAC, "address": RESERVED.to_string() }]);
+    // perfdhcp acts as a relay from this address.
+    config["dhcp"]["trusted_relays"] = json!(["10.99.0.250"]);
     let siteboot = Appliance::start(&ns, config).unwrap();
     (ns, siteboot)
 }

@@ -158,7 +158,13 @@ fn malformed_packets_are_answered_or_dropped_without_harm() {
     let big: Vec<u8> = (0..BIG_FILE_LEN).map(|i| (i * 7 + i / 4096) as u8).collect();
     std::fs::write(tftp_root.path().join("big.img"), &big).unwrap();
     let mut config = appliance::lab_config("full");
-    config["tftp"] = json!({ "root": tftp_root.path(), "max_transfers": 16 });
+    // One attacker address: its per-address cap is the global one, so that its abandoned
+    // transfers below run into the global cap.
+    config["tftp"] = json!({
+        "root": tftp_root.path(),
+        "max_transfers": 16,
+        "max_transfers_per_address": 16,
+    });
     let mut siteboot = Appliance::start(&ns, config).unwrap();
     let pid = siteboot.pid().unwrap();
 

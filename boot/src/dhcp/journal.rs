@@ -5,6 +5,9 @@
 //! never sent. When the file grows past a few times the live state, it is rewritten: the live
 //! records go to a temporary file that is synced and renamed over the journal, so at every moment
 //! one complete file exists. An exclusive lock keeps a second siteboot off the same file.
+//!
+//! A failed append is cut off again: whatever part of it reached the file would otherwise join
+//! the next record's line, and replay would drop that good record as corrupt.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufWriter, Read, Write};
@@ -18,6 +21,10 @@ use super::leases::LeaseRecord;
 pub struct Journal {
     path: PathBuf,
     file: File,
+    /// The file's length up to its last good record: where a failed append is cut back to.
+    len: u64,
+    /// A failed append could not be cut off: cut it before writing again.
+    torn: bool,
     /// Records in the file, to decide when to compact.
     records_in_file: usize,
 }
@@ -57,13 +64,18 @@ impl Journal {
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes).map_err(io_err)?;
         let replay = parse(&bytes);
+        let len = (bytes.len() - replay.torn_bytes) as u64;
         if replay.torn_bytes > 0 {
-            let keep = (bytes.len() - replay.torn_bytes) as u64;
-            file.set_len(keep).map_err(io_err)?;
+            file.set_len(len).map_err(io_err)?;
             file.sync_data().map_err(io_err)?;
         }
-        let mut journal =
-            Self { path: path.to_owned(), file, records_in_file: replay.records.len() };
+        let mut journal = Self {
+            path: path.to_owned(),
+            file,
+            len,
+            torn: false,
+            records_in_file: replay.records.len(),
+        };
         if replay.corrupt_lines > 0 {
             tracing::error!(path = %path.display(), lines = replay.corrupt_lines, "lease file had corrupt lines; they were skipped and the file is rewritten");
             journal.compact(&replay.records)?;
@@ -71,18 +83,39 @@ impl Journal {
         Ok((journal, replay))
     }
 
-    /// Appends `records` and syncs them to disk: when this returns, they survive a crash.
+    /// Appends `records` and syncs them to disk: when this returns, they survive a crash. On an
+    /// error none of them is in the file.
     pub fn append(&mut self, records: &[LeaseRecord]) -> Result<(), JournalError> {
+        self.append_with(records, |file, buf| {
+            file.write_all(buf)?;
+            file.sync_data()
+        })
+    }
+
+    /// [`append`](Self::append), with the write and sync passed in so tests can fail them.
+    fn append_with(
+        &mut self,
+        records: &[LeaseRecord],
+        write: impl FnOnce(&mut File, &[u8]) -> io::Result<()>,
+    ) -> Result<(), JournalError> {
         if records.is_empty() {
             return Ok(());
+        }
+        let io_err = |source| JournalError::Io { path: self.path.clone(), source };
+        if self.torn {
+            self.file.set_len(self.len).map_err(io_err)?;
+            self.torn = false;
         }
         let mut buf = Vec::with_capacity(records.len() * 128);
         for r in records {
             encode_line(&mut buf, r);
         }
-        let io_err = |source| JournalError::Io { path: self.path.clone(), source };
-        self.file.write_all(&buf).map_err(io_err)?;
-        self.file.sync_data().map_err(io_err)?;
+        if let Err(e) = write(&mut self.file, &buf) {
+            // The replies these records announce are not sent: drop whatever part was written.
+            self.torn = self.file.set_len(self.len).is_err();
+            return Err(io_err(e));
+        }
+        self.len += buf.len() as u64;
         self.records_in_file += records.len();
         Ok(())
     }
@@ -96,6 +129,7 @@ impl Journal {
     pub fn compact(&mut self, live: &[LeaseRecord]) -> Result<(), JournalError> {
         let io_err = |source| JournalError::Io { path: self.path.clone(), source };
         let tmp = self.path.with_extension("compacting");
+        let mut len = 0;
         {
             let mut w = BufWriter::new(File::create(&tmp).map_err(io_err)?);
             let mut buf = Vec::new();
@@ -103,6 +137,7 @@ impl Journal {
                 buf.clear();
                 encode_line(&mut buf, r);
                 w.write_all(&buf).map_err(io_err)?;
+                len += buf.len() as u64;
             }
             let f = w.into_inner().map_err(|e| io_err(e.into_error()))?;
             f.sync_all().map_err(io_err)?;
@@ -116,6 +151,8 @@ impl Journal {
             File::open(dir).and_then(|d| d.sync_all()).map_err(io_err)?;
         }
         self.file = new;
+        self.len = len;
+        self.torn = false;
         self.records_in_file = live.len();
         Ok(())
     }
@@ -226,6 +263,35 @@ mod tests {
         drop(_j);
         let (_j, replay) = Journal::open(&path).unwrap();
         assert_eq!(replay.corrupt_lines, 0, "the file was rewritten clean");
+    }
+
+    #[test]
+    fn a_failed_append_leaves_no_partial_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("leases.log");
+        let (mut j, _) = Journal::open(&path).unwrap();
+        j.append(&[record(1)]).unwrap();
+        let good = std::fs::metadata(&path).unwrap().len();
+        // The disk fills part-way through a batch, and then the sync of a whole one fails.
+        let half_then_full = |file: &mut File, buf: &[u8]| {
+            file.write_all(&buf[..buf.len() / 2])?;
+            Err(io::Error::from(io::ErrorKind::StorageFull))
+        };
+        let err = j.append_with(&[record(2), record(3)], half_then_full).unwrap_err();
+        assert!(matches!(err, JournalError::Io { .. }), "{err}");
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), good, "partial batch cut off");
+        let written_unsynced = |file: &mut File, buf: &[u8]| {
+            file.write_all(buf)?;
+            Err(io::Error::other("sync failed"))
+        };
+        assert!(j.append_with(&[record(4)], written_unsynced).is_err());
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), good);
+        // The next record starts a line of its own and every good record replays.
+        j.append(&[record(5)]).unwrap();
+        drop(j);
+        let (_j, replay) = Journal::open(&path).unwrap();
+        assert_eq!((replay.corrupt_lines, replay.torn_bytes), (0, 0));
+        assert_eq!(replay.records, vec![record(1), record(5)]);
     }
 
     #[test]

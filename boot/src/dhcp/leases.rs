@@ -9,7 +9,8 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::Ipv4Addr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
@@ -18,6 +19,14 @@ use crate::MacAddr;
 
 /// Seconds since the Unix epoch: leases must mean the same after a restart.
 pub type UnixTime = u64;
+
+pub fn unix_now() -> UnixTime {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The lease table, shared by the DHCP server (which changes it) and the
+/// [neighbour view](crate::neighbors) (which asks who holds an address).
+pub type SharedLeases = Arc<Mutex<LeaseTable>>;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {

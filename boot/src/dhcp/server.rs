@@ -6,19 +6,18 @@
 //! the PXE boot-server port 4011 (where UEFI clients ask after a proxy offer without option 43).
 
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
 use dhcproto::v4::{DhcpOption, Flags, Message, MessageType, Opcode, OptionCode};
 use dhcproto::{Decodable, Decoder, Encodable, Encoder};
 use siteboot_ipxe::IpxeBinaries;
 
-use super::leases::{Lease, LeaseRecord, LeaseTable, UnixTime};
+use super::leases::{Lease, LeaseRecord, LeaseTable, SharedLeases, UnixTime};
 use super::settings::SubnetPlan;
 use crate::client::{BootClient, HTTP_CLIENT, PXE_CLIENT};
 use crate::decision::{self, Answer, BootOffer, DhcpMode};
 use crate::inventory::Inventory;
 use crate::metrics::Metrics;
-use crate::neighbors::Neighbors;
 use crate::timeline::{Stage, Timeline};
 use crate::{Endpoints, MacAddr};
 
@@ -63,37 +62,32 @@ pub struct Context {
     pub inventory: Arc<dyn Inventory>,
     pub timeline: Arc<Timeline>,
     pub metrics: Arc<Metrics>,
-    /// Learns which MAC holds each address it hands out, for TFTP and HTTP timelines.
-    pub neighbors: Arc<Neighbors>,
+    /// Full mode: answer only MACs the inventory [knows](Inventory::knows).
+    pub known_hosts_only: bool,
 }
 
 pub struct DhcpServer {
     ctx: Context,
-    table: LeaseTable,
+    /// Shared with the neighbour view: the leases ACKed here are who holds which address.
+    leases: SharedLeases,
 }
 
 impl DhcpServer {
-    pub fn new(ctx: Context, table: LeaseTable) -> Self {
-        Self { ctx, table }
+    pub fn new(ctx: Context, leases: SharedLeases) -> Self {
+        Self { ctx, leases }
     }
 
-    pub fn table(&self) -> &LeaseTable {
-        &self.table
+    pub fn table(&self) -> MutexGuard<'_, LeaseTable> {
+        self.leases.lock().expect("lease table lock")
     }
 
     pub fn refresh_lease_gauge(&self, now: UnixTime) {
-        let active = self.table.active(now) as u64;
+        let active = self.table().active(now) as u64;
         self.ctx.metrics.dhcp_leases.store(active, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Handles one datagram received on `port` from `from`.
-    pub fn handle(
-        &mut self,
-        bytes: &[u8],
-        from: SocketAddrV4,
-        port: Port,
-        now: UnixTime,
-    ) -> Outcome {
+    pub fn handle(&self, bytes: &[u8], from: SocketAddrV4, port: Port, now: UnixTime) -> Outcome {
         let Some(msg) = decode(bytes) else {
             self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::debug!(%from, len = bytes.len(), "dropping a datagram that is not a DHCP request");
@@ -105,13 +99,19 @@ impl DhcpServer {
             return Outcome::default();
         };
         let msg_type = msg.opts().msg_type().expect("decode checked the message type");
+        let mut table = self.table();
+        if !table.plan().relay_trusted(msg.giaddr()) {
+            self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::debug!(%from, giaddr = %msg.giaddr(), mac = %client.mac, "dropping a message relayed by a relay not in dhcp.trusted_relays");
+            return Outcome::default();
+        }
         self.ctx.metrics.dhcp_received(msg_type);
-        self.table.sweep(now);
+        table.sweep(now);
         let outcome = match (self.ctx.mode, port) {
             (DhcpMode::Off, _) => Outcome::default(),
             (_, Port::Pxe) => self.boot_server(&msg, &client, from),
             (DhcpMode::Proxy, Port::Dhcp) => self.proxy(&msg, &client),
-            (DhcpMode::Full, Port::Dhcp) => self.full(&msg, msg_type, &client, now),
+            (DhcpMode::Full, Port::Dhcp) => self.full(&mut table, &msg, msg_type, &client, now),
         };
         if let Some(reply) = &outcome.reply
             && let Some(t) = decode_type(&reply.bytes)
@@ -133,23 +133,29 @@ impl DhcpServer {
     // ----- full mode -----
 
     fn full(
-        &mut self,
+        &self,
+        table: &mut LeaseTable,
         msg: &Message,
         msg_type: MessageType,
         client: &BootClient,
         now: UnixTime,
     ) -> Outcome {
         let mac = client.mac;
-        let Some(subnet) = self.table.plan().subnet_for(msg.giaddr()) else {
+        if self.ctx.known_hosts_only && !self.ctx.inventory.knows(mac) {
+            self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::debug!(%mac, "ignoring a MAC the inventory does not know (dhcp.known_hosts_only)");
+            return Outcome::default();
+        }
+        let Some(subnet) = table.plan().subnet_for(msg.giaddr()) else {
             tracing::warn!(%mac, giaddr = %msg.giaddr(), "no configured subnet for this request; ignoring it");
             return Outcome::default();
         };
         match msg_type {
-            MessageType::Discover => self.discover(msg, client, subnet, now),
-            MessageType::Request => self.request(msg, client, subnet, now),
-            MessageType::Decline => self.decline(msg, mac, now),
-            MessageType::Release => self.release(msg, mac, now),
-            MessageType::Inform => self.inform(msg, client, subnet),
+            MessageType::Discover => self.discover(table, msg, client, subnet, now),
+            MessageType::Request => self.request(table, msg, client, subnet, now),
+            MessageType::Decline => self.decline(table, msg, mac, now),
+            MessageType::Release => self.release(table, msg, mac, now),
+            MessageType::Inform => self.inform(table, msg, client, subnet),
             other => {
                 tracing::debug!(%mac, message = ?other, "ignoring a message type servers do not answer");
                 Outcome::default()
@@ -158,7 +164,8 @@ impl DhcpServer {
     }
 
     fn discover(
-        &mut self,
+        &self,
+        table: &mut LeaseTable,
         msg: &Message,
         client: &BootClient,
         subnet: usize,
@@ -166,19 +173,20 @@ impl DhcpServer {
     ) -> Outcome {
         let mac = client.mac;
         self.record(mac, Stage::DhcpDiscover, describe_client(client));
-        let Some(addr) = self.table.choose(mac, subnet, requested_address(msg), now) else {
-            tracing::warn!(%mac, subnet = %self.table.plan().subnets[subnet].subnet, "no free address to offer: the pool is exhausted");
+        let Some(addr) = table.choose(mac, subnet, requested_address(msg), now) else {
+            tracing::warn!(%mac, subnet = %table.plan().subnets[subnet].subnet, "no free address to offer: the pool is exhausted");
             return Outcome::default();
         };
-        self.table.offer(mac, addr, now + OFFER_HOLD_SECS);
+        table.offer(mac, addr, now + OFFER_HOLD_SECS);
         let answer = self.answer(client);
-        let reply = self.lease_reply(msg, MessageType::Offer, addr, subnet, client, &answer);
+        let reply = self.lease_reply(table, msg, MessageType::Offer, addr, subnet, client, &answer);
         self.record(mac, Stage::DhcpOffer, format!("{addr} {}", describe_answer(&answer)));
         Outcome { reply: Some(reply), record: None }
     }
 
     fn request(
-        &mut self,
+        &self,
+        table: &mut LeaseTable,
         msg: &Message,
         client: &BootClient,
         subnet: usize,
@@ -189,7 +197,7 @@ impl DhcpServer {
         let server_id = server_identifier(msg);
         if server_id.is_some_and(|id| id != server) {
             // The client chose another server's offer.
-            self.table.cancel_offer(mac);
+            table.cancel_offer(mac);
             return Outcome::default();
         }
         // RFC 2131 4.3.2: SELECTING and INIT-REBOOT name the address in option 50; RENEWING and
@@ -200,31 +208,29 @@ impl DhcpServer {
             return self.nak(msg, mac, "no requested address");
         };
         self.record(mac, Stage::DhcpRequest, format!("{addr}"));
-        let plan = &self.table.plan().subnets[subnet];
+        let plan = &table.plan().subnets[subnet];
         if !plan.subnet.is_host(addr) {
             return self.nak(msg, mac, &format!("{addr} is not on this network"));
         }
-        if let Some(r) = self.table.plan().reservation_for(mac)
+        if let Some(r) = table.plan().reservation_for(mac)
             && plan.subnet.contains(r.address)
             && r.address != addr
         {
             return self.nak(msg, mac, &format!("{mac} is reserved {}", r.address));
         }
-        let reserved_for_mac =
-            self.table.plan().reservation_for(mac).is_some_and(|r| r.address == addr);
-        let ours = self.table.lease(addr).is_some_and(|l| l.mac == mac);
+        let reserved_for_mac = table.plan().reservation_for(mac).is_some_and(|r| r.address == addr);
+        let ours = table.lease(addr).is_some_and(|l| l.mac == mac);
         if !(reserved_for_mac || ours || plan.in_pool(addr)) {
             return self.nak(msg, mac, &format!("{addr} is not in a pool"));
         }
-        if !self.table.available_to(addr, mac, now) {
+        if !table.available_to(addr, mac, now) {
             return self.nak(msg, mac, &format!("{addr} belongs to another client"));
         }
         let lease_secs = plan.lease_time.as_secs();
-        let hostname = self.table.plan().reservation_for(mac).and_then(|r| r.hostname.clone());
-        let record = self.table.bind(Lease { addr, mac, expires: now + lease_secs, hostname });
-        self.ctx.neighbors.learn(addr, mac);
+        let hostname = table.plan().reservation_for(mac).and_then(|r| r.hostname.clone());
+        let record = table.bind(Lease { addr, mac, expires: now + lease_secs, hostname });
         let answer = self.answer(client);
-        let reply = self.lease_reply(msg, MessageType::Ack, addr, subnet, client, &answer);
+        let reply = self.lease_reply(table, msg, MessageType::Ack, addr, subnet, client, &answer);
         self.record(
             mac,
             Stage::DhcpAck,
@@ -233,15 +239,21 @@ impl DhcpServer {
         Outcome { reply: Some(reply), record: Some(record) }
     }
 
-    fn decline(&mut self, msg: &Message, mac: MacAddr, now: UnixTime) -> Outcome {
+    fn decline(
+        &self,
+        table: &mut LeaseTable,
+        msg: &Message,
+        mac: MacAddr,
+        now: UnixTime,
+    ) -> Outcome {
         let Some(addr) = requested_address(msg) else {
             return Outcome::default();
         };
         if server_identifier(msg) != Some(self.ctx.endpoints.address) {
             return Outcome::default();
         }
-        let until = now + self.table.plan().decline_quarantine.as_secs();
-        let record = self.table.decline(mac, addr, until);
+        let until = now + table.plan().decline_quarantine.as_secs();
+        let record = table.decline(mac, addr, until);
         if record.is_some() {
             tracing::warn!(%mac, %addr, "client declined the address (in use by someone else?); quarantined");
             self.record(mac, Stage::DhcpDecline, format!("{addr} quarantined"));
@@ -249,21 +261,33 @@ impl DhcpServer {
         Outcome { reply: None, record }
     }
 
-    fn release(&mut self, msg: &Message, mac: MacAddr, now: UnixTime) -> Outcome {
+    fn release(
+        &self,
+        table: &mut LeaseTable,
+        msg: &Message,
+        mac: MacAddr,
+        now: UnixTime,
+    ) -> Outcome {
         if server_identifier(msg).is_some_and(|id| id != self.ctx.endpoints.address) {
             return Outcome::default();
         }
         let addr = msg.ciaddr();
-        let record = self.table.release(mac, addr, now);
+        let record = table.release(mac, addr, now);
         if record.is_some() {
             self.record(mac, Stage::DhcpRelease, format!("{addr}"));
         }
         Outcome { reply: None, record }
     }
 
-    fn inform(&mut self, msg: &Message, client: &BootClient, subnet: usize) -> Outcome {
+    fn inform(
+        &self,
+        table: &LeaseTable,
+        msg: &Message,
+        client: &BootClient,
+        subnet: usize,
+    ) -> Outcome {
         let mut reply = base_reply(msg, MessageType::Ack, self.ctx.endpoints.address);
-        add_network_options(&mut reply, &self.table.plan().subnets[subnet], None);
+        add_network_options(&mut reply, &table.plan().subnets[subnet], None);
         if let Answer::Boot(offer) = self.answer(client) {
             add_boot_options(&mut reply, &offer, client, self.ctx.endpoints.address);
         }
@@ -271,8 +295,10 @@ impl DhcpServer {
         Outcome { reply: Some(Reply { bytes: encode(&reply), to }), record: None }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn lease_reply(
         &self,
+        table: &LeaseTable,
         msg: &Message,
         t: MessageType,
         addr: Ipv4Addr,
@@ -281,11 +307,10 @@ impl DhcpServer {
         answer: &Answer,
     ) -> Reply {
         let server = self.ctx.endpoints.address;
-        let plan = &self.table.plan().subnets[subnet];
+        let plan = &table.plan().subnets[subnet];
         let mut reply = base_reply(msg, t, server);
         reply.set_yiaddr(addr);
-        let hostname =
-            self.table.plan().reservation_for(client.mac).and_then(|r| r.hostname.as_deref());
+        let hostname = table.plan().reservation_for(client.mac).and_then(|r| r.hostname.as_deref());
         add_network_options(&mut reply, plan, hostname);
         let secs = u32::try_from(plan.lease_time.as_secs()).unwrap_or(u32::MAX);
         let opts = reply.opts_mut();
@@ -314,7 +339,7 @@ impl DhcpServer {
 
     /// Port 67 in proxy mode: boot information for PXE clients' DISCOVERs; the site's DHCP
     /// server does the rest.
-    fn proxy(&mut self, msg: &Message, client: &BootClient) -> Outcome {
+    fn proxy(&self, msg: &Message, client: &BootClient) -> Outcome {
         if msg.opts().msg_type() != Some(MessageType::Discover) {
             return Outcome::default();
         }
@@ -329,7 +354,8 @@ impl DhcpServer {
     }
 
     /// Port 4011: a PXE client asking the boot server directly (unicast, it has an address).
-    fn boot_server(&mut self, msg: &Message, client: &BootClient, from: SocketAddrV4) -> Outcome {
+    /// Boot information only: nothing here says who holds `from` (anyone can send this).
+    fn boot_server(&self, msg: &Message, client: &BootClient, from: SocketAddrV4) -> Outcome {
         if !matches!(msg.opts().msg_type(), Some(MessageType::Request | MessageType::Inform)) {
             return Outcome::default();
         }
@@ -347,7 +373,6 @@ impl DhcpServer {
         };
         let mut reply = self.boot_only_reply(msg, MessageType::Ack, &offer, client);
         reply.set_ciaddr(msg.ciaddr());
-        self.ctx.neighbors.learn(*from.ip(), client.mac);
         self.record(client.mac, Stage::ProxyAck, offer.boot_file().to_owned());
         Outcome { reply: Some(Reply { bytes: encode(&reply), to: from }), record: None }
     }
@@ -532,7 +557,9 @@ mod tests {
     use super::*;
     use crate::dhcp::settings::{NetworkPlan, Reservation, Settings, SubnetSettings};
     use crate::inventory::{BootAction, BootRequest, BoxFuture, LocalBoot};
+    use crate::neighbors::Neighbors;
     use dhcproto::v4::Architecture;
+    use std::sync::Mutex;
 
     const NOW: UnixTime = 2_000_000;
     const SERVER: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
@@ -550,6 +577,7 @@ mod tests {
 
     struct Harness {
         server: DhcpServer,
+        leases: SharedLeases,
         _ipxe: tempfile::TempDir,
     }
 
@@ -565,6 +593,10 @@ mod tests {
     }
 
     fn harness(mode: DhcpMode) -> Harness {
+        harness_with(mode, |_| {})
+    }
+
+    fn harness_with(mode: DhcpMode, adjust: impl FnOnce(&mut Context)) -> Harness {
         let ipxe = tempfile::tempdir().unwrap();
         std::fs::write(ipxe.path().join("undionly.kpxe"), b"x").unwrap();
         std::fs::write(ipxe.path().join("snponly.efi"), b"x").unwrap();
@@ -579,19 +611,22 @@ mod tests {
                 address: "10.0.0.20".parse().unwrap(),
                 hostname: Some("node-r".into()),
             }],
+            trusted_relays: vec![ip("10.0.5.1")],
             ..Settings::default()
         };
         let plan = NetworkPlan::new(&settings, SERVER, "dhcp").unwrap();
-        let ctx = Context {
+        let mut ctx = Context {
             mode,
             endpoints: Endpoints { address: SERVER, http_port: 8080 },
             binaries: Arc::new(IpxeBinaries::discover(ipxe.path())),
             inventory: Arc::new(TestInventory),
             timeline: Arc::new(Timeline::new()),
             metrics: Arc::new(Metrics::new()),
-            neighbors: Arc::new(Neighbors::new()),
+            known_hosts_only: false,
         };
-        Harness { server: DhcpServer::new(ctx, LeaseTable::new(Arc::new(plan))), _ipxe: ipxe }
+        adjust(&mut ctx);
+        let leases = Arc::new(Mutex::new(LeaseTable::new(Arc::new(plan))));
+        Harness { server: DhcpServer::new(ctx, leases.clone()), leases, _ipxe: ipxe }
     }
 
     fn mac(n: u8) -> MacAddr {
@@ -615,8 +650,16 @@ mod tests {
     const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, CLIENT_PORT);
 
     impl Harness {
+        /// Who holds what, as TFTP and HTTP see it, with these complete ARP entries.
+        fn neighbors(&self, arp: Vec<(Ipv4Addr, MacAddr)>) -> Neighbors {
+            match self.server.ctx.mode {
+                DhcpMode::Full => Neighbors::from_leases(self.leases.clone(), arp),
+                DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(arp),
+            }
+        }
+
         fn send(
-            &mut self,
+            &self,
             msg: &Message,
             port: Port,
             from: SocketAddrV4,
@@ -629,7 +672,7 @@ mod tests {
             (reply, outcome.record)
         }
 
-        fn dora(&mut self, m: MacAddr, opts: Vec<DhcpOption>) -> Message {
+        fn dora(&self, m: MacAddr, opts: Vec<DhcpOption>) -> Message {
             let (offer, _) =
                 self.send(&request(m, MessageType::Discover, opts.clone()), Port::Dhcp, CLIENT);
             let (offer, _) = offer.expect("an offer");
@@ -658,7 +701,7 @@ mod tests {
 
     #[test]
     fn discover_offer_request_ack() {
-        let mut h = harness(DhcpMode::Full);
+        let h = harness(DhcpMode::Full);
         let (offer, record) =
             h.send(&request(mac(1), MessageType::Discover, vec![]), Port::Dhcp, CLIENT);
         let (offer, to) = offer.unwrap();
@@ -702,7 +745,7 @@ mod tests {
 
     #[test]
     fn requests_for_other_servers_wrong_or_foreign_addresses() {
-        let mut h = harness(DhcpMode::Full);
+        let h = harness(DhcpMode::Full);
         h.dora(mac(1), vec![]);
         // Another server's offer was chosen: silence, and the offer is dropped.
         h.send(&request(mac(2), MessageType::Discover, vec![]), Port::Dhcp, CLIENT);
@@ -715,7 +758,7 @@ mod tests {
         );
         assert_eq!(h.server.table().free_count(0), 2);
 
-        let nak = |h: &mut Harness, m, addr: &str| {
+        let nak = |h: &Harness, m, addr: &str| {
             let (r, rec) = h.send(
                 &request(m, MessageType::Request, vec![DhcpOption::RequestedIpAddress(ip(addr))]),
                 Port::Dhcp,
@@ -730,11 +773,11 @@ mod tests {
             );
             assert_eq!(r.yiaddr(), Ipv4Addr::UNSPECIFIED);
         };
-        nak(&mut h, mac(3), "192.168.1.5"); // not on this network (INIT-REBOOT after moving)
-        nak(&mut h, mac(3), "10.0.0.100"); // mac(1)'s lease
-        nak(&mut h, mac(3), "10.0.0.50"); // outside the pools
-        nak(&mut h, mac(3), "10.0.0.20"); // reserved for another MAC
-        nak(&mut h, mac(0x99), "10.0.0.101"); // this MAC is reserved elsewhere
+        nak(&h, mac(3), "192.168.1.5"); // not on this network (INIT-REBOOT after moving)
+        nak(&h, mac(3), "10.0.0.100"); // mac(1)'s lease
+        nak(&h, mac(3), "10.0.0.50"); // outside the pools
+        nak(&h, mac(3), "10.0.0.20"); // reserved for another MAC
+        nak(&h, mac(0x99), "10.0.0.101"); // this MAC is reserved elsewhere
 
         // INIT-REBOOT of its own address is acknowledged.
         let (r, rec) = h.send(
@@ -752,7 +795,7 @@ mod tests {
 
     #[test]
     fn renew_rebind_release_decline_inform() {
-        let mut h = harness(DhcpMode::Full);
+        let h = harness(DhcpMode::Full);
         let addr = h.dora(mac(1), vec![]).yiaddr();
         // RENEWING: unicast, ciaddr set, no server id or requested address.
         let mut renew = request(mac(1), MessageType::Request, vec![]);
@@ -807,7 +850,7 @@ mod tests {
 
     #[test]
     fn reservations_get_their_address_and_hostname() {
-        let mut h = harness(DhcpMode::Full);
+        let h = harness(DhcpMode::Full);
         let ack = h.dora(mac(0x99), vec![]);
         assert_eq!(ack.yiaddr(), ip("10.0.0.20"));
         assert_eq!(opt(&ack, OptionCode::Hostname), Some(&DhcpOption::Hostname("node-r".into())));
@@ -815,7 +858,7 @@ mod tests {
 
     #[test]
     fn relayed_requests_use_the_relay_subnet() {
-        let mut h = harness(DhcpMode::Full);
+        let h = harness(DhcpMode::Full);
         let mut discover = request(mac(1), MessageType::Discover, vec![]);
         discover.set_giaddr(ip("10.0.5.1"));
         let relay = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
@@ -826,8 +869,52 @@ mod tests {
             opt(&offer, OptionCode::Router),
             Some(&DhcpOption::Router(vec![ip("10.0.5.1")]))
         );
-        discover.set_giaddr(ip("172.16.0.1"));
-        assert!(h.send(&discover, Port::Dhcp, relay).0.is_none(), "unknown relay subnet");
+    }
+
+    #[test]
+    fn known_hosts_only_answers_the_inventory_s_macs_alone() {
+        let unknown = MacAddr::new([2, 0, 0, 0, 0, 1]);
+        let discover = request(unknown, MessageType::Discover, vec![]);
+        let asks_for = |addr| {
+            request(unknown, MessageType::Request, vec![DhcpOption::RequestedIpAddress(ip(addr))])
+        };
+        // Off (the standalone default): an unknown MAC gets an address, and no boot file.
+        let h = harness(DhcpMode::Full);
+        assert!(h.send(&discover, Port::Dhcp, CLIENT).0.is_some());
+        assert!(h.send(&asks_for("10.0.0.100"), Port::Dhcp, CLIENT).0.is_some());
+
+        let h = harness_with(DhcpMode::Full, |ctx| ctx.known_hosts_only = true);
+        let (r, _) = h.send(&discover, Port::Dhcp, CLIENT);
+        assert!(r.is_none(), "no offer");
+        let (r, record) = h.send(&asks_for("10.0.0.100"), Port::Dhcp, CLIENT);
+        assert!(r.is_none() && record.is_none(), "no ACK, and no NAK either");
+        assert_eq!(h.server.ctx.metrics.dhcp_dropped.load(std::sync::atomic::Ordering::Relaxed), 2);
+        assert_eq!(h.server.table().free_count(0), 3, "nothing offered or leased");
+        assert_eq!(h.dora(mac(1), vec![]).yiaddr(), ip("10.0.0.100"), "a known MAC");
+    }
+
+    #[test]
+    fn relayed_messages_are_answered_only_from_trusted_relays() {
+        let dropped = |h: &Harness| {
+            h.server.ctx.metrics.dhcp_dropped.load(std::sync::atomic::Ordering::Relaxed)
+        };
+        for mode in [DhcpMode::Full, DhcpMode::Proxy] {
+            let h = harness(mode);
+            // A relay in a served subnet but not trusted, and one claiming a foreign subnet.
+            for giaddr in ["10.0.5.2", "172.16.0.1"] {
+                let mut discover = request(mac(1), MessageType::Discover, pxe_opts(0));
+                discover.set_giaddr(ip(giaddr));
+                let from = SocketAddrV4::new(ip(giaddr), SERVER_PORT);
+                assert!(h.send(&discover, Port::Dhcp, from).0.is_none(), "{mode:?} {giaddr}");
+            }
+            assert_eq!(dropped(&h), 2, "{mode:?}");
+            let mut discover = request(mac(1), MessageType::Discover, pxe_opts(0));
+            discover.set_giaddr(ip("10.0.5.1"));
+            let from = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
+            let (r, _) = h.send(&discover, Port::Dhcp, from);
+            assert_eq!(r.unwrap().1, from, "{mode:?}: answered through the trusted relay");
+            assert_eq!(dropped(&h), 2);
+        }
     }
 
     fn pxe_opts(arch: u16) -> Vec<DhcpOption> {
@@ -842,7 +929,7 @@ mod tests {
 
     #[test]
     fn full_mode_boot_information() {
-        let mut h = harness(DhcpMode::Full);
+        let h = harness(DhcpMode::Full);
         let ack = h.dora(mac(1), pxe_opts(0));
         assert_eq!(file(&ack), "undionly.kpxe");
         assert_eq!(ack.siaddr(), SERVER);
@@ -861,7 +948,7 @@ mod tests {
 
     #[test]
     fn proxy_mode_answers_pxe_clients_only_and_serves_port_4011() {
-        let mut h = harness(DhcpMode::Proxy);
+        let h = harness(DhcpMode::Proxy);
         let (r, rec) =
             h.send(&request(mac(1), MessageType::Discover, pxe_opts(7)), Port::Dhcp, CLIENT);
         assert!(rec.is_none());
@@ -906,7 +993,6 @@ mod tests {
             (Some(MessageType::Ack), from, ip("10.0.0.150"))
         );
         assert_eq!(file(&ack), "snponly.efi");
-        assert_eq!(h.server.ctx.neighbors.mac_of(ip("10.0.0.150")), Some(mac(1)));
 
         // iPXE through the proxy: the script URL, with next-server set (iPXE ignores a proxy
         // answer without siaddr).
@@ -918,9 +1004,57 @@ mod tests {
         assert_eq!(ack.siaddr(), SERVER);
     }
 
+    /// Anyone can send a port-4011 REQUEST with any `chaddr`: it is answered (boot information
+    /// is no secret) but says nothing about who holds the address it came from.
+    #[test]
+    fn port_4011_teaches_nothing_about_who_holds_an_address() {
+        let mut ipxe = pxe_opts(0);
+        ipxe.push(DhcpOption::UserClass(b"iPXE".to_vec()));
+        let intruder = mac(7);
+
+        let h = harness(DhcpMode::Proxy);
+        let from = SocketAddrV4::new(ip("10.0.0.150"), CLIENT_PORT);
+        let (r, _) = h.send(&request(mac(1), MessageType::Request, ipxe.clone()), Port::Pxe, from);
+        assert_eq!(r.unwrap().0.opts().msg_type(), Some(MessageType::Ack));
+        assert_eq!(h.neighbors(vec![]).holder_at(*from.ip(), NOW), None);
+        let seen = h.neighbors(vec![(*from.ip(), intruder)]).holder_at(*from.ip(), NOW);
+        assert_eq!(seen.map(|h| h.mac), Some(intruder), "the ARP entry, not the chaddr");
+
+        let h = harness(DhcpMode::Full);
+        let addr = h.dora(intruder, vec![]).yiaddr();
+        let from = SocketAddrV4::new(addr, CLIENT_PORT);
+        let (r, _) = h.send(&request(mac(1), MessageType::Request, ipxe), Port::Pxe, from);
+        assert_eq!(r.unwrap().0.opts().msg_type(), Some(MessageType::Ack));
+        let holder = h.neighbors(vec![(addr, intruder)]).holder_at(addr, NOW);
+        assert_eq!(holder.map(|h| h.mac), Some(intruder), "still the lessee");
+    }
+
+    /// Full mode: a machine gives back its lease and asks for the same address with another
+    /// MAC. DHCP cannot tell this from a host changing NICs, so it ACKs; the ARP table, which
+    /// still names the machine's own MAC, denies the address any identity.
+    #[test]
+    fn a_lease_taken_with_a_forged_chaddr_gives_no_identity() {
+        let h = harness(DhcpMode::Full);
+        let (intruder, victim) = (mac(7), mac(1));
+        let addr = h.dora(intruder, vec![]).yiaddr();
+        let from = SocketAddrV4::new(addr, CLIENT_PORT);
+        let mut release =
+            request(intruder, MessageType::Release, vec![DhcpOption::ServerIdentifier(SERVER)]);
+        release.set_ciaddr(addr);
+        h.send(&release, Port::Dhcp, from);
+        let mut forged = request(victim, MessageType::Request, vec![]);
+        forged.set_ciaddr(addr);
+        let (r, record) = h.send(&forged, Port::Dhcp, from);
+        assert_eq!(r.unwrap().0.opts().msg_type(), Some(MessageType::Ack));
+        assert!(matches!(record, Some(LeaseRecord::Lease(ref l)) if l.mac == victim));
+        assert_eq!(h.neighbors(vec![(addr, intruder)]).holder_at(addr, NOW), None);
+        let relayed = h.neighbors(vec![]).holder_at(addr, NOW);
+        assert_eq!(relayed.map(|h| h.mac), Some(victim), "with no ARP entry the lease counts");
+    }
+
     #[test]
     fn off_mode_says_nothing() {
-        let mut h = harness(DhcpMode::Off);
+        let h = harness(DhcpMode::Off);
         assert!(
             h.send(&request(mac(1), MessageType::Discover, pxe_opts(0)), Port::Dhcp, CLIENT)
                 .0
@@ -930,7 +1064,7 @@ mod tests {
 
     #[test]
     fn malformed_datagrams_are_dropped() {
-        let mut h = harness(DhcpMode::Full);
+        let h = harness(DhcpMode::Full);
         let good = encode(&request(mac(1), MessageType::Discover, vec![]));
         let mut bad_hlen = good.clone();
         bad_hlen[2] = 17; // chaddr is 16 bytes: a naive slice would panic
@@ -959,7 +1093,7 @@ mod tests {
     /// their length; such options are dropped before decoding and the request still answered.
     #[test]
     fn options_dhcproto_cannot_decode_safely_are_ignored() {
-        let mut h = harness(DhcpMode::Full);
+        let h = harness(DhcpMode::Full);
         let good = encode(&request(mac(1), MessageType::Discover, vec![]));
         let end = OPTIONS_OFFSET + good[OPTIONS_OFFSET..].iter().position(|b| *b == 255).unwrap();
         for hostile in [&[94u8, 1, 0][..], &[152, 1, 0], &[81, 1, 0], &[121, 2, 40, 1], &[80, 1, 0]]

@@ -33,6 +33,17 @@ pub struct Settings {
     /// Fixed addresses by MAC.
     #[serde(default)]
     pub reservations: Vec<Reservation>,
+    /// Full mode: answer only the MACs the inventory knows (listed under `hosts`, or with a
+    /// Host object in Kubernetes mode); any other machine gets no address. Unset, the appliance
+    /// decides: false standalone, true in Kubernetes mode (where a new machine gets its Host
+    /// before it first boots, and so is answered and inspected).
+    #[serde(default)]
+    pub known_hosts_only: Option<bool>,
+    /// The DHCP relays (their `giaddr`) whose relayed messages are answered; a message relayed
+    /// by any other is dropped. Empty, the default: relayed messages are refused, since any
+    /// machine on the link can put a relay's address in a message.
+    #[serde(default)]
+    pub trusted_relays: Vec<Ipv4Addr>,
 }
 
 impl Default for Settings {
@@ -43,6 +54,8 @@ impl Default for Settings {
             decline_quarantine: default_quarantine(),
             subnets: Vec::new(),
             reservations: Vec::new(),
+            known_hosts_only: None,
+            trusted_relays: Vec::new(),
         }
     }
 }
@@ -252,11 +265,13 @@ impl SubnetPlan {
     }
 }
 
-/// Checked subnets and reservations: what the DHCP server serves.
+/// Checked subnets, reservations and relays: what the DHCP server serves.
 #[derive(Debug, Clone)]
 pub struct NetworkPlan {
     pub subnets: Vec<SubnetPlan>,
     pub reservations: Vec<Reservation>,
+    /// In full mode, each inside a subnet (the one its clients get addresses from).
+    pub trusted_relays: Vec<Ipv4Addr>,
     /// Index into `subnets` of the subnet containing the server address, if any.
     pub local: Option<usize>,
     pub decline_quarantine: Duration,
@@ -382,6 +397,21 @@ impl NetworkPlan {
                 ));
             }
         }
+        for (i, relay) in settings.trusted_relays.iter().enumerate() {
+            let at = format!("{field}.trusted_relays[{i}]");
+            if relay.is_unspecified() || relay.is_broadcast() || relay.is_multicast() {
+                return Err(FieldError::new(at, format!("{relay} is not a relay's address")));
+            }
+            if settings.mode == DhcpMode::Full && !subnets.iter().any(|s| s.subnet.is_host(*relay))
+            {
+                return Err(FieldError::new(
+                    at,
+                    format!(
+                        "{relay} is a host address of no configured subnet: its clients would get no address"
+                    ),
+                ));
+            }
+        }
         let local = subnets.iter().position(|s| s.subnet.contains(server));
         if settings.mode == DhcpMode::Full && local.is_none() {
             tracing::warn!(
@@ -392,9 +422,16 @@ impl NetworkPlan {
         Ok(Self {
             subnets,
             reservations: settings.reservations.clone(),
+            trusted_relays: settings.trusted_relays.clone(),
             local,
             decline_quarantine: settings.decline_quarantine,
         })
+    }
+
+    /// Whether a message that names `giaddr` as its relay is answered: sent directly (no
+    /// relay), or by a trusted relay.
+    pub fn relay_trusted(&self, giaddr: Ipv4Addr) -> bool {
+        giaddr.is_unspecified() || self.trusted_relays.contains(&giaddr)
     }
 
     /// The subnet a request belongs to: the relay's (`giaddr`) or the local one.
@@ -518,7 +555,23 @@ mod tests {
         );
         s.reservations.clear();
 
+        s.trusted_relays = vec!["10.0.0.254".parse().unwrap(), "10.5.0.1".parse().unwrap()];
+        let e = NetworkPlan::new(&s, server, "dhcp").unwrap_err();
+        assert_eq!(
+            (e.field.as_str(), e.message.contains("no configured subnet")),
+            ("dhcp.trusted_relays[1]", true)
+        );
+        s.trusted_relays[1] = Ipv4Addr::UNSPECIFIED;
+        assert_eq!(
+            NetworkPlan::new(&s, server, "dhcp").unwrap_err().field,
+            "dhcp.trusted_relays[1]"
+        );
+        s.trusted_relays.truncate(1);
+
         let plan = NetworkPlan::new(&s, server, "dhcp").unwrap();
+        assert!(plan.relay_trusted(Ipv4Addr::UNSPECIFIED), "not relayed");
+        assert!(plan.relay_trusted("10.0.0.254".parse().unwrap()));
+        assert!(!plan.relay_trusted("10.0.0.253".parse().unwrap()));
         assert_eq!(plan.local, Some(0));
         assert_eq!(plan.subnet_for(Ipv4Addr::UNSPECIFIED), Some(0));
         assert_eq!(plan.subnet_for("10.0.0.254".parse().unwrap()), Some(0));

@@ -6,14 +6,14 @@
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::UdpSocket;
 use tokio::sync::watch;
 
 use super::journal::Journal;
-use super::leases::UnixTime;
+use super::leases::unix_now;
 use super::server::{DhcpServer, Outcome, Port};
 
 /// Datagrams handled per batch (and per sync).
@@ -151,8 +151,4 @@ impl DhcpService {
             }
         }
     }
-}
-
-fn unix_now() -> UnixTime {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }

@@ -5,17 +5,23 @@
 //! - `GET /boot/<mac>.ipxe`: the host's iPXE script
 //! - `GET|HEAD /files/<path>`: a file under the HTTP root (Range, ETag)
 //! - `GET|HEAD /ipxe/<name>`: an iPXE binary (UEFI HTTP boot)
-//! - `POST /report/<mac>/<stage>`: a boot callback from the host
+//! - `POST /report/<mac>/<stage>`: a boot callback, accepted from the host holding that MAC
 //! - `GET /timeline` and `GET /timeline/<mac>`: boot timelines as JSON
 //! - `GET /healthz`, `GET /metrics`
+//!
+//! Every client is untrusted: connections are admitted per address with a reserve for boot
+//! scripts and iPXE binaries ([`crate::admission`]), and every read and write has a deadline
+//! (request headers, the agent body, and [`deadline::WriteDeadline`] for responses).
 
+mod deadline;
+mod rate;
 mod static_files;
 
 use std::convert::Infallible;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
@@ -26,17 +32,20 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::Deserialize;
 use siteboot_ipxe::IpxeBinaries;
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::net::{TcpListener, TcpStream};
 
+use crate::admission::{Caps, CapsError, Slot, Slots, Ticket};
+use crate::backoff::Backoff;
 use crate::decision::ipxe_script;
 use crate::files::{FileError, FileRoot};
 use crate::inventory::{AgentRequest, BootRequest, Inventory};
-use crate::metrics::{HttpRoute, Metrics};
+use crate::metrics::{HttpRefusal, HttpRoute, Metrics};
 use crate::neighbors::Neighbors;
 use crate::timeline::{Stage, Timeline};
 use crate::{Endpoints, MacAddr};
 
+use deadline::WriteDeadline;
+use rate::{Rate, RateLimiter};
 pub use static_files::{RangeRequest, parse_range};
 
 pub type Body = BoxBody<Bytes, std::io::Error>;
@@ -44,22 +53,64 @@ pub type Body = BoxBody<Bytes, std::io::Error>;
 /// Largest request body the agent API accepts (inspection reports are a few KiB).
 const MAX_AGENT_BODY: usize = 1024 * 1024;
 
+/// Boot reports per address: a host reports a few stages per boot, so a burst of 10 and then
+/// one every 6 s is plenty, and bounds what a flood costs (each report reads the ARP table).
+const REPORT_RATE: Rate = Rate { burst: 10, every: Duration::from_secs(6) };
+/// Addresses whose report rate is tracked at once (a /16 of senders, a few MiB at most).
+const REPORT_ADDRESSES: usize = 65_536;
+
+/// `GET /timeline` lists at most this many MACs, the most recently active first. Anyone on the
+/// segment may ask, and the timeline keeps up to 4096 MACs (some made up by clients): this
+/// keeps one answer to about 6 KiB. Each `/timeline/<mac>` is bounded by the timeline itself
+/// (128 events of a few hundred bytes).
+const MAX_LISTED_HOSTS: usize = 256;
+
 /// The `http:` section of the configuration.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HttpSettings {
+    /// TCP port for boot scripts, files, the agent API, health and metrics. Default 8080.
     #[serde(default = "default_port")]
     pub port: u16,
     /// Kernels, initrds and images, served at `/files/<path>`.
     pub root: Option<PathBuf>,
-    /// Connections served at once; more wait in the listen backlog.
+    /// Connections served at once; more wait in the listen backlog. Each takes up to two file
+    /// descriptors (the socket and a file), which the process's limit must allow. Default 1024.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Connections one client address may hold at once; more are closed as they arrive, so
+    /// one machine cannot take every slot. Default 16.
+    #[serde(default = "default_max_connections_per_address")]
+    pub max_connections_per_address: usize,
+    /// How many of `max_connections` are kept for boot scripts (`/boot/`), iPXE binaries
+    /// (`/ipxe/`) and `/healthz` once the others are taken: hosts can still start to boot while
+    /// large downloads or idle clients hold the rest. Default: a sixteenth of `max_connections`.
+    pub reserved_connections: Option<usize>,
+    /// Time a client has to send a request's headers, from connecting or from the end of its
+    /// previous response. Default 10s.
+    #[serde(default = "default_header_timeout", with = "humantime_serde")]
+    pub header_timeout: Duration,
+    /// Time a client has to send a whole agent API request body. Default 10s.
+    #[serde(default = "default_body_timeout", with = "humantime_serde")]
+    pub body_timeout: Duration,
+    /// A client that accepts no response data for this long loses its connection. The time
+    /// restarts whenever data goes through: a slow but live download is never cut. Default 30s.
+    #[serde(default = "default_stall_timeout", with = "humantime_serde")]
+    pub stall_timeout: Duration,
 }
 
 impl Default for HttpSettings {
     fn default() -> Self {
-        Self { port: default_port(), root: None, max_connections: default_max_connections() }
+        Self {
+            port: default_port(),
+            root: None,
+            max_connections: default_max_connections(),
+            max_connections_per_address: default_max_connections_per_address(),
+            reserved_connections: None,
+            header_timeout: default_header_timeout(),
+            body_timeout: default_body_timeout(),
+            stall_timeout: default_stall_timeout(),
+        }
     }
 }
 
@@ -68,6 +119,43 @@ fn default_port() -> u16 {
 }
 fn default_max_connections() -> usize {
     1024
+}
+fn default_max_connections_per_address() -> usize {
+    16
+}
+fn default_header_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_body_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_stall_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+
+impl HttpSettings {
+    /// `reserved_connections`, or its default.
+    pub fn reserved_connections(&self) -> usize {
+        self.reserved_connections.unwrap_or(self.max_connections / 16)
+    }
+
+    /// The connection caps; an error names what is wrong with which of the three fields.
+    pub fn caps(&self) -> Result<Caps, CapsError> {
+        Caps::new(
+            self.max_connections,
+            self.max_connections_per_address,
+            self.reserved_connections(),
+        )
+    }
+}
+
+/// Why the HTTP server cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("opening a file root: {0}")]
+    Root(#[from] std::io::Error),
+    #[error("http connection caps: {0}")]
+    Caps(#[from] CapsError),
 }
 
 pub struct HttpServer {
@@ -79,11 +167,12 @@ pub struct HttpServer {
     timeline: Arc<Timeline>,
     metrics: Arc<Metrics>,
     neighbors: Arc<Neighbors>,
-    max_connections: usize,
+    slots: Arc<Slots>,
+    reports: Mutex<RateLimiter>,
+    header_timeout: Duration,
+    body_timeout: Duration,
+    stall_timeout: Duration,
 }
-
-/// A slow client gets this long to send its request headers.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl HttpServer {
     #[allow(clippy::too_many_arguments)]
@@ -95,7 +184,7 @@ impl HttpServer {
         timeline: Arc<Timeline>,
         metrics: Arc<Metrics>,
         neighbors: Arc<Neighbors>,
-    ) -> std::io::Result<Self> {
+    ) -> Result<Self, SetupError> {
         Ok(Self {
             endpoints,
             inventory,
@@ -105,41 +194,91 @@ impl HttpServer {
             timeline,
             metrics,
             neighbors,
-            max_connections: settings.max_connections,
+            slots: Slots::new(settings.caps()?),
+            reports: Mutex::new(RateLimiter::new(REPORT_RATE, REPORT_ADDRESSES)),
+            header_timeout: settings.header_timeout,
+            body_timeout: settings.body_timeout,
+            stall_timeout: settings.stall_timeout,
         })
     }
 
-    pub async fn run(self, listener: TcpListener) -> std::io::Result<()> {
+    /// Accepts and serves connections; never returns. Accept errors (out of file descriptors,
+    /// ...) are logged and retried after a backoff: they must not take the appliance down.
+    pub async fn run(self, listener: TcpListener) {
         let server = Arc::new(self);
-        let slots = Arc::new(Semaphore::new(server.max_connections));
+        let mut backoff = Backoff::default();
         loop {
-            let slot = slots.clone().acquire_owned().await.expect("semaphore never closed");
-            let (stream, remote) = listener.accept().await?;
-            let _ = stream.set_nodelay(true);
-            let server = server.clone();
-            tokio::spawn(async move {
-                let service = service_fn(|req| {
-                    let server = server.clone();
-                    async move { Ok::<_, Infallible>(server.route(req, remote).await) }
-                });
-                let result = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(HEADER_TIMEOUT)
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-                if let Err(e) = result {
-                    tracing::debug!(%remote, error = %e, "HTTP connection ended with an error");
+            // With every slot taken, new connections wait in the listen backlog.
+            server.slots.room().await;
+            let (stream, remote) = match listener.accept().await {
+                Ok(accepted) => {
+                    backoff.succeeded();
+                    accepted
                 }
-                drop(slot);
-            });
+                // The client gave up before we accepted: nothing to wait for.
+                Err(e) if is_connection_error(&e) => continue,
+                Err(e) => {
+                    Metrics::add(&server.metrics.http_accept_errors, 1);
+                    let wait = backoff.failed();
+                    tracing::warn!(error = %e, retry_in = ?wait, "cannot accept an HTTP connection");
+                    tokio::time::sleep(wait).await;
+                    continue;
+                }
+            };
+            match server.slots.admit(remote.ip()) {
+                Ok(ticket) => {
+                    tokio::spawn(server.clone().connection(stream, remote, ticket));
+                }
+                Err(refusal) => {
+                    // Dropping the stream closes it. Debug level: a flood would fill the log.
+                    Metrics::add(&server.metrics.http_connections_refused, 1);
+                    tracing::debug!(%remote, %refusal, "closing an HTTP connection on arrival");
+                }
+            }
         }
     }
 
-    async fn route(&self, req: Request<Incoming>, remote: SocketAddr) -> Response<Body> {
+    async fn connection(self: Arc<Self>, stream: TcpStream, remote: SocketAddr, ticket: Ticket) {
+        let _ = stream.set_nodelay(true);
+        Metrics::add(&self.metrics.http_connections_active, 1);
+        let slot = ticket.slot();
+        let io = TokioIo::new(WriteDeadline::new(stream, self.stall_timeout));
+        let service = service_fn(|req| {
+            let server = self.clone();
+            async move { Ok::<_, Infallible>(server.route(req, remote, slot).await) }
+        });
+        let result = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.header_timeout)
+            .serve_connection(io, service)
+            .await;
+        if let Err(e) = result {
+            if is_timeout(&e) {
+                Metrics::add(&self.metrics.http_timeouts, 1);
+            }
+            tracing::debug!(%remote, error = %e, "HTTP connection ended with an error");
+        }
+        self.metrics.http_connections_active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        drop(ticket);
+    }
+
+    async fn route(
+        &self,
+        req: Request<Incoming>,
+        remote: SocketAddr,
+        slot: Slot,
+    ) -> Response<Body> {
         let path = req.uri().path().to_owned();
         let method = req.method().clone();
         let head = method == Method::HEAD;
         let segments: Vec<&str> = path.trim_start_matches('/').splitn(2, '/').collect();
+        // A reserved slot is for what starts a boot: short answers, so the reserve frees fast.
+        if slot == Slot::Reserved && !matches!(segments[0], "boot" | "ipxe" | "healthz") {
+            self.metrics.http_refused(HttpRefusal::ReservedSlot);
+            let mut busy = text(StatusCode::SERVICE_UNAVAILABLE, "server busy, try again\n");
+            busy.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("5"));
+            return closing(busy);
+        }
         let (route, response) = match (&method, segments.as_slice()) {
             (&Method::GET, ["healthz"]) => (HttpRoute::Health, text(StatusCode::OK, "ok\n")),
             (&Method::GET, ["metrics"]) => (HttpRoute::Metrics, self.metrics_page()),
@@ -286,9 +425,15 @@ impl HttpServer {
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(|t| t.trim().to_owned());
         let method = req.method().clone();
-        let body = match Limited::new(req.into_body(), MAX_AGENT_BODY).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(_) => return text(StatusCode::PAYLOAD_TOO_LARGE, "request body too large\n"),
+        let collect = Limited::new(req.into_body(), MAX_AGENT_BODY).collect();
+        let body = match tokio::time::timeout(self.body_timeout, collect).await {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(_)) => return text(StatusCode::PAYLOAD_TOO_LARGE, "request body too large\n"),
+            Err(_elapsed) => {
+                Metrics::add(&self.metrics.http_timeouts, 1);
+                tracing::info!(%remote, "agent request body not received in time");
+                return closing(text(StatusCode::REQUEST_TIMEOUT, "request body too slow\n"));
+            }
         };
         let request = AgentRequest {
             method,
@@ -320,13 +465,28 @@ impl HttpServer {
         if !valid {
             return text(StatusCode::BAD_REQUEST, "stage must be 1-32 of [a-z0-9-]\n");
         }
+        // The rate first: it is cheap, and the holder check may read the ARP table.
+        if !self.reports.lock().expect("report limiter lock").allow(remote.ip(), Instant::now()) {
+            self.metrics.http_refused(HttpRefusal::ReportRate);
+            return text(StatusCode::TOO_MANY_REQUESTS, "too many reports from this address\n");
+        }
+        if self.mac_of(remote) != Some(mac) {
+            self.metrics.http_refused(HttpRefusal::ReportNotHolder);
+            tracing::info!(%remote, %mac, stage, "refused a boot report from an address not holding the MAC");
+            return text(
+                StatusCode::FORBIDDEN,
+                "reports are accepted only from the host holding the MAC\n",
+            );
+        }
         self.timeline.record(mac, Stage::Report, format!("{stage} from {}", remote.ip()));
         text(StatusCode::OK, "recorded\n")
     }
 
     fn timelines(&self) -> Response<Body> {
-        let hosts: Vec<String> = self.timeline.hosts().iter().map(|m| m.to_string()).collect();
-        json(&serde_json::json!({ "hosts": hosts }))
+        let hosts = self.timeline.hosts();
+        let listed: Vec<String> =
+            hosts.iter().take(MAX_LISTED_HOSTS).map(|m| m.to_string()).collect();
+        json(&serde_json::json!({ "hosts": listed, "total": hosts.len() }))
     }
 
     fn timeline(&self, mac: &str) -> Response<Body> {
@@ -344,6 +504,26 @@ impl HttpServer {
             }
         }
     }
+}
+
+/// Errors of one connection that came and went before `accept()`: no reason to back off.
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
+}
+
+/// Whether a connection ended on a deadline: hyper's header timeout or a [`WriteDeadline`].
+fn is_timeout(e: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if s.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        source = s.source();
+    }
+    e.is_timeout()
 }
 
 fn ipv4(remote: SocketAddr) -> Option<Ipv4Addr> {
@@ -408,6 +588,12 @@ fn text(status: StatusCode, body: &str) -> Response<Body> {
         .header(header::CONTENT_TYPE, "text/plain")
         .body(full(body.to_owned()))
         .expect("valid response")
+}
+
+/// `response`, and the connection closes after it.
+fn closing(mut response: Response<Body>) -> Response<Body> {
+    response.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+    response
 }
 
 fn json(value: &serde_json::Value) -> Response<Body> {

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::fs::File;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -12,10 +12,11 @@ use std::time::Duration;
 use serde::Deserialize;
 use siteboot_ipxe::IpxeBinaries;
 use tokio::net::UdpSocket;
-use tokio::sync::Semaphore;
 
 use super::packet::{self, ErrorCode, Packet};
 use super::transfer::{self, Limits, Send, Transfer};
+use crate::admission::{Caps, CapsError, Refusal, Slots};
+use crate::backoff::Backoff;
 use crate::files::{FileError, FileRoot};
 use crate::metrics::Metrics;
 use crate::neighbors::Neighbors;
@@ -30,18 +31,28 @@ pub struct TftpSettings {
     pub ipxe_dir: PathBuf,
     /// Optional directory of further files served read-only.
     pub root: Option<PathBuf>,
-    /// Transfers in progress at once; further requests are refused until one ends.
+    /// Transfers in progress at once; further requests are refused until one ends. Each takes
+    /// two file descriptors (its socket and the file). Default 64.
     #[serde(default = "default_max_transfers")]
     pub max_transfers: usize,
+    /// Transfers one client address may have in progress at once (a booting host needs one).
+    /// Default 8.
+    #[serde(default = "default_max_transfers_per_address")]
+    pub max_transfers_per_address: usize,
     /// Largest block size a client may negotiate (RFC 2348).
     #[serde(default = "default_max_block_size")]
     pub max_block_size: u16,
     /// Largest window a client may negotiate (RFC 7440).
     #[serde(default = "default_max_window_size")]
     pub max_window_size: u16,
-    /// Retransmission timeout when the client does not negotiate one.
+    /// Retransmission timeout when the client does not negotiate one. Default 1s.
     #[serde(default = "default_timeout", with = "humantime_serde")]
     pub timeout: Duration,
+    /// Longest retransmission timeout a client may negotiate (RFC 2349). A client asking for
+    /// more does not get the option acknowledged and runs with `timeout`: with `retries`, this
+    /// bounds how long an abandoned transfer holds its slot. Whole seconds, 1s-255s. Default 10s.
+    #[serde(default = "default_max_timeout", with = "humantime_serde")]
+    pub max_timeout: Duration,
     /// Retransmissions before a transfer is abandoned.
     #[serde(default = "default_retries")]
     pub retries: u32,
@@ -53,9 +64,11 @@ impl Default for TftpSettings {
             ipxe_dir: default_ipxe_dir(),
             root: None,
             max_transfers: default_max_transfers(),
+            max_transfers_per_address: default_max_transfers_per_address(),
             max_block_size: default_max_block_size(),
             max_window_size: default_max_window_size(),
             timeout: default_timeout(),
+            max_timeout: default_max_timeout(),
             retries: default_retries(),
         }
     }
@@ -67,6 +80,9 @@ fn default_ipxe_dir() -> PathBuf {
 fn default_max_transfers() -> usize {
     64
 }
+fn default_max_transfers_per_address() -> usize {
+    8
+}
 fn default_max_block_size() -> u16 {
     1468
 }
@@ -75,6 +91,9 @@ fn default_max_window_size() -> u16 {
 }
 fn default_timeout() -> Duration {
     Duration::from_secs(1)
+}
+fn default_max_timeout() -> Duration {
+    Duration::from_secs(10)
 }
 fn default_retries() -> u32 {
     5
@@ -86,9 +105,24 @@ impl TftpSettings {
             max_block_size: self.max_block_size,
             max_window_size: self.max_window_size,
             default_timeout: self.timeout,
+            max_timeout: self.max_timeout,
             max_retries: self.retries,
         }
     }
+
+    /// The transfer caps; an error names what is wrong with which field.
+    pub fn caps(&self) -> Result<Caps, CapsError> {
+        Caps::new(self.max_transfers, self.max_transfers_per_address, 0)
+    }
+}
+
+/// Why the TFTP server cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("opening a file root: {0}")]
+    Root(#[from] std::io::Error),
+    #[error("tftp transfer caps: {0}")]
+    Caps(#[from] CapsError),
 }
 
 pub struct TftpServer {
@@ -97,7 +131,7 @@ pub struct TftpServer {
     ipxe_root: FileRoot,
     root: Option<FileRoot>,
     limits: Limits,
-    slots: Arc<Semaphore>,
+    slots: Arc<Slots>,
     /// Clients with a transfer running: a retransmitted request must not start a second one.
     active: Arc<Mutex<HashSet<SocketAddrV4>>>,
     timeline: Arc<Timeline>,
@@ -116,7 +150,7 @@ impl TftpServer {
         timeline: Arc<Timeline>,
         metrics: Arc<Metrics>,
         neighbors: Arc<Neighbors>,
-    ) -> std::io::Result<Self> {
+    ) -> Result<Self, SetupError> {
         let ipxe_root = FileRoot::open(binaries.dir())?;
         let root = settings.root.as_deref().map(FileRoot::open).transpose()?;
         Ok(Self {
@@ -125,7 +159,7 @@ impl TftpServer {
             ipxe_root,
             root,
             limits: settings.limits(),
-            slots: Arc::new(Semaphore::new(settings.max_transfers)),
+            slots: Slots::new(settings.caps()?),
             active: Arc::default(),
             timeline,
             metrics,
@@ -134,10 +168,23 @@ impl TftpServer {
     }
 
     /// Serves requests arriving on `socket` (bound to port 69) until the task is dropped.
-    pub async fn run(self, socket: UdpSocket) -> std::io::Result<()> {
+    /// Receive errors are logged and retried after a backoff, never fatal.
+    pub async fn run(self, socket: UdpSocket) {
         let mut buf = vec![0u8; MAX_REQUEST + 1];
+        let mut backoff = Backoff::default();
         loop {
-            let (len, from) = socket.recv_from(&mut buf).await?;
+            let (len, from) = match socket.recv_from(&mut buf).await {
+                Ok(received) => {
+                    backoff.succeeded();
+                    received
+                }
+                Err(e) => {
+                    let wait = backoff.failed();
+                    tracing::warn!(error = %e, retry_in = ?wait, "TFTP receive error");
+                    tokio::time::sleep(wait).await;
+                    continue;
+                }
+            };
             let SocketAddr::V4(from) = from else { continue };
             if len > MAX_REQUEST {
                 self.refuse(&socket, from, ErrorCode::IllegalOperation, "request too long").await;
@@ -158,7 +205,6 @@ impl TftpServer {
                     .await;
             }
         };
-        let mac = self.neighbors.mac_of(*from.ip());
         if req.write {
             tracing::info!(%from, file = req.filename, "refusing a TFTP write request");
             return self
@@ -179,13 +225,20 @@ impl TftpServer {
         if !self.active.lock().expect("active lock").insert(from) {
             return; // a retransmitted request for a transfer already running
         }
-        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
-            self.active.lock().expect("active lock").remove(&from);
-            tracing::warn!(%from, "refusing a TFTP transfer: too many in progress");
-            return self
-                .refuse(listener, from, ErrorCode::NotDefined, "server busy, try again")
-                .await;
+        let slot = match self.slots.admit(IpAddr::V4(*from.ip())) {
+            Ok(slot) => slot,
+            Err(refusal) => {
+                self.active.lock().expect("active lock").remove(&from);
+                tracing::info!(%from, %refusal, "refusing a TFTP transfer");
+                let message = match refusal {
+                    Refusal::PerAddress(_) => "too many transfers from this address",
+                    Refusal::Full(_) => "server busy, try again",
+                };
+                return self.refuse(listener, from, ErrorCode::NotDefined, message).await;
+            }
         };
+        // Looked up only now: it may read the ARP table, which refused requests must not cost.
+        let mac = self.neighbors.mac_of(*from.ip());
         let negotiated = transfer::negotiate(&req.options, size, &self.limits);
         let name = req.filename.to_owned();
         if let Some(mac) = mac {

@@ -12,8 +12,11 @@ use std::time::Duration;
 pub struct Limits {
     pub max_block_size: u16,
     pub max_window_size: u16,
-    /// Retransmission timeout when the client asks for none.
+    /// Retransmission timeout when the client asks for none (or for too long a one).
     pub default_timeout: Duration,
+    /// Longest timeout a client may ask for: with its retries, what an abandoned transfer
+    /// holds a slot for.
+    pub max_timeout: Duration,
     /// Retransmissions of one window before giving up.
     pub max_retries: u32,
 }
@@ -24,6 +27,7 @@ impl Default for Limits {
             max_block_size: 1468,
             max_window_size: 64,
             default_timeout: Duration::from_secs(1),
+            max_timeout: Duration::from_secs(10),
             max_retries: 5,
         }
     }
@@ -58,10 +62,13 @@ pub fn negotiate(options: &[(&str, &str)], file_size: u64, limits: &Limits) -> N
                 }
             }
             "tsize" => n.oack.push(("tsize", file_size.to_string())),
+            // RFC 2349: the OACK must echo the client's value, so a value over the cap is
+            // refused by leaving the option out of the OACK, and our own timeout applies.
             "timeout" => {
-                if let Some(v) = value.parse::<u8>().ok().filter(|v| *v >= 1) {
-                    n.timeout = Duration::from_secs(u64::from(v));
-                    n.oack.push(("timeout", v.to_string()));
+                let asked = value.parse::<u8>().ok().map(|v| Duration::from_secs(u64::from(v)));
+                if let Some(timeout) = asked.filter(|t| !t.is_zero() && *t <= limits.max_timeout) {
+                    n.timeout = timeout;
+                    n.oack.push(("timeout", timeout.as_secs().to_string()));
                 }
             }
             "windowsize" => {
@@ -224,6 +231,19 @@ mod tests {
         );
         assert_eq!((n.block_size, n.window_size, n.oack.len()), (512, 1, 0));
         assert_eq!(negotiate(&[("blksize", "99999999999")], 0, &limits()).block_size, 512);
+    }
+
+    #[test]
+    fn a_timeout_over_the_cap_is_not_acknowledged() {
+        let limits = limits();
+        let n = negotiate(&[("timeout", "255"), ("tsize", "0")], 7, &limits);
+        assert_eq!(n.timeout, limits.default_timeout, "the server's default applies");
+        assert_eq!(n.oack, vec![("tsize", "7".into())], "timeout left out of the OACK");
+        let n = negotiate(&[("timeout", "11")], 7, &limits);
+        assert_eq!((n.timeout, n.oack.len()), (limits.default_timeout, 0));
+        let n = negotiate(&[("timeout", "10")], 7, &limits);
+        assert_eq!(n.timeout, Duration::from_secs(10), "the cap itself is accepted");
+        assert_eq!(n.oack, vec![("timeout", "10".into())], "and echoed unchanged");
     }
 
     fn plain(size: u64) -> (Transfer, Negotiated) {

@@ -1,0 +1,307 @@
+//! Denial of service from the provisioning segment, where every machine is untrusted. While a
+//! real BIOS VM boots from siteboot, one machine holds 1,100 idle HTTP connections, another
+//! stalls request bodies to the agent API and stops reading a large download, another asks for
+//! 64 TFTP transfers with a 255 s timeout and never acknowledges them, and another posts boot
+//! reports for the VM's MAC. The VM must boot, a real TFTP client must still get iPXE, siteboot
+//! must stay up, and the server must close every stalled connection within its deadline (seen
+//! from the client: EOF or a reset). A second test squeezes siteboot's file-descriptor limit:
+//! failing accepts must not stop it, and it serves again once descriptors are free.
+//!
+//! siteboot runs with its default limits (the config has only the lab's fields). Every check
+//! is collected and all failures are reported together, while the VM and siteboot are alive,
+//! so their console and log are printed.
+
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use siteboot_tests::appliance::{self, Appliance};
+use siteboot_tests::attack::{self, Stalled};
+use siteboot_tests::clients::ClientHost;
+use siteboot_tests::netns::{self, Netns};
+use siteboot_tests::vm::{Firmware, Vm, VmConfig};
+use siteboot_tests::{initramfs, wait};
+
+const SERVER_IP: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 1);
+const HTTP: SocketAddrV4 = SocketAddrV4::new(SERVER_IP, appliance::HTTP_PORT);
+const VM_MAC: &str = "52:54:00:00:0d:11";
+const CMDLINE: &str = "console=ttyS0 quiet panic=-1";
+/// From QEMU start to the callback: ~30 s under TCG; generous for CI.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(240);
+
+const IDLE_CONNECTIONS: usize = 1_100;
+const STALLED_BODIES: usize = 8;
+const TFTP_REQUESTS: usize = 64;
+const REPORTS: usize = 30;
+/// Sparse: never read from disk, and far more than the socket buffers between the two ends.
+const BIG_FILE_LEN: u64 = 256 * 1024 * 1024;
+
+/// The deadlines, from the defaults (http.header_timeout 10s, http.body_timeout 10s,
+/// http.stall_timeout 30s) plus room for a loaded machine.
+const IDLE_DEADLINE: Duration = Duration::from_secs(25);
+const BODY_DEADLINE: Duration = Duration::from_secs(25);
+const UNREAD_DEADLINE: Duration = Duration::from_secs(45);
+/// Abandoned transfers run with the default 1 s timeout and 5 retries once 255 s is refused.
+const TFTP_FREED_WITHIN: Duration = Duration::from_secs(30);
+
+/// A machine on the lab bridge with a fixed address (no DHCP).
+fn machine(ns: &Netns, mac: &str, address: &str) -> ClientHost {
+    let host = ClientHost::attach(ns, appliance::BRIDGE, mac).unwrap();
+    host.ns.ip(&["addr", "add", &format!("{address}/24"), "dev", ClientHost::IFACE]).unwrap();
+    host
+}
+
+/// What the first packet answering a TFTP request was.
+#[derive(Debug, Default)]
+struct TftpAnswers {
+    /// OACKs acknowledging `timeout 255`.
+    acked_255: usize,
+    other_oacks: usize,
+    data: usize,
+    errors: usize,
+    silent: usize,
+}
+
+/// Sends a read request asking for a 255 s timeout from each socket, and classifies the first
+/// answer each gets within 3 s. The sockets never acknowledge anything.
+fn request_timeout_255(sockets: &[UdpSocket]) -> TftpAnswers {
+    let rrq = b"\x00\x01undionly.kpxe\x00octet\x00timeout\x00255\x00";
+    for socket in sockets {
+        socket.send_to(rrq, SocketAddrV4::new(SERVER_IP, 69)).unwrap();
+        socket.set_nonblocking(true).unwrap();
+    }
+    let mut answers = TftpAnswers::default();
+    let mut waiting: Vec<&UdpSocket> = sockets.iter().collect();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut buf = [0u8; 2048];
+    while !waiting.is_empty() && Instant::now() < deadline {
+        waiting.retain(|socket| {
+            let Ok(n) = socket.recv(&mut buf) else { return true };
+            match buf.get(..2) {
+                Some([0, 6]) if n > 2 => {
+                    let fields: Vec<&[u8]> = buf[2..n].split(|b| *b == 0).collect();
+                    let acked = fields.windows(2).any(|w| w[0] == b"timeout" && w[1] == b"255");
+                    if acked { answers.acked_255 += 1 } else { answers.other_oacks += 1 }
+                }
+                Some([0, 3]) => answers.data += 1,
+                Some([0, 5]) => answers.errors += 1,
+                _ => return true,
+            }
+            false
+        });
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    answers.silent = waiting.len();
+    answers
+}
+
+#[test]
+fn a_vm_boots_while_the_segment_attacks_siteboot() {
+    attack::raise_fd_limit(4096).unwrap();
+    let boot = initramfs::boot_files().unwrap();
+    let ns = appliance::lab_network("dos").unwrap();
+    let mut config = appliance::lab_config("full");
+    config["profiles"][appliance::LAB_PROFILE]["cmdline"] = json!(CMDLINE);
+    let mut siteboot = Appliance::start(&ns, config).unwrap();
+    siteboot.install_boot_files(&boot).unwrap();
+    std::fs::File::create(siteboot.http_root().join("big.img"))
+        .and_then(|f| f.set_len(BIG_FILE_LEN))
+        .unwrap();
+
+    let flood = machine(&ns, "52:54:00:00:0d:01", "10.99.0.250");
+    let slow = machine(&ns, "52:54:00:00:0d:02", "10.99.0.251");
+    let tftp = machine(&ns, "52:54:00:00:0d:03", "10.99.0.252");
+    let spoof = machine(&ns, "52:54:00:00:0d:04", "10.99.0.253");
+    let booting = machine(&ns, "52:54:00:00:0d:05", "10.99.0.240");
+    let mut failures: Vec<String> = Vec::new();
+
+    // Boot reports for the VM's MAC from a machine that does not hold it.
+    let report = format!("/report/{}/running", appliance::mac_dashed(VM_MAC));
+    let statuses: Vec<u16> = (0..REPORTS)
+        .map(|_| attack::http_status(&spoof.ns, HTTP, "POST", &report).unwrap())
+        .collect();
+    if statuses.iter().any(|s| *s < 400) {
+        failures.push(format!("reports for {VM_MAC} from 10.99.0.253 were accepted: {statuses:?}"));
+    }
+
+    // Idle connections, stalled agent bodies, a download nobody reads.
+    let mut idle = Stalled::open("idle", &flood.ns, HTTP, IDLE_CONNECTIONS, b"").unwrap();
+    let body = "POST /agent/v1/inspection HTTP/1.1\r\nHost: 10.99.0.1\r\n\
+                Content-Type: application/json\r\nContent-Length: 65536\r\n\r\n{\"disks\":";
+    let mut bodies =
+        Stalled::open("stalled bodies", &slow.ns, HTTP, STALLED_BODIES, body.as_bytes()).unwrap();
+    let get = "GET /files/big.img HTTP/1.1\r\nHost: 10.99.0.1\r\n\r\n";
+    let mut unread = Stalled::open("unread download", &slow.ns, HTTP, 1, get.as_bytes()).unwrap();
+    for stalled in [&idle, &bodies, &unread] {
+        if !stalled.failed.is_empty() {
+            failures.push(format!(
+                "{} connects failed: {:?}",
+                stalled.failed.len(),
+                stalled.failed
+            ));
+        }
+    }
+
+    // TFTP requests for a 255 s timeout, never acknowledged (the sockets live until the end:
+    // closing them would end the transfers early).
+    let tftp_sockets: Vec<UdpSocket> = tftp
+        .ns
+        .enter(|| {
+            (0..TFTP_REQUESTS)
+                .map(|_| Ok(UdpSocket::bind("10.99.0.252:0")?))
+                .collect::<anyhow::Result<_>>()
+        })
+        .unwrap();
+    let answers = request_timeout_255(&tftp_sockets);
+    eprintln!("TFTP answers to {TFTP_REQUESTS} requests for timeout 255: {answers:?}");
+    if answers.acked_255 > 0 {
+        failures.push(format!("{} OACKs acknowledged timeout 255: {answers:?}", answers.acked_255));
+    }
+    if answers.errors == 0 {
+        failures.push(format!("one address got all {TFTP_REQUESTS} TFTP transfers: {answers:?}"));
+    }
+
+    // The VM boots under all of this.
+    let tap = ns.add_tap(appliance::BRIDGE).unwrap();
+    let mut vm = Vm::start(&ns, VmConfig::new("dos", Firmware::Bios, VM_MAC, &tap)).unwrap();
+
+    // A real TFTP client (a UEFI host's first stage) still gets iPXE.
+    let out = booting.dir().join("undionly.kpxe");
+    let fetched = netns::run(booting.ns.command("timeout").args([
+        "30",
+        "atftp",
+        "--get",
+        "-r",
+        "undionly.kpxe",
+        "-l",
+        out.to_str().unwrap(),
+        &SERVER_IP.to_string(),
+    ]));
+    match fetched {
+        Err(e) => failures.push(format!("a real TFTP client got no iPXE: {e:#}")),
+        Ok(()) => {
+            let want = std::fs::read("/usr/lib/ipxe/undionly.kpxe").unwrap();
+            if std::fs::read(&out).unwrap_or_default() != want {
+                failures.push("the TFTP client got a different undionly.kpxe".into());
+            }
+        }
+    }
+
+    // The server closes what stalls, within its deadlines.
+    match idle.wait_closed(IDLE_DEADLINE) {
+        Ok(took) => eprintln!("{} idle connections closed within {took:?}", idle.len()),
+        Err(e) => failures.push(format!("{e:#}")),
+    }
+    match bodies.wait_closed(BODY_DEADLINE) {
+        Ok(took) => eprintln!(
+            "{} stalled bodies closed within {took:?}, answered {:?}",
+            bodies.len(),
+            bodies.first_answer()
+        ),
+        Err(e) => failures.push(format!("{e:#}")),
+    }
+    std::thread::sleep((unread.opened + UNREAD_DEADLINE).saturating_duration_since(Instant::now()));
+    let (received, closed) = unread.drain()[0];
+    eprintln!("unread download: {received} bytes received, closed by the server: {closed}");
+    if !closed || received >= BIG_FILE_LEN {
+        failures.push(format!(
+            "a client that stopped reading was not dropped within {UNREAD_DEADLINE:?}: \
+             {received} of {BIG_FILE_LEN} bytes, closed: {closed}"
+        ));
+    }
+
+    match vm.wait_for_console("SITEBOOT-TEST: callback", BOOT_TIMEOUT) {
+        Ok(line) if line == "SITEBOOT-TEST: callback ok" => {}
+        Ok(line) => failures.push(format!("the VM's callback failed: {line}")),
+        Err(e) => failures.push(format!("the VM did not boot: {e:#}")),
+    }
+    match siteboot.timeline(VM_MAC) {
+        Ok(timeline) => {
+            let reports: Vec<String> = appliance::events(&timeline)
+                .iter()
+                .filter(|e| e["stage"] == "report")
+                .map(|e| e["detail"].as_str().unwrap_or_default().to_owned())
+                .collect();
+            if reports.iter().any(|r| r.contains("10.99.0.253")) {
+                failures.push(format!("the spoofed reports are in the timeline: {reports:?}"));
+            }
+            if !reports.iter().any(|r| r.starts_with("running from 10.99.0.1")) {
+                failures.push(format!("the VM's own report is missing: {reports:?}"));
+            }
+        }
+        Err(e) => failures.push(format!("no timeline: {e:#}")),
+    }
+
+    let freed = wait::for_("the abandoned TFTP transfers to end", TFTP_FREED_WITHIN, || {
+        let m = siteboot.metrics().ok()?;
+        (m.get("siteboot_tftp_transfers_active") == 0.0).then_some(())
+    });
+    if let Err(e) = freed {
+        failures.push(format!("{e:#}"));
+    }
+    drop(tftp_sockets);
+
+    if let Some(status) = siteboot.exited() {
+        failures.push(format!("siteboot exited ({status})"));
+    } else {
+        match siteboot.metrics() {
+            Ok(m) => {
+                eprintln!(
+                    "refused connections {}, timeouts {}, accept errors {}, refused reports {}",
+                    m.get("siteboot_http_connections_refused_total"),
+                    m.get("siteboot_http_timeouts_total"),
+                    m.get("siteboot_http_accept_errors_total"),
+                    m.get(r#"siteboot_http_requests_refused_total{reason="report-not-holder"}"#),
+                );
+                if m.get("siteboot_http_connections_refused_total") == 0.0 {
+                    failures.push("no connection over the per-address cap was refused".into());
+                }
+            }
+            Err(e) => failures.push(format!("siteboot does not answer /metrics: {e:#}")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} defences failed:\n- {}",
+        failures.len(),
+        failures.join("\n- ")
+    );
+    vm.wait_exit(Duration::from_secs(30)).expect("the VM powers off after the callback");
+}
+
+#[test]
+fn running_out_of_file_descriptors_does_not_stop_siteboot() {
+    let ns = appliance::lab_network("fds").unwrap();
+    let mut siteboot = Appliance::start(&ns, appliance::lab_config("off")).unwrap();
+    let client = machine(&ns, "52:54:00:00:0e:01", "10.99.0.250");
+    let pid = siteboot.pid().unwrap();
+    // Room for a few more descriptors only: most of the connections below meet EMFILE.
+    let limit = attack::open_fds(pid).unwrap() as u64 + 8;
+    attack::set_fd_limit(pid, limit).unwrap();
+    let conns = Stalled::open("connections", &client.ns, HTTP, 64, b"").unwrap();
+
+    let accept_failed =
+        wait::for_("siteboot to log a failed accept", Duration::from_secs(15), || {
+            if let Some(status) = siteboot.exited() {
+                return Some(Err(format!("siteboot exited ({status})")));
+            }
+            siteboot.log().contains("cannot accept an HTTP connection").then_some(Ok(()))
+        });
+    match accept_failed {
+        Ok(Ok(())) => {}
+        Ok(Err(exited)) => panic!("{exited}: a failed accept must not stop siteboot"),
+        Err(e) => panic!("{e:#}"),
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(siteboot.exited().is_none(), "siteboot stopped while out of descriptors");
+
+    // The descriptors come back: it serves again.
+    drop(conns);
+    wait::for_("GET /healthz to answer 200 again", Duration::from_secs(30), || {
+        matches!(siteboot.get("/healthz"), Ok((200, _))).then_some(())
+    })
+    .unwrap();
+    let metrics = siteboot.metrics().unwrap();
+    assert!(metrics.get("siteboot_http_accept_errors_total") >= 1.0, "failed accepts are counted");
+    assert!(siteboot.exited().is_none());
+}
