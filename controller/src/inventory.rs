@@ -121,6 +121,10 @@ impl Inventory for KubeInventory {
         self.ctx.hosts.get(mac).is_some_and(|h| h.spec.online)
     }
 
+    fn knows(&self, mac: MacAddr) -> bool {
+        self.ctx.hosts.get(mac).is_some()
+    }
+
     fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
         Box::pin(self.action(request))
     }

@@ -118,9 +118,11 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error
         return Ok(Action::await_change());
     }
     match lifecycle::on_delete(host) {
-        Deletion::WaitForRelease | Deletion::WaitForWipe => {
-            Ok(Action::requeue(Duration::from_secs(30)))
-        }
+        // Meanwhile the lifecycle goes on: a consumer that lets go waits for the wipe it starts.
+        Deletion::WaitForRelease | Deletion::WaitForWipe => match lifecycle::next(host) {
+            Some(t) => transit(host, ctx, api, &t, lifecycle::next).await,
+            None => Ok(Action::requeue(Duration::from_secs(30))),
+        },
         Deletion::Wipe(t) => {
             let still = |h: &Host| match lifecycle::on_delete(h) {
                 Deletion::Wipe(t) => Some(t),
@@ -144,14 +146,35 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error
 }
 
 /// Reports on the Host whether another Host of the site has its boot MAC (then neither boots
-/// nor is claimed). Returns whether it is shared.
+/// nor is claimed), and on those others too: nothing else would wake them. Returns whether it
+/// is shared.
 async fn report_shared_mac(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<bool, Error> {
-    let others: Vec<String> = ctx.hosts.sharing_mac(host).iter().map(|h| host_key(h)).collect();
+    let others = ctx.hosts.sharing_mac(host);
+    let shared = !others.is_empty();
+    if set_mac_condition(host, &others, ctx, api).await? && shared {
+        for other in &others {
+            let group: Vec<Arc<Host>> = ctx.hosts.sharing_mac(other);
+            let api = ctx.hosts_api(&other.namespace().unwrap_or_default());
+            set_mac_condition(other, &group, ctx, &api).await?;
+        }
+    }
+    Ok(shared)
+}
+
+/// Sets `host`'s BootMACUnique condition from `others` (the Hosts sharing its MAC). Returns
+/// whether it changed.
+async fn set_mac_condition(
+    host: &Host,
+    others: &[Arc<Host>],
+    ctx: &Ctx,
+    api: &Api<Host>,
+) -> Result<bool, Error> {
     let shared = !others.is_empty();
     let (reason, message) = if shared {
+        let names: Vec<String> = others.iter().map(|h| host_key(h)).collect();
         let message = format!(
             "Hosts {} have the same boot MAC {}: none of them boots or is claimed until all but one are fixed",
-            others.join(", "),
+            names.join(", "),
             host.spec.boot_mac_address
         );
         (Reason::DuplicateBootMAC, message)
@@ -160,15 +183,9 @@ async fn report_shared_mac(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<bo
     };
     let mut conditions = host.status.clone().unwrap_or_default().conditions;
     let reason = reason.to_string();
-    if !set_condition(
-        &mut conditions,
-        BOOT_MAC_UNIQUE,
-        !shared,
-        &reason,
-        &message,
-        host.metadata.generation,
-    ) {
-        return Ok(shared);
+    let generation = host.metadata.generation;
+    if !set_condition(&mut conditions, BOOT_MAC_UNIQUE, !shared, &reason, &message, generation) {
+        return Ok(false);
     }
     if shared {
         tracing::error!(host = %host_key(host), "{message}");
@@ -176,19 +193,20 @@ async fn report_shared_mac(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<bo
     }
     update_host_status(api, &host.name_any(), |current| {
         let mut status = current.status.clone().unwrap_or_default();
+        let generation = current.metadata.generation;
         set_condition(
             &mut status.conditions,
             BOOT_MAC_UNIQUE,
             !shared,
             &reason,
             &message,
-            current.metadata.generation,
+            generation,
         );
         Ok::<_, ()>(Some(status))
     })
     .await?
     .ok();
-    Ok(shared)
+    Ok(true)
 }
 
 /// Records what the BMC says about power, when it changed.
