@@ -112,6 +112,13 @@ pub trait Inventory: Send + Sync + 'static {
         self.boots(mac)
     }
 
+    /// Whether this inventory can answer yet: `Err(why)` until it has read what it serves
+    /// from (in Kubernetes mode, the first full list of Hosts). Until then `/readyz` answers 503
+    /// and DHCP stays silent rather than tell a known host it is unknown.
+    fn ready(&self) -> Result<(), &'static str> {
+        Ok(())
+    }
+
     /// What `request.mac` boots now; asked when its iPXE fetches `/boot/<mac>.ipxe`. `None`
     /// answers 404.
     fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>>;

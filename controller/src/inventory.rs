@@ -117,6 +117,10 @@ impl KubeInventory {
 }
 
 impl Inventory for KubeInventory {
+    fn ready(&self) -> Result<(), &'static str> {
+        if self.ctx.hosts.is_ready() { Ok(()) } else { Err("the Host cache has not synced yet") }
+    }
+
     fn boots(&self, mac: MacAddr) -> bool {
         self.ctx.hosts.get(mac).is_some_and(|h| h.spec.online)
     }
