@@ -31,6 +31,10 @@ pub struct ConfigFile {
     /// Where leases and other state are kept.
     #[serde(default = "default_state_dir")]
     pub state_dir: PathBuf,
+    /// On SIGTERM, how long the TFTP and HTTP transfers under way get to finish. DHCP stops at
+    /// once and the leader Lease is given back before that. Default 10s.
+    #[serde(default = "default_drain_timeout", with = "humantime_serde")]
+    pub drain_timeout: std::time::Duration,
     #[serde(default)]
     pub dhcp: DhcpSettings,
     #[serde(default)]
@@ -94,6 +98,10 @@ pub struct KubernetesConfig {
     pub host_namespaces: Vec<String>,
 }
 
+fn default_drain_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(10)
+}
+
 fn default_state_dir() -> PathBuf {
     PathBuf::from("/var/lib/siteboot")
 }
@@ -130,6 +138,7 @@ pub struct Config {
     pub interface: String,
     pub address: Ipv4Addr,
     pub state_dir: PathBuf,
+    pub drain_timeout: std::time::Duration,
     pub dhcp: DhcpSettings,
     pub plan: NetworkPlan,
     /// `dhcp.known_hosts_only`, its default decided: true in Kubernetes mode (a machine gets
@@ -308,6 +317,7 @@ impl Config {
             interface: file.interface,
             address: file.address,
             state_dir: file.state_dir,
+            drain_timeout: file.drain_timeout,
             plan,
             dhcp: file.dhcp,
             tftp: file.tftp,

@@ -1,17 +1,25 @@
 //! `siteboot serve`: bind every socket first (so a port or interface problem fails start-up
 //! with a clear error), then run the DHCP, TFTP and HTTP servers until one fails or a signal
 //! arrives.
+//!
+//! SIGTERM (or SIGINT) stops in an order that hands the site over cleanly: DHCP first (it
+//! finishes the batch in hand, so no lease is half-written), then the leader Lease is given
+//! back (a standby, watching it, takes over at once), then the TFTP and HTTP transfers under
+//! way get `drain_timeout` to finish.
 
 use std::net::SocketAddrV4;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use siteboot_boot::decision::DhcpMode;
+use siteboot_boot::dhcp::checkpoint::LeaseCheckpoint;
 use siteboot_boot::dhcp::journal::Journal;
 use siteboot_boot::dhcp::leases::LeaseTable;
 use siteboot_boot::dhcp::server::{self, DhcpServer, PXE_PORT, SERVER_PORT};
 use siteboot_boot::dhcp::{DhcpService, bind_socket};
 use siteboot_boot::http::HttpServer;
+use siteboot_boot::leadership::Leadership;
 use siteboot_boot::metrics::Metrics;
 use siteboot_boot::neighbors::{KernelArp, Neighbors};
 use siteboot_boot::tftp::TftpServer;
@@ -20,6 +28,9 @@ use siteboot_boot::{Endpoints, Inventory};
 use tokio::net::{TcpListener, UdpSocket};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use siteboot_controller::dhcp_checkpoint::ConfigMapCheckpoint;
 
 use crate::config::Config;
 
@@ -64,9 +75,16 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         DhcpMode::Full => Neighbors::from_leases(leases.clone(), KernelArp),
         DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(KernelArp),
     });
-    // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader.
-    let (leading_tx, leading_rx) = tokio::sync::watch::channel(kube.is_none());
-    let mut tasks = JoinSet::new();
+    // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader, and shares its
+    // leases with the site's other replicas through a checkpoint.
+    let initial = if kube.is_some() { Leadership::Follower } else { Leadership::Always };
+    let (leadership_tx, leadership) = tokio::sync::watch::channel(initial);
+    let mut checkpoint: Option<Arc<dyn LeaseCheckpoint>> = None;
+    // Stops the servers; `release` then ends this replica's term and gives the Lease back.
+    let shutdown = CancellationToken::new();
+    let release = CancellationToken::new();
+    let mut servers = JoinSet::new();
+    let mut controller = None;
     let (inventory, known_hosts): (Arc<dyn Inventory>, String) = match kube {
         None => {
             let known = config.inventory.known_hosts().to_string();
@@ -92,11 +110,16 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             };
             let inventory =
                 Arc::new(siteboot_controller::inventory::KubeInventory::new(ctx.clone()));
+            checkpoint = Some(Arc::new(ConfigMapCheckpoint::new(
+                ctx.client.clone(),
+                &k.lease_namespace,
+                &kube.site,
+            )));
             let timeline = timeline.clone();
-            tasks.spawn(async move {
-                siteboot_controller::run::run(ctx, timeline, options, leading_tx).await;
-                Ok(())
-            });
+            let release = release.clone();
+            controller = Some(tokio::spawn(async move {
+                siteboot_controller::run::run(ctx, timeline, options, leadership_tx, release).await
+            }));
             (inventory, format!("Hosts of site {}", kube.site))
         }
     };
@@ -119,9 +142,9 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         neighbors.clone(),
     )
     .context("starting the HTTP server")?;
-    tasks.spawn(async move {
+    servers.spawn(async move {
         http.run(http_listener).await;
-        bail!("the HTTP server stopped")
+        (Server::Http, Ok(()))
     });
     let tftp = TftpServer::new(
         config.address,
@@ -132,9 +155,10 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         neighbors.clone(),
     )
     .context("starting the TFTP server")?;
-    tasks.spawn(async move {
-        tftp.run(tftp_socket).await;
-        bail!("the TFTP server stopped")
+    let (stop, drain) = (shutdown.clone(), config.drain_timeout);
+    servers.spawn(async move {
+        tftp.run(tftp_socket, stop, drain).await;
+        (Server::Tftp, Ok(()))
     });
 
     if config.dhcp.mode != DhcpMode::Off {
@@ -151,11 +175,12 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         };
         let mut service = DhcpService::new(DhcpServer::new(ctx, leases), journal);
         if config.dhcp.mode == DhcpMode::Full {
-            service = service.gated_by(leading_rx.clone());
+            service = service.led_by(leadership.clone(), checkpoint);
         }
-        tasks.spawn(
-            async move { service.run(dhcp_socket, pxe_socket).await.context("DHCP server") },
-        );
+        let stop = shutdown.clone();
+        servers.spawn(async move {
+            (Server::Dhcp, service.run(dhcp_socket, pxe_socket, stop).await.context("DHCP server"))
+        });
     }
 
     tracing::info!(
@@ -172,13 +197,74 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     tokio::select! {
         _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
         _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
-        Some(ended) = tasks.join_next() => {
+        Some(ended) = servers.join_next() => {
             return match ended {
-                Ok(Ok(())) => bail!("a server stopped unexpectedly"),
-                Ok(Err(e)) => Err(e),
+                Ok((server, Ok(()))) => bail!("the {server} server stopped unexpectedly"),
+                Ok((_, Err(e))) => Err(e),
                 Err(e) => Err(e).context("a server task panicked"),
             };
         }
     }
+    stop_in_order(servers, controller, shutdown, release, config.drain_timeout).await;
     Ok(())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Server {
+    Dhcp,
+    Tftp,
+    Http,
+}
+
+impl std::fmt::Display for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Server::Dhcp => "DHCP",
+            Server::Tftp => "TFTP",
+            Server::Http => "HTTP",
+        })
+    }
+}
+
+/// Time for DHCP to finish its batch, and for the Lease to be given back.
+const STEP_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Stops in order (see the module doc). Each step has a deadline; what is left after the last
+/// one is dropped with the process.
+async fn stop_in_order(
+    mut servers: JoinSet<(Server, Result<()>)>,
+    controller: Option<tokio::task::JoinHandle<()>>,
+    shutdown: CancellationToken,
+    release: CancellationToken,
+    drain: Duration,
+) {
+    shutdown.cancel();
+    let dhcp_stopped = async {
+        while let Some(ended) = servers.join_next().await {
+            match ended {
+                Ok((Server::Dhcp, result)) => {
+                    if let Err(e) = result {
+                        tracing::warn!("{e:#}");
+                    }
+                    return;
+                }
+                Ok((server, _)) => tracing::info!(%server, "stopped"),
+                Err(e) => tracing::warn!(error = %e, "a server task failed while stopping"),
+            }
+        }
+    };
+    if tokio::time::timeout(STEP_DEADLINE, dhcp_stopped).await.is_err() {
+        tracing::warn!("DHCP did not stop in time");
+    }
+    release.cancel();
+    if let Some(controller) = controller
+        && tokio::time::timeout(STEP_DEADLINE, controller).await.is_err()
+    {
+        tracing::warn!("the controller did not stop in time");
+    }
+    let drained = async { while servers.join_next().await.is_some() {} };
+    if tokio::time::timeout(drain, drained).await.is_err() {
+        tracing::warn!(deadline = ?drain, "transfers still running at the drain deadline are cut off");
+    }
+    tracing::info!("stopped");
 }

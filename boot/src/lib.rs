@@ -13,6 +13,7 @@ mod endpoints;
 pub mod files;
 pub mod http;
 pub mod inventory;
+pub mod leadership;
 mod mac;
 pub mod metrics;
 pub mod neighbors;

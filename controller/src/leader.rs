@@ -1,22 +1,68 @@
 //! Leader election for a site: a `coordination.k8s.io` Lease, taken and renewed with
 //! compare-and-swap on its resourceVersion. The leader runs the reconcilers and full-mode DHCP;
 //! every replica serves TFTP and HTTP.
+//!
+//! Safety rests on two clocks that never meet, as in client-go: the leader's term ends
+//! `renew_deadline` after it *started* its last successful renewal (its own monotonic clock),
+//! and a standby takes the Lease only once it has *seen* the record unchanged for
+//! `lease_duration` (its own monotonic clock). Since the renewal landed after it started and
+//! `renew_deadline < lease_duration`, the old term is over before a new one can begin,
+//! whatever the wall clocks say. Every renewal call is bounded by the term's end, so a hung
+//! API call or a partition ends the term on time; the boot plane checks the deadline itself
+//! when it acts, so a frozen process that wakes up late does not act on an old term.
+//!
+//! On shutdown the leader gives the Lease back (no holder), and standbys, which watch the
+//! Lease, take it at once.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
-use tokio::sync::watch;
+use kube::runtime::{WatchStreamExt, watcher};
+use siteboot_boot::leadership::Leadership;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// The election's clock. Invariant: `renew_deadline < lease_duration`.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// How long a standby waits, after the Lease last changed, before taking it.
+    pub lease_duration: Duration,
+    /// How long a term lasts after the renewal that started it: the leader stops acting then.
+    pub renew_deadline: Duration,
+    /// Time between renewals, and between a standby's attempts.
+    pub retry_period: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What the Lease record said, and since when (on this replica's monotonic clock).
+struct Observed {
+    holder: Option<String>,
+    renewed: Option<MicroTime>,
+    since: Instant,
+}
 
 pub struct LeaderElection {
     api: Api<Lease>,
     name: String,
     identity: String,
-    lease_duration: Duration,
-    renew_every: Duration,
+    timing: Timing,
+    observed: Option<Observed>,
 }
 
 impl LeaderElection {
@@ -25,37 +71,77 @@ impl LeaderElection {
             api: Api::namespaced(client, namespace),
             name: format!("siteboot-{site}"),
             identity: identity.to_owned(),
-            lease_duration: Duration::from_secs(15),
-            renew_every: Duration::from_secs(4),
+            timing: Timing::default(),
+            observed: None,
         }
     }
 
-    /// Runs forever, publishing whether this replica leads. Leadership is given up as soon as a
-    /// renewal has not succeeded for a lease duration.
-    pub async fn run(self, leading: watch::Sender<bool>) {
-        let mut last_renewed: Option<tokio::time::Instant> = None;
+    /// Runs until `release`, publishing this replica's term. On `release` it ends its term and,
+    /// if it held the Lease, gives it back so a standby takes over at once.
+    pub async fn run(mut self, leadership: watch::Sender<Leadership>, release: CancellationToken) {
+        let changed = Arc::new(Notify::new());
+        let watching =
+            tokio::spawn(notify_changes(self.api.clone(), self.name.clone(), changed.clone()));
         loop {
-            match self.try_lead().await {
-                Ok(true) => last_renewed = Some(tokio::time::Instant::now()),
-                Ok(false) => last_renewed = None,
-                Err(e) => {
-                    tracing::warn!(lease = %self.name, error = %e, "cannot renew the leader Lease")
+            let started = Instant::now();
+            let term = *leadership.borrow();
+            // A renewal may take until the term ends; a standby's attempt, a renew deadline.
+            let deadline = match term {
+                Leadership::Leader { until } => until,
+                _ => started + self.timing.renew_deadline,
+            };
+            let attempt = tokio::select! {
+                attempt = tokio::time::timeout_at(deadline, self.try_lead()) => attempt,
+                _ = release.cancelled() => break,
+            };
+            let next = match attempt {
+                Ok(Ok(true)) => Leadership::Leader { until: started + self.timing.renew_deadline },
+                Ok(Ok(false)) => Leadership::Follower,
+                Ok(Err(e)) => {
+                    tracing::warn!(lease = %self.name, error = %e, "cannot renew the leader Lease");
+                    term
+                }
+                Err(_) => {
+                    tracing::warn!(lease = %self.name, "renewing the leader Lease timed out");
+                    term
+                }
+            };
+            // A term whose deadline passed is over, whether or not the call failed.
+            let next = if next.is_leading(Instant::now()) { next } else { Leadership::Follower };
+            if !next.same_term(&term) {
+                tracing::info!(lease = %self.name, identity = %self.identity, leading = next.is_leading(Instant::now()), "leadership changed");
+            }
+            leadership.send_replace(next);
+            let wait = tokio::time::sleep(self.timing.retry_period);
+            tokio::select! {
+                _ = wait => {}
+                // A standby tries again as soon as the Lease changes (a release, say).
+                _ = changed.notified(), if next == Leadership::Follower => {}
+                _ = release.cancelled() => break,
+            }
+        }
+        watching.abort();
+        let was_leading = leadership.send_replace(Leadership::Follower) != Leadership::Follower;
+        if was_leading {
+            match tokio::time::timeout(self.timing.retry_period, self.give_back()).await {
+                Ok(Ok(())) => tracing::info!(lease = %self.name, "leader Lease released"),
+                Ok(Err(e)) => {
+                    tracing::warn!(lease = %self.name, error = %e, "cannot release the leader Lease; a standby takes over when it expires")
+                }
+                Err(_) => {
+                    tracing::warn!(lease = %self.name, "releasing the leader Lease timed out; a standby takes over when it expires")
                 }
             }
-            let now_leading = last_renewed.is_some_and(|t| t.elapsed() < self.lease_duration);
-            if leading.send_if_modified(|l| std::mem::replace(l, now_leading) != now_leading) {
-                tracing::info!(lease = %self.name, identity = %self.identity, leading = now_leading, "leadership changed");
-            }
-            tokio::time::sleep(self.renew_every).await;
         }
     }
 
     /// Takes or renews the Lease. `Ok(false)`: someone else holds it.
-    async fn try_lead(&self) -> Result<bool, kube::Error> {
+    async fn try_lead(&mut self) -> Result<bool, kube::Error> {
         let now = Timestamp::now();
+        let (identity, duration) = (self.identity.clone(), self.timing.lease_duration);
         let spec = |transitions: i32, acquired: Option<MicroTime>| LeaseSpec {
-            holder_identity: Some(self.identity.clone()),
-            lease_duration_seconds: Some(self.lease_duration.as_secs() as i32),
+            holder_identity: Some(identity.clone()),
+            lease_duration_seconds: Some(duration.as_secs() as i32),
             acquire_time: acquired.or(Some(MicroTime(now))),
             renew_time: Some(MicroTime(now)),
             lease_transitions: Some(transitions),
@@ -73,14 +159,9 @@ impl LeaderElection {
             };
         };
         let current = lease.spec.clone().unwrap_or_default();
-        let ours = current.holder_identity.as_deref() == Some(self.identity.as_str());
-        let expired = match (&current.renew_time, current.lease_duration_seconds) {
-            (Some(renewed), Some(secs)) => {
-                now.as_second() - renewed.0.as_second() > i64::from(secs)
-            }
-            _ => true,
-        };
-        if !ours && !expired {
+        let holder = current.holder_identity.clone().filter(|h| !h.is_empty());
+        let ours = holder.as_deref() == Some(self.identity.as_str());
+        if !ours && holder.is_some() && !self.expired(&current) {
             return Ok(false);
         }
         let transitions = current.lease_transitions.unwrap_or(0) + i32::from(!ours);
@@ -90,6 +171,52 @@ impl LeaderElection {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
             Err(e) => Err(e),
+        }
+    }
+
+    /// Whether the record has stayed as it is for its lease duration, as seen from here.
+    fn expired(&mut self, current: &LeaseSpec) -> bool {
+        let same = self.observed.as_ref().is_some_and(|o| {
+            o.holder == current.holder_identity && o.renewed == current.renew_time
+        });
+        if !same {
+            self.observed = Some(Observed {
+                holder: current.holder_identity.clone(),
+                renewed: current.renew_time.clone(),
+                since: Instant::now(),
+            });
+        }
+        let duration = current
+            .lease_duration_seconds
+            .map_or(self.timing.lease_duration, |s| Duration::from_secs(s.max(0) as u64));
+        self.observed.as_ref().is_some_and(|o| o.since.elapsed() > duration)
+    }
+
+    /// Clears the holder if it is still this replica.
+    async fn give_back(&self) -> Result<(), kube::Error> {
+        let Some(mut lease) = self.api.get_opt(&self.name).await? else {
+            return Ok(());
+        };
+        let Some(spec) = lease.spec.as_mut() else {
+            return Ok(());
+        };
+        if spec.holder_identity.as_deref() != Some(self.identity.as_str()) {
+            return Ok(());
+        }
+        spec.holder_identity = None;
+        spec.renew_time = Some(MicroTime(Timestamp::now()));
+        self.api.replace(&self.name, &PostParams::default(), &lease).await.map(drop)
+    }
+}
+
+/// Wakes `changed` whenever the Lease called `name` changes.
+async fn notify_changes(api: Api<Lease>, name: String, changed: Arc<Notify>) {
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut events = std::pin::pin!(watcher(api, config).default_backoff());
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(_) => changed.notify_one(),
+            Err(e) => tracing::debug!(lease = %name, error = %e, "watching the leader Lease"),
         }
     }
 }

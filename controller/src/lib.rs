@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod conditions;
 pub mod context;
 pub mod crd;
+pub mod dhcp_checkpoint;
 pub mod host;
 pub mod inventory;
 pub mod leader;

@@ -183,12 +183,18 @@ pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
             "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "siteboot-manager" },
             "subjects": [{ "kind": "ServiceAccount", "name": "siteboot", "namespace": namespace }],
         }),
-        // Leader election: one Lease per site, in the appliance's namespace only.
+        // Leader election (one Lease per site, watched so a standby takes over the moment it
+        // is released) and the site's DHCP lease checkpoint (a ConfigMap), in the appliance's
+        // namespace only.
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
             "metadata": { "name": "siteboot-leader-election", "namespace": namespace },
-            "rules": [{ "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                        "verbs": ["get", "create", "update"] }],
+            "rules": [
+                { "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                  "verbs": ["get", "list", "watch", "create", "update"] },
+                { "apiGroups": [""], "resources": ["configmaps"],
+                  "verbs": ["get", "create", "patch"] },
+            ],
         }),
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",

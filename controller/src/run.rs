@@ -6,9 +6,11 @@ use std::sync::Arc;
 use kube::CustomResourceExt;
 use kube::api::{Api, ListParams};
 use kube::runtime::watcher;
+use siteboot_boot::leadership::Leadership;
 use siteboot_boot::timeline::Timeline;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 
 use crate::context::Ctx;
 use crate::crd::{Host, SITE_LABEL, Site, SitebootCluster, SitebootMachine};
@@ -52,42 +54,49 @@ pub async fn check_crds(client: &kube::Client) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs until the process ends. `leading` tells the boot plane (full-mode DHCP) whether this
-/// replica leads.
+/// Runs until `release`: then this replica stops leading, its reconcilers stop, and it gives the
+/// leader Lease back. `leadership` tells the boot plane (full-mode DHCP) whether and until when
+/// this replica leads.
 pub async fn run(
     ctx: Arc<Ctx>,
     timeline: Arc<Timeline>,
     options: Options,
-    leading: watch::Sender<bool>,
+    leadership: watch::Sender<Leadership>,
+    release: CancellationToken,
 ) {
     let hosts = Api::<Host>::all(ctx.client.clone());
     let selector = watcher::Config::default().labels(&format!("{SITE_LABEL}={}", ctx.site));
-    tokio::spawn(ctx.hosts.clone().run(hosts, selector));
+    let cache = tokio::spawn(ctx.hosts.clone().run(hosts, selector));
 
-    let mut leading_rx = leading.subscribe();
-    // Without election the sender stays here, alive as long as this loop.
-    let _always_leading = if options.leader_election {
+    let mut leading_rx = leadership.subscribe();
+    let election = if options.leader_election {
         let election = LeaderElection::new(
             ctx.client.clone(),
             &options.lease_namespace,
             &ctx.site,
             &ctx.identity,
         );
-        tokio::spawn(election.run(leading));
-        None
+        tokio::spawn(election.run(leadership, release.clone()))
     } else {
-        leading.send_replace(true);
-        Some(leading)
+        leadership.send_replace(Leadership::Always);
+        let release = release.clone();
+        // Without election the sender lives until release, then ends the only term.
+        tokio::spawn(async move {
+            release.cancelled().await;
+            leadership.send_replace(Leadership::Follower);
+        })
     };
+    let leading = |l: &Leadership| l.is_leading(tokio::time::Instant::now());
     loop {
-        if leading_rx.wait_for(|l| *l).await.is_err() {
-            return;
+        tokio::select! {
+            r = leading_rx.wait_for(leading) => if r.is_err() { break },
+            _ = release.cancelled() => break,
         }
         tracing::info!(site = %ctx.site, "leading: starting the reconcilers");
         let stop = || {
             let mut rx = leading_rx.clone();
             async move {
-                let _ = rx.wait_for(|l| !*l).await;
+                let _ = rx.wait_for(|l| !leading(l)).await;
             }
         };
         let mut tasks = JoinSet::new();
@@ -100,4 +109,7 @@ pub async fn run(
         heartbeat.abort();
         tracing::warn!(site = %ctx.site, "no longer leading: reconcilers stopped");
     }
+    // The election gives the Lease back once its term has ended (the reconcilers stopped).
+    let _ = election.await;
+    cache.abort();
 }

@@ -308,6 +308,19 @@ impl LeaseTable {
         record
     }
 
+    /// Takes in a lease another replica granted (read from the [checkpoint](super::checkpoint)),
+    /// unless this table knows a lease of the same address or the same MAC that lasts at least
+    /// as long. Keeping the longer lease errs on the safe side: at worst an address stays taken
+    /// after a release this replica missed, and is reclaimed when that lease runs out. Returns
+    /// the record to journal if the table changed.
+    pub fn merge(&mut self, lease: &Lease) -> Option<LeaseRecord> {
+        let outlasts = |known: Option<&Lease>| known.is_none_or(|k| k.expires < lease.expires);
+        if !outlasts(self.leases.get(&lease.addr)) || !outlasts(self.lease_of(lease.mac)) {
+            return None;
+        }
+        Some(self.bind(lease.clone()))
+    }
+
     /// `mac` gives `addr` back. `None` if it does not hold it.
     pub fn release(&mut self, mac: MacAddr, addr: Ipv4Addr, now: UnixTime) -> Option<LeaseRecord> {
         let lease = self.leases.get(&addr).filter(|l| l.mac == mac && l.expires > now)?;
@@ -393,6 +406,30 @@ mod tests {
         t.offer(m, addr, NOW + 30);
         t.bind(Lease { addr, mac: m, expires, hostname: None });
         addr
+    }
+
+    #[test]
+    fn merging_keeps_the_longer_lease_of_an_address_and_of_a_mac() {
+        let mut t = table("10.0.0.10-10.0.0.12", vec![]);
+        let a = lease(&mut t, mac(1), NOW + 100);
+        let other = |addr, m, expires| Lease { addr, mac: m, expires, hostname: None };
+        // Another replica gave the same address to another MAC, for less time: ours stands.
+        assert_eq!(t.merge(&other(a, mac(2), NOW + 50)), None);
+        assert_eq!(t.lease(a).unwrap().mac, mac(1));
+        // ... for longer (it reclaimed ours after it expired): theirs wins, and mac 1 has none.
+        assert!(t.merge(&other(a, mac(2), NOW + 200)).is_some());
+        assert_eq!(t.lease(a).unwrap().mac, mac(2));
+        assert!(t.lease_of(mac(1)).is_none());
+        // A lease we have not seen on a free address is taken in, and that address is not
+        // offered to anyone else while it lasts.
+        let b = ip("10.0.0.11");
+        assert!(t.merge(&other(b, mac(3), NOW + 100)).is_some());
+        assert!(!t.available_to(b, mac(4), NOW));
+        assert_eq!(t.choose(mac(4), 0, None, NOW), Some(ip("10.0.0.12")));
+        // The same lease again changes nothing; a MAC's older lease elsewhere is ignored.
+        assert_eq!(t.merge(&other(b, mac(3), NOW + 100)), None);
+        assert_eq!(t.merge(&other(ip("10.0.0.12"), mac(3), NOW + 10)), None);
+        assert_eq!(t.lease_of(mac(3)).unwrap().addr, b);
     }
 
     #[test]

@@ -99,6 +99,13 @@ impl DhcpServer {
             return Outcome::default();
         };
         let msg_type = msg.opts().msg_type().expect("decode checked the message type");
+        // Until the inventory has read its hosts, every host would look unknown: stay silent
+        // (the client retries) rather than answer wrongly.
+        if let Err(why) = self.ctx.inventory.ready() {
+            self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::debug!(%from, mac = %client.mac, why, "not answering yet: the inventory is not ready");
+            return Outcome::default();
+        }
         let mut table = self.table();
         if !table.plan().relay_trusted(msg.giaddr()) {
             self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -891,6 +898,31 @@ mod tests {
         assert_eq!(h.server.ctx.metrics.dhcp_dropped.load(std::sync::atomic::Ordering::Relaxed), 2);
         assert_eq!(h.server.table().free_count(0), 3, "nothing offered or leased");
         assert_eq!(h.dora(mac(1), vec![]).yiaddr(), ip("10.0.0.100"), "a known MAC");
+    }
+
+    /// Knows nothing until its first list of hosts arrives.
+    struct SyncingInventory;
+    impl Inventory for SyncingInventory {
+        fn ready(&self) -> Result<(), &'static str> {
+            Err("still listing hosts")
+        }
+        fn boots(&self, _: MacAddr) -> bool {
+            false
+        }
+        fn boot_action(&self, _: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
+            Box::pin(async { None })
+        }
+    }
+
+    #[test]
+    fn nothing_is_answered_until_the_inventory_is_ready() {
+        for mode in [DhcpMode::Full, DhcpMode::Proxy] {
+            let h = harness_with(mode, |ctx| ctx.inventory = Arc::new(SyncingInventory));
+            let discover = request(mac(1), MessageType::Discover, vec![]);
+            let (reply, record) = h.send(&discover, Port::Dhcp, CLIENT);
+            assert!(reply.is_none() && record.is_none(), "{mode:?}: no answer, not even a NAK");
+            assert_eq!(h.server.table().free_count(0), 3, "{mode:?}: nothing offered");
+        }
     }
 
     #[test]

@@ -1,20 +1,24 @@
 //! The DHCP socket loop: receive a batch of datagrams, handle each, make the batch's lease
 //! changes durable with one sync (group commit), then send the replies.
 //!
-//! No reply leaves before the lease it announces is on disk, so a crash at any moment loses no
-//! lease a client was told about.
+//! No reply leaves before the lease it announces is on disk (and, with several replicas, in the
+//! site's [checkpoint](super::checkpoint)), so a crash at any moment loses no lease a client was
+//! told about. With leader election, nothing is answered outside this replica's term.
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::Arc;
 use std::time::Duration;
 
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::UdpSocket;
-use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
+use super::checkpoint::LeaseCheckpoint;
 use super::journal::Journal;
-use super::leases::unix_now;
+use super::leases::{LeaseRecord, unix_now};
 use super::server::{DhcpServer, Outcome, Port};
+use crate::leadership::{LeadershipWatch, leading_now};
 
 /// Datagrams handled per batch (and per sync).
 const MAX_BATCH: usize = 256;
@@ -41,28 +45,43 @@ pub struct DhcpService {
     server: DhcpServer,
     /// `None` in proxy mode: nothing to persist.
     journal: Option<Journal>,
-    /// When set, datagrams are answered only while it reads true (the site's leader).
-    active: Option<watch::Receiver<bool>>,
+    /// When set, datagrams are answered only during this replica's term as the site's leader.
+    leadership: Option<LeadershipWatch>,
+    /// With several replicas: where their leases meet.
+    checkpoint: Option<Arc<dyn LeaseCheckpoint>>,
+    /// The checkpoint was loaded since this replica last led or last failed to save to it.
+    checkpoint_loaded: bool,
 }
 
 impl DhcpService {
     pub fn new(server: DhcpServer, journal: Option<Journal>) -> Self {
-        Self { server, journal, active: None }
+        Self { server, journal, leadership: None, checkpoint: None, checkpoint_loaded: false }
     }
 
-    /// Answers only while `active` is true: with several appliances at a site, only the
-    /// leader hands out addresses.
-    pub fn gated_by(mut self, active: watch::Receiver<bool>) -> Self {
-        self.active = Some(active);
+    /// Answers only during this replica's terms as leader: with several appliances at a site,
+    /// only the leader hands out addresses, and it shares them through `checkpoint`.
+    pub fn led_by(
+        mut self,
+        leadership: LeadershipWatch,
+        checkpoint: Option<Arc<dyn LeaseCheckpoint>>,
+    ) -> Self {
+        self.leadership = Some(leadership);
+        self.checkpoint = checkpoint;
         self
     }
 
-    fn is_active(&self) -> bool {
-        self.active.as_ref().is_none_or(|a| *a.borrow())
+    fn is_leading(&self) -> bool {
+        self.leadership.as_ref().is_none_or(leading_now)
     }
 
-    /// Serves `dhcp` (port 67) and `pxe` (port 4011) until an I/O error.
-    pub async fn run(mut self, dhcp: UdpSocket, pxe: UdpSocket) -> io::Result<()> {
+    /// Serves `dhcp` (port 67) and `pxe` (port 4011) until an I/O error, or until `shutdown`:
+    /// then it finishes the batch in hand, writes the lease file compactly, and returns.
+    pub async fn run(
+        mut self,
+        dhcp: UdpSocket,
+        pxe: UdpSocket,
+        shutdown: CancellationToken,
+    ) -> io::Result<()> {
         let mut buf = vec![0u8; MAX_DATAGRAM];
         // The lease gauge changes with time as well as with traffic: refresh it on a tick.
         let mut gauge = tokio::time::interval(Duration::from_secs(1));
@@ -75,12 +94,22 @@ impl DhcpService {
                     self.server.refresh_lease_gauge(unix_now());
                     continue;
                 }
+                _ = shutdown.cancelled() => break,
             }
+            // A new term reads the checkpoint first: another replica may have led meanwhile.
+            let leading = self.is_leading();
+            if !leading {
+                self.checkpoint_loaded = false;
+            }
+            let leading = leading && self.load_checkpoint().await;
             // Take whatever is queued on both ports, so one sync covers many leases under load.
             for (socket, port) in [(&pxe, Port::Pxe), (&dhcp, Port::Dhcp)] {
                 while outcomes.len() < MAX_BATCH {
                     match socket.try_recv_from(&mut buf) {
-                        Ok((n, from)) => self.handle(&buf[..n], from, port, &mut outcomes),
+                        // Not leading: another appliance answers; the datagram is dropped.
+                        Ok((n, SocketAddr::V4(from))) if leading => outcomes
+                            .push((port, self.server.handle(&buf[..n], from, port, unix_now()))),
+                        Ok(_) => {}
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                         // An ICMP error queued on the socket (a client went away): not fatal.
                         Err(e) => {
@@ -91,10 +120,20 @@ impl DhcpService {
                 }
             }
             let durable = self.commit(&outcomes).await;
+            // The term may have ended while the leases were written: a deposed leader is silent.
+            if !self.is_leading() {
+                if !outcomes.is_empty() {
+                    tracing::warn!(
+                        replies = outcomes.len(),
+                        "no longer leading: withholding this batch's DHCP replies"
+                    );
+                }
+                continue;
+            }
             for (port, outcome) in outcomes {
                 let Some(reply) = outcome.reply else { continue };
                 if outcome.record.is_some() && !durable {
-                    continue; // never announce a lease that is not on disk
+                    continue; // never announce a lease that is not durable
                 }
                 let socket = if port == Port::Pxe { &pxe } else { &dhcp };
                 if let Err(e) = socket.send_to(&reply.bytes, reply.to).await {
@@ -102,26 +141,77 @@ impl DhcpService {
                 }
             }
         }
+        self.compact_on_shutdown().await;
+        Ok(())
     }
 
-    fn handle(
-        &mut self,
-        bytes: &[u8],
-        from: SocketAddr,
-        port: Port,
-        out: &mut Vec<(Port, Outcome)>,
-    ) {
-        let SocketAddr::V4(from) = from else { return };
-        if !self.is_active() {
-            return; // not the leader: another appliance answers
+    /// Before a leader's first answer (and after a failed save): reads the site's checkpoint
+    /// into the table and the journal. `false` if it cannot be read: nothing is answered then.
+    async fn load_checkpoint(&mut self) -> bool {
+        let Some(checkpoint) = self.checkpoint.clone() else {
+            return true;
+        };
+        if self.checkpoint_loaded {
+            return true;
         }
-        out.push((port, self.server.handle(bytes, from, port, unix_now())));
+        let leases = match checkpoint.load().await {
+            Ok(leases) => leases,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the site's lease checkpoint; not answering DHCP until it can be read");
+                return false;
+            }
+        };
+        let merged: Vec<LeaseRecord> = {
+            let mut table = self.server.table();
+            leases.iter().filter_map(|lease| table.merge(lease)).collect()
+        };
+        tracing::info!(
+            leases = leases.len(),
+            merged = merged.len(),
+            "read the site's lease checkpoint"
+        );
+        if !self.append(merged).await {
+            return false;
+        }
+        self.checkpoint_loaded = true;
+        true
     }
 
-    /// Appends the batch's records and syncs them. `false` if that failed (the replies that
-    /// depend on them are then not sent; the clients retry).
+    /// Makes the batch's lease changes durable: the lease file, then the checkpoint. `false` if
+    /// that failed (the replies that depend on them are then not sent; the clients retry).
     async fn commit(&mut self, outcomes: &[(Port, Outcome)]) -> bool {
         let records: Vec<_> = outcomes.iter().filter_map(|(_, o)| o.record.clone()).collect();
+        if records.is_empty() {
+            return true;
+        }
+        let leases: Vec<_> = records
+            .iter()
+            .filter_map(|r| match r {
+                LeaseRecord::Lease(lease) => Some(lease.clone()),
+                LeaseRecord::Declined { .. } => None,
+            })
+            .collect();
+        if !self.append(records).await {
+            return false;
+        }
+        let Some(checkpoint) = self.checkpoint.clone() else {
+            return true;
+        };
+        if leases.is_empty() {
+            return true;
+        }
+        match checkpoint.save(leases).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot save leases to the site's checkpoint; withholding the replies that depend on them and reading it again");
+                self.checkpoint_loaded = false;
+                false
+            }
+        }
+    }
+
+    /// Appends `records` to the lease file and syncs it, compacting the file when it has grown.
+    async fn append(&mut self, records: Vec<LeaseRecord>) -> bool {
         if records.is_empty() {
             return true;
         }
@@ -148,6 +238,23 @@ impl DhcpService {
             Err(e) => {
                 tracing::error!(error = %e, "cannot write the lease file; withholding the replies that depend on it");
                 false
+            }
+        }
+    }
+
+    /// Rewrites the lease file with the live leases only, so the next start replays little.
+    async fn compact_on_shutdown(&mut self) {
+        let Some(mut journal) = self.journal.take() else {
+            return;
+        };
+        let live = self.server.table().records();
+        let result = tokio::task::spawn_blocking(move || journal.compact(&live))
+            .await
+            .expect("journal task does not panic");
+        match result {
+            Ok(()) => tracing::info!("lease file written"),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot compact the lease file at shutdown (its records stay valid)")
             }
         }
     }

@@ -12,6 +12,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use siteboot_ipxe::IpxeBinaries;
 use tokio::net::UdpSocket;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::packet::{self, ErrorCode, Packet};
 use super::transfer::{self, Limits, Send, Transfer};
@@ -134,6 +136,8 @@ pub struct TftpServer {
     slots: Arc<Slots>,
     /// Clients with a transfer running: a retransmitted request must not start a second one.
     active: Arc<Mutex<HashSet<SocketAddrV4>>>,
+    /// The transfers under way, for shutdown to wait for.
+    transfers: TaskTracker,
     timeline: Arc<Timeline>,
     metrics: Arc<Metrics>,
     neighbors: Arc<Neighbors>,
@@ -161,19 +165,25 @@ impl TftpServer {
             limits: settings.limits(),
             slots: Slots::new(settings.caps()?),
             active: Arc::default(),
+            transfers: TaskTracker::new(),
             timeline,
             metrics,
             neighbors,
         })
     }
 
-    /// Serves requests arriving on `socket` (bound to port 69) until the task is dropped.
-    /// Receive errors are logged and retried after a backoff, never fatal.
-    pub async fn run(self, socket: UdpSocket) {
+    /// Serves requests arriving on `socket` (bound to port 69) until `shutdown`; then it takes
+    /// no new transfer and waits up to `drain` for those under way. Receive errors are logged
+    /// and retried after a backoff, never fatal.
+    pub async fn run(self, socket: UdpSocket, shutdown: CancellationToken, drain: Duration) {
         let mut buf = vec![0u8; MAX_REQUEST + 1];
         let mut backoff = Backoff::default();
         loop {
-            let (len, from) = match socket.recv_from(&mut buf).await {
+            let received = tokio::select! {
+                received = socket.recv_from(&mut buf) => received,
+                _ = shutdown.cancelled() => break,
+            };
+            let (len, from) = match received {
                 Ok(received) => {
                     backoff.succeeded();
                     received
@@ -191,6 +201,17 @@ impl TftpServer {
                 continue;
             }
             self.request(&socket, &buf[..len], from).await;
+        }
+        self.transfers.close();
+        let running = self.transfers.len();
+        if running > 0 {
+            tracing::info!(transfers = running, deadline = ?drain, "TFTP: finishing the transfers under way");
+        }
+        if tokio::time::timeout(drain, self.transfers.wait()).await.is_err() {
+            tracing::warn!(
+                transfers = self.transfers.len(),
+                "TFTP: transfers still running at the drain deadline are cut off"
+            );
         }
     }
 
@@ -263,7 +284,7 @@ impl TftpServer {
         Metrics::add(&self.metrics.tftp_active, 1);
         let (metrics, timeline, active, limits) =
             (self.metrics.clone(), self.timeline.clone(), self.active.clone(), self.limits);
-        tokio::spawn(async move {
+        self.transfers.spawn(async move {
             let result = send_file(&socket, &file, size, &negotiated, &limits, &metrics).await;
             active.lock().expect("active lock").remove(&from);
             metrics.tftp_active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
