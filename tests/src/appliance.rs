@@ -243,6 +243,13 @@ impl Appliance {
         }
     }
 
+    /// Sends `signal` (SIGSTOP, SIGCONT, SIGTERM...) to siteboot if it is running.
+    pub fn signal(&mut self, signal: i32) {
+        if let Some(process) = self.process.as_mut() {
+            process.signal(signal);
+        }
+    }
+
     /// Stops siteboot (SIGTERM) if it is running, starts it again with the same config and
     /// state, and waits until it is ready.
     pub fn restart(&mut self) -> Result<()> {

@@ -342,9 +342,21 @@ pub fn perfdhcp(
     clients: u32,
     seconds: u32,
 ) -> Result<PerfdhcpReport> {
+    perfdhcp_with(host, address, rate, clients, seconds, &[])
+}
+
+/// [`perfdhcp`] with more perfdhcp arguments (`-u`: count an address given to two clients).
+pub fn perfdhcp_with(
+    host: &ClientHost,
+    address: &str,
+    rate: u32,
+    clients: u32,
+    seconds: u32,
+    extra: &[&str],
+) -> Result<PerfdhcpReport> {
     host.ns.ip(&["addr", "add", address, "dev", ClientHost::IFACE])?;
     let mut command = host.ns.command("perfdhcp");
-    command.args(["-4", "-l", ClientHost::IFACE]).args([
+    command.args(["-4", "-l", ClientHost::IFACE]).args(extra).args([
         "-r",
         &rate.to_string(),
         "-R",
@@ -404,6 +416,65 @@ impl Dnsmasq {
     }
 }
 
+/// `tcpdump` on an interface of a namespace, keeping every DHCPACK a server sent: who was given
+/// which address, whichever replica sent it.
+pub struct AckCapture {
+    process: Supervised,
+    _dir: tempfile::TempDir,
+}
+
+impl AckCapture {
+    /// Starts capturing server-to-client DHCP on `iface` in `ns`; returns once tcpdump listens.
+    pub fn start(ns: &Netns, iface: &str) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("siteboot-capture-").tempdir()?;
+        let mut command = ns.command("tcpdump");
+        command.args(["-i", iface, "-n", "-l", "-vv", "udp src port 67"]);
+        let process = Supervised::spawn("tcpdump", &mut command, dir.path())?;
+        let capture = Self { process, _dir: dir };
+        crate::wait::until(
+            "tcpdump to listen",
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+            || capture.process.log().contains("listening on").then_some(()),
+        )?;
+        Ok(capture)
+    }
+
+    /// Every DHCPACK so far, as (client MAC, address), in order.
+    pub fn acks(&self) -> Vec<(String, Ipv4Addr)> {
+        parse_acks(&self.process.log())
+    }
+}
+
+/// Reads tcpdump's verbose BOOTP output: a packet starts on an unindented line; an ACK has a
+/// `DHCP-Message (53), length 1: ACK` line, its `Your-IP` and its `Client-Ethernet-Address`.
+fn parse_acks(text: &str) -> Vec<(String, Ipv4Addr)> {
+    let mut acks = Vec::new();
+    let mut packet: Vec<&str> = Vec::new();
+    let mut flush = |packet: &mut Vec<&str>| {
+        let field = |name: &str| {
+            packet.iter().find_map(|l| l.trim().strip_prefix(name).map(|v| v.trim().to_owned()))
+        };
+        let is_ack =
+            packet.iter().any(|l| l.trim().starts_with("DHCP-Message") && l.ends_with(": ACK"));
+        if is_ack
+            && let (Some(mac), Some(address)) = (field("Client-Ethernet-Address"), field("Your-IP"))
+            && let (Some(mac), Ok(address)) = (mac.split_whitespace().next(), address.parse())
+        {
+            acks.push((mac.to_owned(), address));
+        }
+        packet.clear();
+    };
+    for line in text.lines() {
+        if !line.starts_with([' ', '\t']) {
+            flush(&mut packet);
+        }
+        packet.push(line);
+    }
+    flush(&mut packet);
+    acks
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -420,5 +491,27 @@ mod tests {
         assert_eq!(lease.lease_secs, Some(3600));
         assert_eq!(lease.domain.as_deref(), Some("lab.internal"));
         assert_eq!(Lease::parse("event=BOUND\tmask=255.255.255.0").prefix_len, Some(24));
+    }
+
+    #[test]
+    fn acks_are_read_from_tcpdump_s_verbose_output() {
+        let text = "\
+10:00:00.1 IP (tos 0x10, ttl 128, id 0, offset 0, flags [none], proto UDP (17), length 328)
+    10.99.0.1.67 > 255.255.255.255.68: [udp sum ok] BOOTP/DHCP, Reply, length 300, xid 0x1
+\t  Your-IP 10.99.0.100
+\t  Client-Ethernet-Address 52:54:00:00:0f:01
+\t  Vendor-rfc1048 Extensions
+\t    DHCP-Message (53), length 1: Offer
+10:00:00.2 IP (tos 0x10, ttl 128, id 0, offset 0, flags [none], proto UDP (17), length 328)
+    10.99.0.1.67 > 255.255.255.255.68: [udp sum ok] BOOTP/DHCP, Reply, length 300, xid 0x1
+\t  Your-IP 10.99.0.100
+\t  Client-Ethernet-Address 52:54:00:00:0f:01 (oui Unknown)
+\t  Vendor-rfc1048 Extensions
+\t    DHCP-Message (53), length 1: ACK
+";
+        assert_eq!(
+            parse_acks(text),
+            vec![("52:54:00:00:0f:01".to_owned(), "10.99.0.100".parse().unwrap())]
+        );
     }
 }

@@ -152,6 +152,28 @@ impl ProviderLab {
         Ok(OtherAppliance { siteboot, _forward: forward, ns })
     }
 
+    /// Another replica of the site's appliance on the lab segment itself: a namespace of its
+    /// own whose `eth0`, at `address` (in 10.99.0.0/24), is joined to the lab bridge. Its
+    /// `--identity` is `identity`; `config` adjusts its configuration.
+    pub fn replica(
+        &self,
+        address: &str,
+        identity: &str,
+        config: impl FnOnce(&mut Value),
+    ) -> Result<OtherAppliance> {
+        let ns = Netns::new("replica")?;
+        self.lab.connect(appliance::BRIDGE, &ns, "eth0", None)?;
+        ns.ip(&["addr", "add", &format!("{address}/{}", appliance::PREFIX_LEN), "dev", "eth0"])?;
+        let mut cfg = appliance_config();
+        cfg["interface"] = json!("eth0");
+        cfg["address"] = json!(address);
+        cfg["dhcp"]["subnets"][0]["router"] = json!(address);
+        config(&mut cfg);
+        let (forward, siteboot) =
+            start_appliance_with(&self.env, &ns, &self.token, cfg, &["--identity", identity])?;
+        Ok(OtherAppliance { siteboot, _forward: forward, ns })
+    }
+
     /// A client that acts as siteboot's ServiceAccount, with exactly the RBAC siteboot ships.
     pub async fn siteboot_client(&self) -> Result<kube::Client> {
         let yaml = service_account_kubeconfig(&self.env, self.env.apiserver_port(), &self.token)?;
@@ -398,11 +420,23 @@ fn start_appliance(
     token: &str,
     config: Value,
 ) -> Result<(LoopbackForward, Appliance)> {
+    start_appliance_with(env, ns, token, config, &[])
+}
+
+/// [`start_appliance`] with more `siteboot serve` arguments.
+fn start_appliance_with(
+    env: &KubeEnv,
+    ns: &Netns,
+    token: &str,
+    config: Value,
+    args: &[&str],
+) -> Result<(LoopbackForward, Appliance)> {
     let forward = LoopbackForward::start(ns, env.apiserver_port())?;
     let kubeconfig = env.dir().join(format!("siteboot-{}.kubeconfig", ns.name()));
     std::fs::write(&kubeconfig, service_account_kubeconfig(env, forward.port(), token)?)?;
-    let siteboot =
-        Appliance::start_with_args(ns, config, &["--kubeconfig", kubeconfig.to_str().unwrap()])?;
+    let mut all = vec!["--kubeconfig", kubeconfig.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let siteboot = Appliance::start_with_args(ns, config, &all)?;
     Ok((forward, siteboot))
 }
 
