@@ -94,20 +94,19 @@ impl LeaderElection {
                 attempt = tokio::time::timeout_at(deadline, self.try_lead()) => attempt,
                 _ = release.cancelled() => break,
             };
-            let next = match attempt {
-                Ok(Ok(true)) => Leadership::Leader { until: started + self.timing.renew_deadline },
-                Ok(Ok(false)) => Leadership::Follower,
+            let outcome = match attempt {
+                Ok(Ok(true)) => Attempt::Holds,
+                Ok(Ok(false)) => Attempt::HeldByAnother,
                 Ok(Err(e)) => {
                     tracing::warn!(lease = %self.name, error = %e, "cannot renew the leader Lease");
-                    term
+                    Attempt::Failed
                 }
                 Err(_) => {
                     tracing::warn!(lease = %self.name, "renewing the leader Lease timed out");
-                    term
+                    Attempt::Failed
                 }
             };
-            // A term whose deadline passed is over, whether or not the call failed.
-            let next = if next.is_leading(Instant::now()) { next } else { Leadership::Follower };
+            let next = next_term(term, outcome, started, Instant::now(), &self.timing);
             if !next.same_term(&term) {
                 tracing::info!(lease = %self.name, identity = %self.identity, leading = next.is_leading(Instant::now()), "leadership changed");
             }
@@ -176,20 +175,21 @@ impl LeaderElection {
 
     /// Whether the record has stayed as it is for its lease duration, as seen from here.
     fn expired(&mut self, current: &LeaseSpec) -> bool {
-        let same = self.observed.as_ref().is_some_and(|o| {
-            o.holder == current.holder_identity && o.renewed == current.renew_time
-        });
-        if !same {
-            self.observed = Some(Observed {
+        let now = Instant::now();
+        let observed = match self.observed.take() {
+            Some(o) if o.holder == current.holder_identity && o.renewed == current.renew_time => o,
+            _ => Observed {
                 holder: current.holder_identity.clone(),
                 renewed: current.renew_time.clone(),
-                since: Instant::now(),
-            });
-        }
+                since: now,
+            },
+        };
         let duration = current
             .lease_duration_seconds
             .map_or(self.timing.lease_duration, |s| Duration::from_secs(s.max(0) as u64));
-        self.observed.as_ref().is_some_and(|o| o.since.elapsed() > duration)
+        let expired = now.duration_since(observed.since) > duration;
+        self.observed = Some(observed);
+        expired
     }
 
     /// Clears the holder if it is still this replica.
@@ -209,6 +209,33 @@ impl LeaderElection {
     }
 }
 
+/// How one attempt to take or renew the Lease went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attempt {
+    Holds,
+    HeldByAnother,
+    /// An error or a timeout: nothing is known.
+    Failed,
+}
+
+/// The term after an attempt that `started` at that instant. A success starts (or extends) a
+/// term to `renew_deadline` after the attempt *started*; a failure changes nothing, and a term
+/// whose deadline has passed is over whatever happened.
+fn next_term(
+    term: Leadership,
+    attempt: Attempt,
+    started: Instant,
+    now: Instant,
+    timing: &Timing,
+) -> Leadership {
+    let next = match attempt {
+        Attempt::Holds => Leadership::Leader { until: started + timing.renew_deadline },
+        Attempt::HeldByAnother => Leadership::Follower,
+        Attempt::Failed => term,
+    };
+    if next.is_leading(now) { next } else { Leadership::Follower }
+}
+
 /// Wakes `changed` whenever the Lease called `name` changes.
 async fn notify_changes(api: Api<Lease>, name: String, changed: Arc<Notify>) {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
@@ -218,5 +245,45 @@ async fn notify_changes(api: Api<Lease>, name: String, changed: Arc<Notify>) {
             Ok(_) => changed.notify_one(),
             Err(e) => tracing::debug!(lease = %name, error = %e, "watching the leader Lease"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn a_term_runs_from_the_start_of_the_renewal_that_won_it() {
+        let timing = Timing::default();
+        let t0 = Instant::now();
+        // The call took 3 s: the term still ends renew_deadline after it started.
+        let term = next_term(Leadership::Follower, Attempt::Holds, t0, t0 + 3 * SECOND, &timing);
+        assert_eq!(term, Leadership::Leader { until: t0 + timing.renew_deadline });
+        assert!(timing.renew_deadline < timing.lease_duration, "the old term ends first");
+    }
+
+    #[test]
+    fn failed_renewals_keep_the_term_only_until_its_deadline() {
+        let timing = Timing::default();
+        let t0 = Instant::now();
+        let term = Leadership::Leader { until: t0 + timing.renew_deadline };
+        assert_eq!(next_term(term, Attempt::Failed, t0, t0 + 5 * SECOND, &timing), term);
+        let late = t0 + timing.renew_deadline;
+        assert_eq!(next_term(term, Attempt::Failed, t0, late, &timing), Leadership::Follower);
+        // A renewal that succeeded but returned after the deadline (a frozen process) is over.
+        assert_eq!(
+            next_term(term, Attempt::Holds, t0, late + SECOND, &timing),
+            Leadership::Follower
+        );
+        assert_eq!(
+            next_term(term, Attempt::HeldByAnother, t0, t0 + SECOND, &timing),
+            Leadership::Follower
+        );
+        assert_eq!(
+            next_term(Leadership::Follower, Attempt::Failed, t0, t0, &timing),
+            Leadership::Follower
+        );
     }
 }
