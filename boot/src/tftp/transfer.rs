@@ -128,10 +128,6 @@ impl Transfer {
         }
     }
 
-    pub fn block_size(&self) -> u64 {
-        self.block_size
-    }
-
     /// Byte offset and length of internal block `block` in a file of `file_size` bytes.
     pub fn block_range(&self, block: u64, file_size: u64) -> (u64, usize) {
         let offset = (block - 1) * self.block_size;
