@@ -1,6 +1,10 @@
 //! The standalone configuration file: its format (the serde types, documented field by field in
 //! `examples/standalone.yaml`) and the checks that turn it into a [`Config`] the servers can run
 //! with. Every error names the file, the field and what is wrong.
+//!
+//! Each default is written once, in the serde default of its field (or its section's `Default`);
+//! doc comments do not repeat the values. The examples show every field with its default, and a
+//! test checks both that every field is shown and that each shown default is the real one.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -56,23 +60,23 @@ pub struct KubernetesFile {
     /// The profile (kernel + initrds) of the deploy ramdisk that inspects, images and wipes
     /// hosts; siteboot adds the operation's token to its command line.
     pub ramdisk_profile: String,
-    /// Where the site's leader Lease lives. Default `siteboot-system`.
+    /// Where the site's leader Lease lives.
     #[serde(default = "default_lease_namespace")]
     pub lease_namespace: String,
-    /// Elect one leader per site for the reconcilers and full-mode DHCP. Default true.
+    /// Elect one leader per site for the reconcilers and full-mode DHCP.
     #[serde(default = "default_true")]
     pub leader_election: bool,
-    /// How long a ramdisk token is accepted after it is issued. Default 2h.
+    /// How long a ramdisk token is accepted after it is issued.
     #[serde(default = "default_token_max_age", with = "humantime_serde")]
     pub token_max_age: std::time::Duration,
     /// Namespaces, besides a SitebootMachine's own, that its `hostSelector.namespace` may take
-    /// Hosts from. Default none: a machine gets Hosts of its own namespace only.
+    /// Hosts from. None by default: a machine gets Hosts of its own namespace only.
     #[serde(default)]
     pub host_namespaces: Vec<String>,
 }
 
 fn default_token_max_age() -> std::time::Duration {
-    std::time::Duration::from_secs(2 * 3600)
+    siteboot_controller::context::TOKEN_MAX_AGE
 }
 
 fn default_lease_namespace() -> String {

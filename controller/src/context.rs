@@ -13,6 +13,10 @@ use crate::cache::HostIndex;
 use crate::crd::{Host, HostStatus};
 use crate::machine::plan::Policy as MachinePolicy;
 
+/// How long a ramdisk token stays valid after it is issued, unless configured
+/// (`kubernetes.token_max_age`).
+pub const TOKEN_MAX_AGE: Duration = Duration::from_secs(2 * 3600);
+
 pub struct Ctx {
     pub client: Client,
     /// The site this appliance serves: Hosts labelled `siteboot.dev/site=<site>`.
@@ -51,7 +55,7 @@ impl Ctx {
             identity,
             hosts,
             ramdisk,
-            token_max_age: Duration::from_secs(2 * 3600),
+            token_max_age: TOKEN_MAX_AGE,
             backoff: Backoff::default(),
         }
     }

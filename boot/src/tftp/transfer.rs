@@ -21,18 +21,6 @@ pub struct Limits {
     pub max_retries: u32,
 }
 
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_block_size: 1468,
-            max_window_size: 64,
-            default_timeout: Duration::from_secs(1),
-            max_timeout: Duration::from_secs(10),
-            max_retries: 5,
-        }
-    }
-}
-
 /// The parameters a transfer runs with, and the OACK that announces them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Negotiated {
@@ -194,7 +182,7 @@ mod tests {
     use super::*;
 
     fn limits() -> Limits {
-        Limits::default()
+        crate::tftp::TftpSettings::default().limits()
     }
 
     #[test]
