@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 
-use crate::conditions::{PAUSED, READY, Reason};
-use crate::crd::capi::{Cluster, Machine, PAUSED_ANNOTATION};
+use crate::conditions::{READY, Reason, check_paused};
+use crate::crd::capi::{Cluster, Machine};
 use crate::crd::{
     Host, HostRef, HostState, Initialization, MachineAddress, Provisioning, SITE_LABEL,
     SitebootMachine, SitebootMachineStatus, condition, set_condition,
@@ -179,22 +179,7 @@ impl Report {
 
 fn decide<'a>(seen: &Observed<'a>, policy: &Policy, report: &mut Report) -> (Step<'a>, Requeue) {
     let sbm = seen.machine;
-    let paused = seen.cluster.is_some_and(Cluster::is_paused)
-        || sbm.annotations().contains_key(PAUSED_ANNOTATION);
-    let (reason, message) = if paused {
-        (Reason::Paused, "the Cluster or this object is paused: no changes are made")
-    } else {
-        (Reason::NotPaused, "")
-    };
-    set_condition(
-        &mut report.status.conditions,
-        PAUSED,
-        paused,
-        &reason.to_string(),
-        message,
-        report.generation,
-    );
-    if paused {
+    if check_paused(seen.cluster, sbm, &mut report.status.conditions) {
         return (Step::None, Requeue::OnChange);
     }
     if sbm.metadata.deletion_timestamp.is_some() {
@@ -498,7 +483,8 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
     use super::*;
-    use crate::crd::capi::{ClusterInitialization, ClusterStatus};
+    use crate::conditions::PAUSED;
+    use crate::crd::capi::{ClusterInitialization, ClusterStatus, PAUSED_ANNOTATION};
     use crate::crd::{
         ConsumerRef, HostSelector, HostSpec, HostStatus, Image, Installed, SitebootMachineSpec, now,
     };
