@@ -134,7 +134,7 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx) -> Result<Action, Error> {
         Some(r) => ctx.hosts_api(&r.namespace).get_opt(&r.name).await?,
         None => None,
     };
-    let hosts: Vec<Host> = ctx.hosts.all().iter().map(|h| (**h).clone()).collect();
+    let hosts = ctx.hosts.all();
     let seen = Observed {
         machine: sbm,
         owner: owner.as_ref(),
