@@ -1,6 +1,10 @@
 //! The standalone configuration file: its format (the serde types, documented field by field in
 //! `examples/standalone.yaml`) and the checks that turn it into a [`Config`] the servers can run
 //! with. Every error names the file, the field and what is wrong.
+//!
+//! Each default is written once, in the serde default of its field (or its section's `Default`);
+//! doc comments do not repeat the values. The examples show every field with its default, and a
+//! test checks both that every field is shown and that each shown default is the real one.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -60,23 +64,23 @@ pub struct KubernetesFile {
     /// The profile (kernel + initrds) of the deploy ramdisk that inspects, images and wipes
     /// hosts; siteboot adds the operation's token to its command line.
     pub ramdisk_profile: String,
-    /// Where the site's leader Lease lives. Default `siteboot-system`.
+    /// Where the site's leader Lease lives.
     #[serde(default = "default_lease_namespace")]
     pub lease_namespace: String,
-    /// Elect one leader per site for the reconcilers and full-mode DHCP. Default true.
+    /// Elect one leader per site for the reconcilers and full-mode DHCP.
     #[serde(default = "default_true")]
     pub leader_election: bool,
-    /// How long a ramdisk token is accepted after it is issued. Default 2h.
+    /// How long a ramdisk token is accepted after it is issued.
     #[serde(default = "default_token_max_age", with = "humantime_serde")]
     pub token_max_age: std::time::Duration,
     /// Namespaces, besides a SitebootMachine's own, that its `hostSelector.namespace` may take
-    /// Hosts from. Default none: a machine gets Hosts of its own namespace only.
+    /// Hosts from. None by default: a machine gets Hosts of its own namespace only.
     #[serde(default)]
     pub host_namespaces: Vec<String>,
 }
 
 fn default_token_max_age() -> std::time::Duration {
-    std::time::Duration::from_secs(2 * 3600)
+    siteboot_controller::context::TOKEN_MAX_AGE
 }
 
 fn default_lease_namespace() -> String {
@@ -600,21 +604,99 @@ unknown_hosts:
         assert_eq!(Config::parse(&text).unwrap().http.reserved_connections(), 0);
     }
 
+    fn example(name: &str) -> String {
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        std::fs::read_to_string(examples.join(name)).unwrap()
+    }
+
     /// The example configurations are valid (their directories replaced by ones that exist).
     #[test]
     fn examples_load() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("undionly.kpxe"), b"x").unwrap();
-        let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
         for name in ["standalone.yaml", "kubernetes.yaml"] {
-            let text = std::fs::read_to_string(examples.join(name)).unwrap();
             let here = dir.path().to_str().unwrap();
-            let text = text
-                .replace("/srv/siteboot", here)
-                .replace("/usr/lib/ipxe", here)
-                .replace("# root: /srv/tftp", "");
+            let text = example(name).replace("/srv/siteboot", here).replace("/usr/lib/ipxe", here);
             let config = Config::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(config.kubernetes.is_some(), name == "kubernetes.yaml");
+        }
+    }
+
+    /// Fields whose example value is not their default: what every file must give, the
+    /// examples' own data, and defaults that follow other fields.
+    const EXAMPLE_VALUES: &[&str] = &[
+        "interface",
+        "address",
+        "dhcp.subnets",
+        "dhcp.reservations",
+        // Unset, it follows the mode.
+        "dhcp.known_hosts_only",
+        "http.root",
+        // Unset, a sixteenth of max_connections.
+        "http.reserved_connections",
+        "profiles",
+        "hosts",
+        "unknown_hosts",
+        "kubernetes.site",
+        "kubernetes.ramdisk_profile",
+    ];
+
+    /// The examples are the reference of the file format. standalone.yaml shows every field
+    /// both modes have, kubernetes.yaml its `kubernetes:` section (and may show a part of the
+    /// rest). Which fields exist comes from serde itself (see [`crate::serde_keys`]), so a new
+    /// field fails here, by name, until an example shows it. Every value shown must be the
+    /// default, but for [`EXAMPLE_VALUES`]: the file without that line must parse the same.
+    #[test]
+    fn examples_show_every_field_with_its_default() {
+        let standalone = crate::serde_keys::keys::<ConfigFile>(&example("standalone.yaml"));
+        let kubernetes = crate::serde_keys::keys::<ConfigFile>(&example("kubernetes.yaml"));
+        let (standalone, kubernetes) = (standalone.unwrap(), kubernetes.unwrap());
+        let mut missing = Vec::new();
+        for key in standalone.accepted.union(&kubernetes.accepted) {
+            let (shown_in, name) = if key == "kubernetes" || key.starts_with("kubernetes.") {
+                (&kubernetes, "kubernetes.yaml")
+            } else {
+                (&standalone, "standalone.yaml")
+            };
+            if !shown_in.present.contains(key) {
+                missing.push(format!("{key} (in examples/{name})"));
+            }
+        }
+        assert!(missing.is_empty(), "fields no example shows: {}", missing.join(", "));
+
+        for name in ["standalone.yaml", "kubernetes.yaml"] {
+            let doc: serde_yaml::Value = serde_yaml::from_str(&example(name)).unwrap();
+            let parsed = |doc: &serde_yaml::Value| {
+                format!("{:?}", serde_yaml::from_value::<ConfigFile>(doc.clone()).unwrap())
+            };
+            let shown = parsed(&doc);
+            let mut leaves = Vec::new();
+            collect_leaves(&doc, &mut Vec::new(), &mut leaves);
+            for path in leaves {
+                let mut without = doc.clone();
+                let (last, parents) = path.split_last().unwrap();
+                let section =
+                    parents.iter().fold(&mut without, |v, key| v.get_mut(key.as_str()).unwrap());
+                let value = section.as_mapping_mut().unwrap().remove(last.as_str()).unwrap();
+                assert_eq!(
+                    parsed(&without),
+                    shown,
+                    "examples/{name}: {} shows {value:?}, which is not its default",
+                    path.join(".")
+                );
+            }
+        }
+    }
+
+    /// The paths of the values in `value`, but for [`EXAMPLE_VALUES`].
+    fn collect_leaves(value: &serde_yaml::Value, at: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+        let Some(mapping) = value.as_mapping() else { return out.push(at.clone()) };
+        for (key, value) in mapping {
+            at.push(key.as_str().unwrap().to_owned());
+            if !EXAMPLE_VALUES.contains(&at.join(".").as_str()) {
+                collect_leaves(value, at, out);
+            }
+            at.pop();
         }
     }
 

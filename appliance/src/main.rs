@@ -2,6 +2,8 @@
 
 mod config;
 mod fd_limit;
+#[cfg(test)]
+mod serde_keys;
 mod serve;
 mod standalone;
 

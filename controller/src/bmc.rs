@@ -15,13 +15,9 @@ pub enum BmcError {
         "spec.bmc names {0:?}, and this siteboot has no driver for it yet: remove spec.bmc and let the host boot from the network by itself"
     )]
     Unsupported(String),
-    #[error("BMC {address} unreachable: {reason}")]
-    Unreachable { address: String, reason: String },
 }
 
 pub trait BmcDriver: Send + Sync {
-    /// Whether the BMC answers and the credentials work (the Registering check).
-    fn check(&self) -> BoxFuture<'_, Result<(), BmcError>>;
     fn power(&self) -> BoxFuture<'_, Result<PowerState, BmcError>>;
     /// Boots the host from the network now: an operation needs the ramdisk.
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>>;
@@ -33,10 +29,6 @@ pub trait BmcDriver: Send + Sync {
 pub struct SelfBooting;
 
 impl BmcDriver for SelfBooting {
-    fn check(&self) -> BoxFuture<'_, Result<(), BmcError>> {
-        Box::pin(async { Ok(()) })
-    }
-
     fn power(&self) -> BoxFuture<'_, Result<PowerState, BmcError>> {
         Box::pin(async { Ok(PowerState::Unknown) })
     }

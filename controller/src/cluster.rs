@@ -6,7 +6,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -14,9 +13,9 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use serde_json::json;
 
-use crate::conditions::{PAUSED, READY, Reason};
-use crate::context::{Ctx, Error, ErrorKind};
-use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, PAUSED_ANNOTATION};
+use crate::conditions::{READY, Reason, check_paused};
+use crate::context::{Ctx, Error, Reconciled};
+use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster};
 use crate::crd::{FailureDomain, Initialization, Site, SitebootCluster, set_condition};
 
 pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
@@ -24,42 +23,14 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
     let controller =
         Controller::new(Api::<SitebootCluster>::all(client.clone()), watcher::Config::default());
     let store = controller.store();
-    controller
-        .watches(Api::<Site>::all(client), watcher::Config::default(), move |_| {
+    let controller =
+        controller.watches(Api::<Site>::all(client), watcher::Config::default(), move |_| {
             store.state().into_iter().map(|c| ObjectRef::from_obj(&*c)).collect::<Vec<_>>()
-        })
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(e) = result {
-                tracing::debug!(error = %e, "SitebootCluster reconcile error");
-            }
-        })
-        .await;
+        });
+    ctx.drive(controller, shutdown, |sbc, ctx| async move { pass(&sbc, &ctx).await }).await;
 }
 
-fn error_policy(sbc: Arc<SitebootCluster>, error: &Error, ctx: Arc<Ctx>) -> Action {
-    let retry = ctx.backoff.retry_after(&key(&sbc), error);
-    tracing::warn!(cluster = %key(&sbc), error = %error, kind = ?error.kind(), ?retry, "SitebootCluster reconcile failed");
-    Action::requeue(retry)
-}
-
-fn key(sbc: &SitebootCluster) -> String {
-    format!("SitebootCluster {}/{}", sbc.namespace().unwrap_or_default(), sbc.name_any())
-}
-
-async fn reconcile(sbc: Arc<SitebootCluster>, ctx: Arc<Ctx>) -> Result<Action, Error> {
-    let result = pass(&sbc, &ctx).await;
-    match &result {
-        Ok(_) => ctx.backoff.succeeded(&key(&sbc)),
-        Err(e) if e.kind() == ErrorKind::Refused => {
-            let note = format!("the API server refused a request: {e}");
-            ctx.event(&*sbc, true, &Reason::ApiRefused.to_string(), note).await;
-        }
-        Err(_) => {}
-    }
-    result
-}
+impl Reconciled for SitebootCluster {}
 
 async fn pass(sbc: &SitebootCluster, ctx: &Ctx) -> Result<Action, Error> {
     let namespace = sbc.namespace().unwrap_or_default();
@@ -72,11 +43,7 @@ async fn pass(sbc: &SitebootCluster, ctx: &Ctx) -> Result<Action, Error> {
         }
         None => None,
     };
-    let paused = cluster.as_ref().is_some_and(Cluster::is_paused)
-        || sbc.annotations().contains_key(PAUSED_ANNOTATION);
-    let reason = if paused { Reason::Paused } else { Reason::NotPaused };
-    set_condition(&mut status.conditions, PAUSED, paused, &reason.to_string(), "", generation);
-    if !paused {
+    if !check_paused(cluster.as_ref(), sbc, &mut status.conditions) {
         let sites = Api::<Site>::all(ctx.client.clone()).list(&ListParams::default()).await?.items;
         status.failure_domains = sites
             .iter()

@@ -5,6 +5,11 @@
 
 use std::fmt;
 
+use kube::{Resource, ResourceExt};
+
+use crate::crd::capi::{Cluster, PAUSED_ANNOTATION};
+use crate::crd::{Conditions, set_condition};
+
 /// Cluster API reads it: the object is (or is not) done.
 pub const READY: &str = "Ready";
 /// Cluster API's pause contract: reconciliation of the object is stopped.
@@ -42,4 +47,23 @@ impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(self, f)
     }
+}
+
+/// Cluster API's pause contract: `object` is paused while its Cluster is, or while it has the
+/// paused annotation. Records it in `conditions` (the object's own) and returns it.
+pub fn check_paused(
+    cluster: Option<&Cluster>,
+    object: &impl Resource,
+    conditions: &mut Conditions,
+) -> bool {
+    let paused = cluster.is_some_and(|c| c.spec.paused == Some(true))
+        || object.annotations().contains_key(PAUSED_ANNOTATION);
+    let (reason, message) = if paused {
+        (Reason::Paused, "the Cluster or this object is paused: no changes are made")
+    } else {
+        (Reason::NotPaused, "")
+    };
+    let generation = object.meta().generation;
+    set_condition(conditions, PAUSED, paused, &reason.to_string(), message, generation);
+    paused
 }

@@ -1,17 +1,25 @@
 //! What the reconcilers and the boot-plane inventory share, and the one way Host status is
 //! written: read the Host, compute, write with its resourceVersion, retry on conflict.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource, ResourceExt};
 use siteboot_boot::inventory::LinuxBoot;
 
 use crate::cache::HostIndex;
+use crate::conditions::Reason;
 use crate::crd::{Host, HostStatus};
 use crate::machine::plan::Policy as MachinePolicy;
+
+/// How long a ramdisk token stays valid after it is issued, unless configured
+/// (`kubernetes.token_max_age`).
+pub const TOKEN_MAX_AGE: Duration = Duration::from_secs(2 * 3600);
 
 pub struct Ctx {
     pub client: Client,
@@ -51,7 +59,7 @@ impl Ctx {
             identity,
             hosts,
             ramdisk,
-            token_max_age: Duration::from_secs(2 * 3600),
+            token_max_age: TOKEN_MAX_AGE,
             backoff: Backoff::default(),
         }
     }
@@ -79,6 +87,71 @@ impl Ctx {
             tracing::warn!(object = %object.meta().name.as_deref().unwrap_or(""), error = %e, "cannot record an Event");
         }
     }
+
+    /// Runs `controller` until `shutdown`, each object through `pass`. A success forgets the
+    /// object's backoff; an error is retried after [`Backoff::retry_after`], and a refusal is
+    /// also reported on the object ([`Reconciled::report_refused`]).
+    pub async fn drive<K, F>(
+        self: Arc<Self>,
+        controller: Controller<K>,
+        shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+        pass: impl Fn(Arc<K>, Arc<Ctx>) -> F,
+    ) where
+        K: Reconciled,
+        F: Future<Output = Result<Action, Error>> + Send + 'static,
+    {
+        let reconcile = move |object: Arc<K>, ctx: Arc<Ctx>| {
+            let result = pass(object.clone(), ctx.clone());
+            async move {
+                let result = result.await;
+                match &result {
+                    Ok(_) => ctx.backoff.succeeded(&object.key()),
+                    Err(e) if e.kind() == ErrorKind::Refused => {
+                        object.report_refused(&ctx, e).await
+                    }
+                    Err(_) => {}
+                }
+                result
+            }
+        };
+        let error_policy = |object: Arc<K>, error: &Error, ctx: Arc<Ctx>| {
+            let key = object.key();
+            let retry = ctx.backoff.retry_after(&key, error);
+            tracing::warn!(object = %key, error = %error, kind = ?error.kind(), ?retry, "reconcile failed");
+            Action::requeue(retry)
+        };
+        controller
+            .graceful_shutdown_on(shutdown)
+            .run(reconcile, error_policy, self)
+            .for_each(|result| async move {
+                if let Err(e) = result {
+                    tracing::debug!(kind = %K::kind(&()), error = %e, "reconcile error");
+                }
+            })
+            .await;
+    }
+}
+
+/// An object a reconciler of this crate watches.
+pub trait Reconciled:
+    Resource<DynamicType = ()>
+    + Clone
+    + serde::de::DeserializeOwned
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+    /// `Kind namespace/name`: the reconcilers share one [`Backoff`], so keys name the kind.
+    fn key(&self) -> String {
+        format!("{} {}/{}", Self::kind(&()), self.namespace().unwrap_or_default(), self.name_any())
+    }
+
+    /// Says on the object that the API server refused what its reconciler needed, so the
+    /// operator sees it without reading logs: a Warning Event unless the kind says otherwise.
+    fn report_refused(&self, ctx: &Ctx, error: &Error) -> impl Future<Output = ()> + Send {
+        async move { ctx.event(self, true, &Reason::ApiRefused.to_string(), error.refusal()).await }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +171,11 @@ pub enum ErrorKind {
 }
 
 impl Error {
+    /// What a refusal says on the object.
+    pub fn refusal(&self) -> String {
+        format!("the API server refused a request: {self}")
+    }
+
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::Kube(kube::Error::Api(e)) if e.code == 409 || e.code == 429 || e.code >= 500 => {
@@ -152,14 +230,6 @@ where
         Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
         Err(e) => Err(e),
     }
-}
-
-/// Seconds since the Unix epoch.
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 /// Writes a new status for Host `namespace/name`: `change` sees the current Host and returns

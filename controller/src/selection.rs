@@ -36,54 +36,120 @@ impl fmt::Display for Excluded {
     }
 }
 
-/// The boot MACs that more than one of `hosts` has.
-pub fn duplicate_macs<'a>(hosts: impl IntoIterator<Item = &'a Host>) -> HashSet<String> {
-    let mut seen = HashSet::new();
-    let mut duplicates = HashSet::new();
-    for h in hosts {
-        let mac = h.spec.boot_mac_address.to_ascii_lowercase();
-        if !seen.insert(mac.clone()) {
-            duplicates.insert(mac);
-        }
-    }
-    duplicates
+/// The Hosts one machine may be given, and the boot MACs more than one of them has (worked out
+/// once, for every question a pass asks).
+pub struct Pool<'a> {
+    hosts: Vec<&'a Host>,
+    duplicates: HashSet<String>,
 }
 
-/// Whether a host already claimed for a machine still fits it: every rule of [`check`] but
-/// the claim itself. `duplicates` is what [`duplicate_macs`] says of the site's hosts.
-pub fn fits(
-    host: &Host,
-    selector: Option<&HostSelector>,
-    site: Option<&str>,
-    duplicates: &HashSet<String>,
-) -> Result<(), Excluded> {
-    if duplicates.contains(&host.spec.boot_mac_address.to_ascii_lowercase()) {
-        return Err(Excluded::DuplicateBootMac);
-    }
-    match check(host, selector, site) {
-        Err(Excluded::Claimed) => {
-            let mut unclaimed = host.clone();
-            unclaimed.spec.consumer_ref = None;
-            check(&unclaimed, selector, site)
+impl<'a> Pool<'a> {
+    pub fn new(hosts: impl IntoIterator<Item = &'a Host>) -> Self {
+        let hosts: Vec<&Host> = hosts.into_iter().collect();
+        let mut seen = HashSet::new();
+        let mut duplicates = HashSet::new();
+        for h in &hosts {
+            let mac = h.spec.boot_mac_address.to_ascii_lowercase();
+            if !seen.insert(mac.clone()) {
+                duplicates.insert(mac);
+            }
         }
-        other => other,
+        Self { hosts, duplicates }
+    }
+
+    pub fn hosts(&self) -> impl Iterator<Item = &'a Host> + '_ {
+        self.hosts.iter().copied()
+    }
+
+    /// Whether a host already claimed for a machine still fits it: every rule of
+    /// [`Pool::claimable`] but the claim itself.
+    pub fn fits(
+        &self,
+        host: &Host,
+        selector: Option<&HostSelector>,
+        site: Option<&str>,
+    ) -> Result<(), Excluded> {
+        self.unique(host)?;
+        not_deleting(host)?;
+        suits(host, selector, site)
+    }
+
+    /// Whether `host` can be claimed for a machine with `selector`, in `site` (the Machine's
+    /// failure domain) if it has one.
+    pub fn claimable(
+        &self,
+        host: &Host,
+        selector: Option<&HostSelector>,
+        site: Option<&str>,
+    ) -> Result<(), Excluded> {
+        check(host, selector, site)?;
+        self.unique(host)
+    }
+
+    fn unique(&self, host: &Host) -> Result<(), Excluded> {
+        if self.duplicates.contains(&host.spec.boot_mac_address.to_ascii_lowercase()) {
+            return Err(Excluded::DuplicateBootMac);
+        }
+        Ok(())
+    }
+
+    /// The candidates, in the order to try them. The order is shuffled with `seed` so that two
+    /// appliances claiming at once mostly try different hosts (the claim itself is a
+    /// compare-and-swap either way).
+    pub fn candidates(
+        &self,
+        selector: Option<&HostSelector>,
+        site: Option<&str>,
+        seed: u64,
+    ) -> Vec<&'a Host> {
+        let mut found: Vec<&Host> =
+            self.hosts().filter(|h| self.claimable(h, selector, site).is_ok()).collect();
+        found.sort_by_key(|h| {
+            let name = h.metadata.name.as_deref().unwrap_or("");
+            // FNV-1a of the name, mixed with the seed: deterministic per seed, spread across seeds.
+            name.bytes().fold(0xcbf2_9ce4_8422_2325u64 ^ seed, |acc, b| {
+                (acc ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+            })
+        });
+        found
+    }
+
+    /// A one-line summary of why nothing matched, e.g. "3 hosts: 2 claimed, 1 in maintenance".
+    pub fn explain(&self, selector: Option<&HostSelector>, site: Option<&str>) -> String {
+        let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+        for h in self.hosts() {
+            if let Err(e) = self.claimable(h, selector, site) {
+                *counts.entry(e.to_string()).or_default() += 1;
+            }
+        }
+        let parts: Vec<String> = counts.iter().map(|(why, n)| format!("{n} {why}")).collect();
+        format!(
+            "{} hosts: {}",
+            self.hosts.len(),
+            if parts.is_empty() { "none excluded".into() } else { parts.join(", ") }
+        )
     }
 }
 
-/// Whether `host` can be claimed for a machine with `selector`, in `site` (the Machine's
-/// failure domain) if it has one.
-pub fn check(
-    host: &Host,
-    selector: Option<&HostSelector>,
-    site: Option<&str>,
-) -> Result<(), Excluded> {
-    let status = host.status.as_ref();
-    if host.metadata.deletion_timestamp.is_some() {
-        return Err(Excluded::Deleting);
-    }
+/// Every rule for one host on its own (a shared boot MAC needs the [`Pool`]).
+fn check(host: &Host, selector: Option<&HostSelector>, site: Option<&str>) -> Result<(), Excluded> {
+    not_deleting(host)?;
     if host.spec.consumer_ref.is_some() {
         return Err(Excluded::Claimed);
     }
+    suits(host, selector, site)
+}
+
+fn not_deleting(host: &Host) -> Result<(), Excluded> {
+    if host.metadata.deletion_timestamp.is_some() {
+        return Err(Excluded::Deleting);
+    }
+    Ok(())
+}
+
+/// The rules about the host itself, whoever has claimed it.
+fn suits(host: &Host, selector: Option<&HostSelector>, site: Option<&str>) -> Result<(), Excluded> {
+    let status = host.status.as_ref();
     if status.and_then(|s| s.state) != Some(HostState::Available) {
         return Err(Excluded::NotAvailable);
     }
@@ -123,57 +189,6 @@ fn hardware_matches(host: &Host, want: &HardwareSelector) -> bool {
         && want.min_memory_mib.is_none_or(|m| hw.memory_mib >= m)
         && want.min_disk_bytes.is_none_or(|b| largest_disk >= b)
         && want.arch.as_ref().is_none_or(|a| hw.arch.as_ref() == Some(a))
-}
-
-/// The candidates among `hosts`, in the order to try them. The order is shuffled with `seed`
-/// so that two appliances claiming at once mostly try different hosts (the claim itself is a
-/// compare-and-swap either way).
-pub fn candidates<'a>(
-    hosts: impl IntoIterator<Item = &'a Host>,
-    selector: Option<&HostSelector>,
-    site: Option<&str>,
-    seed: u64,
-) -> Vec<&'a Host> {
-    let hosts: Vec<&Host> = hosts.into_iter().collect();
-    let duplicates = duplicate_macs(hosts.iter().copied());
-    let mut found: Vec<&Host> = hosts
-        .into_iter()
-        .filter(|h| fits(h, selector, site, &duplicates).is_ok() && h.spec.consumer_ref.is_none())
-        .collect();
-    found.sort_by_key(|h| {
-        let name = h.metadata.name.as_deref().unwrap_or("");
-        // FNV-1a of the name, mixed with the seed: deterministic per seed, spread across seeds.
-        name.bytes().fold(0xcbf2_9ce4_8422_2325u64 ^ seed, |acc, b| {
-            (acc ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-        })
-    });
-    found
-}
-
-/// A one-line summary of why nothing matched, e.g. "3 hosts: 2 claimed, 1 in maintenance".
-pub fn explain<'a>(
-    hosts: impl IntoIterator<Item = &'a Host>,
-    selector: Option<&HostSelector>,
-    site: Option<&str>,
-) -> String {
-    let hosts: Vec<&Host> = hosts.into_iter().collect();
-    let duplicates = duplicate_macs(hosts.iter().copied());
-    let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
-    for h in &hosts {
-        let result = match check(h, selector, site) {
-            Ok(()) => fits(h, selector, site, &duplicates),
-            Err(e) => Err(e),
-        };
-        if let Err(e) = result {
-            *counts.entry(e.to_string()).or_default() += 1;
-        }
-    }
-    let total = hosts.len();
-    let parts: Vec<String> = counts.iter().map(|(why, n)| format!("{n} {why}")).collect();
-    format!(
-        "{total} hosts: {}",
-        if parts.is_empty() { "none excluded".into() } else { parts.join(", ") }
-    )
 }
 
 #[cfg(test)]
@@ -244,9 +259,31 @@ mod tests {
         });
         assert_eq!(check(&big, Some(&hw), None), Ok(()));
         assert_eq!(
-            explain([&ok, &claimed, &cordoned], Some(&labels), None),
+            Pool::new([&ok, &claimed, &cordoned]).explain(Some(&labels), None),
             "3 hosts: 1 claimed, 1 in maintenance, 1 without the selector's labels"
         );
+    }
+
+    #[test]
+    fn a_claimed_host_may_still_fit_but_a_shared_mac_never_does() {
+        let mut claimed = host("a", "s1", HostState::Available);
+        claimed.spec.consumer_ref = Some(ConsumerRef {
+            api_version: "v".into(),
+            kind: "k".into(),
+            namespace: "n".into(),
+            name: "m".into(),
+            uid: "u".into(),
+        });
+        let pool = Pool::new([&claimed]);
+        assert_eq!(pool.fits(&claimed, None, Some("s1")), Ok(()));
+        assert_eq!(pool.claimable(&claimed, None, Some("s1")), Err(Excluded::Claimed));
+        assert_eq!(pool.fits(&claimed, None, Some("s2")), Err(Excluded::OtherSite));
+        let mut twin = host("b", "s1", HostState::Available);
+        twin.spec.boot_mac_address = claimed.spec.boot_mac_address.to_ascii_uppercase();
+        let pool = Pool::new([&claimed, &twin]);
+        assert_eq!(pool.fits(&claimed, None, None), Err(Excluded::DuplicateBootMac));
+        assert_eq!(pool.claimable(&twin, None, None), Err(Excluded::DuplicateBootMac));
+        assert!(pool.candidates(None, None, 0).is_empty());
     }
 
     #[test]
@@ -254,7 +291,8 @@ mod tests {
         let hosts: Vec<Host> =
             (0..8).map(|i| host(&format!("h{i}"), "s", HostState::Available)).collect();
         let order = |seed| {
-            candidates(&hosts, None, None, seed)
+            Pool::new(&hosts)
+                .candidates(None, None, seed)
                 .iter()
                 .map(|h| h.metadata.name.clone().unwrap())
                 .collect::<Vec<_>>()

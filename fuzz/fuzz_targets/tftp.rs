@@ -4,11 +4,12 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use siteboot_boot::tftp::TftpSettings;
 use siteboot_boot::tftp::packet::{self, Packet};
-use siteboot_boot::tftp::transfer::{self, Limits, Send, Transfer};
+use siteboot_boot::tftp::transfer::{self, Send, Transfer};
 
 fuzz_target!(|data: &[u8]| {
-    let limits = Limits::default();
+    let limits = TftpSettings::default().limits();
     let (request, acks) = data.split_at(data.len().min(512));
     let options = match packet::parse(request) {
         Ok(Packet::Request(req)) => req.options,

@@ -140,11 +140,6 @@ impl Script {
         self.line("boot", &[])
     }
 
-    /// `chain URL`: replace this script with another image or script.
-    pub fn chain(&mut self, url: &Word) -> &mut Self {
-        self.line("chain", &[url])
-    }
-
     /// `exit`: return to the firmware, which tries its next boot entry (usually the local disk).
     pub fn exit(&mut self) -> &mut Self {
         self.line("exit", &[])

@@ -24,81 +24,51 @@ use crate::metrics::Metrics;
 use crate::neighbors::Neighbors;
 use crate::timeline::{Stage, Timeline};
 
-/// The `tftp:` section of the configuration.
+/// The `tftp:` section of the configuration. A field left out takes its value from
+/// [`TftpSettings::default`], the one place the defaults are written (`examples/standalone.yaml`
+/// shows each, checked by a test).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct TftpSettings {
     /// Directory of the iPXE binaries handed to firmware (default: Debian's `ipxe` package).
-    #[serde(default = "default_ipxe_dir")]
     pub ipxe_dir: PathBuf,
     /// Optional directory of further files served read-only.
     pub root: Option<PathBuf>,
     /// Transfers in progress at once; further requests are refused until one ends. Each takes
-    /// two file descriptors (its socket and the file). Default 64.
-    #[serde(default = "default_max_transfers")]
+    /// two file descriptors (its socket and the file).
     pub max_transfers: usize,
     /// Transfers one client address may have in progress at once (a booting host needs one).
-    /// Default 8.
-    #[serde(default = "default_max_transfers_per_address")]
     pub max_transfers_per_address: usize,
     /// Largest block size a client may negotiate (RFC 2348).
-    #[serde(default = "default_max_block_size")]
     pub max_block_size: u16,
     /// Largest window a client may negotiate (RFC 7440).
-    #[serde(default = "default_max_window_size")]
     pub max_window_size: u16,
-    /// Retransmission timeout when the client does not negotiate one. Default 1s.
-    #[serde(default = "default_timeout", with = "humantime_serde")]
+    /// Retransmission timeout when the client does not negotiate one.
+    #[serde(with = "humantime_serde")]
     pub timeout: Duration,
     /// Longest retransmission timeout a client may negotiate (RFC 2349). A client asking for
     /// more does not get the option acknowledged and runs with `timeout`: with `retries`, this
-    /// bounds how long an abandoned transfer holds its slot. Whole seconds, 1s-255s. Default 10s.
-    #[serde(default = "default_max_timeout", with = "humantime_serde")]
+    /// bounds how long an abandoned transfer holds its slot. Whole seconds, 1s-255s.
+    #[serde(with = "humantime_serde")]
     pub max_timeout: Duration,
     /// Retransmissions before a transfer is abandoned.
-    #[serde(default = "default_retries")]
     pub retries: u32,
 }
 
 impl Default for TftpSettings {
     fn default() -> Self {
         Self {
-            ipxe_dir: default_ipxe_dir(),
+            ipxe_dir: PathBuf::from("/usr/lib/ipxe"),
             root: None,
-            max_transfers: default_max_transfers(),
-            max_transfers_per_address: default_max_transfers_per_address(),
-            max_block_size: default_max_block_size(),
-            max_window_size: default_max_window_size(),
-            timeout: default_timeout(),
-            max_timeout: default_max_timeout(),
-            retries: default_retries(),
+            max_transfers: 64,
+            max_transfers_per_address: 8,
+            max_block_size: 1468,
+            max_window_size: 64,
+            timeout: Duration::from_secs(1),
+            max_timeout: Duration::from_secs(10),
+            retries: 5,
         }
     }
-}
-
-fn default_ipxe_dir() -> PathBuf {
-    PathBuf::from("/usr/lib/ipxe")
-}
-fn default_max_transfers() -> usize {
-    64
-}
-fn default_max_transfers_per_address() -> usize {
-    8
-}
-fn default_max_block_size() -> u16 {
-    1468
-}
-fn default_max_window_size() -> u16 {
-    64
-}
-fn default_timeout() -> Duration {
-    Duration::from_secs(1)
-}
-fn default_max_timeout() -> Duration {
-    Duration::from_secs(10)
-}
-fn default_retries() -> u32 {
-    5
 }
 
 impl TftpSettings {

@@ -21,18 +21,6 @@ pub struct Limits {
     pub max_retries: u32,
 }
 
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_block_size: 1468,
-            max_window_size: 64,
-            default_timeout: Duration::from_secs(1),
-            max_timeout: Duration::from_secs(10),
-            max_retries: 5,
-        }
-    }
-}
-
 /// The parameters a transfer runs with, and the OACK that announces them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Negotiated {
@@ -128,10 +116,6 @@ impl Transfer {
         }
     }
 
-    pub fn block_size(&self) -> u64 {
-        self.block_size
-    }
-
     /// Byte offset and length of internal block `block` in a file of `file_size` bytes.
     pub fn block_range(&self, block: u64, file_size: u64) -> (u64, usize) {
         let offset = (block - 1) * self.block_size;
@@ -198,7 +182,7 @@ mod tests {
     use super::*;
 
     fn limits() -> Limits {
-        Limits::default()
+        crate::tftp::TftpSettings::default().limits()
     }
 
     #[test]

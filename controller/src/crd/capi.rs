@@ -96,10 +96,6 @@ pub struct ClusterInitialization {
 }
 
 impl Cluster {
-    pub fn is_paused(&self) -> bool {
-        self.spec.paused == Some(true)
-    }
-
     pub fn infrastructure_provisioned(&self) -> bool {
         self.status
             .as_ref()

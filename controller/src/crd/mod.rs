@@ -16,10 +16,5 @@ pub use host::*;
 pub use machine::*;
 pub use site::*;
 
-/// The API group of the inventory kinds.
-pub const GROUP: &str = "siteboot.dev";
-/// The API group of the Cluster API infrastructure kinds.
-pub const INFRASTRUCTURE_GROUP: &str = "infrastructure.cluster.x-k8s.io";
-pub const VERSION: &str = "v1alpha1";
 /// The label on a Host naming its site.
 pub const SITE_LABEL: &str = "siteboot.dev/site";

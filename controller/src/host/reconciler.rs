@@ -7,7 +7,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -17,38 +16,17 @@ use serde_json::json;
 use super::lifecycle::{self, Deletion, FINALIZER, RETRY_ANNOTATION, Transition};
 use crate::bmc;
 use crate::conditions::{BOOT_MAC_UNIQUE, Reason};
-use crate::context::{Ctx, Error, ErrorKind, host_key, patch_unchanged, update_host_status};
+use crate::context::{Ctx, Error, Reconciled, host_key, patch_unchanged, update_host_status};
 use crate::crd::{Host, HostState, SITE_LABEL, set_condition};
 
 pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
     let api: Api<Host> = Api::all(ctx.client.clone());
     let config = watcher::Config::default().labels(&format!("{SITE_LABEL}={}", ctx.site));
-    Controller::new(api, config)
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(e) = result {
-                tracing::debug!(error = %e, "Host reconcile error");
-            }
-        })
-        .await;
+    let controller = Controller::new(api, config);
+    ctx.drive(controller, shutdown, |host, ctx| async move { pass(&host, &ctx).await }).await;
 }
 
-async fn reconcile(host: Arc<Host>, ctx: Arc<Ctx>) -> Result<Action, Error> {
-    match pass(&host, &ctx).await {
-        Ok(action) => {
-            ctx.backoff.succeeded(&host_key(&host));
-            Ok(action)
-        }
-        Err(e) => {
-            if e.kind() == ErrorKind::Refused {
-                let note = format!("the API server refused a request: {e}");
-                ctx.event(&*host, true, &Reason::ApiRefused.to_string(), note).await;
-            }
-            Err(e)
-        }
-    }
-}
+impl Reconciled for Host {}
 
 async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
     let api = ctx.hosts_api(&host.namespace().unwrap_or_default());
@@ -225,10 +203,4 @@ async fn refresh_power(host: &Host, ctx: &Ctx) -> Result<(), Error> {
     .await?
     .ok();
     Ok(())
-}
-
-fn error_policy(host: Arc<Host>, error: &Error, ctx: Arc<Ctx>) -> Action {
-    let retry = ctx.backoff.retry_after(&host_key(&host), error);
-    tracing::warn!(host = %host_key(&host), error = %error, kind = ?error.kind(), ?retry, "Host reconcile failed");
-    Action::requeue(retry)
 }

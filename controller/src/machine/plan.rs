@@ -11,12 +11,13 @@
 //! belongs to a machine (anyone who may edit Hosts can write that) is never adopted; its claim
 //! is given back.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kube::ResourceExt;
 
-use crate::conditions::{PAUSED, READY, Reason};
-use crate::crd::capi::{Cluster, Machine, PAUSED_ANNOTATION};
+use crate::conditions::{READY, Reason, check_paused};
+use crate::crd::capi::{Cluster, Machine};
 use crate::crd::{
     Host, HostRef, HostState, Initialization, MachineAddress, Provisioning, SITE_LABEL,
     SitebootMachine, SitebootMachineStatus, condition, set_condition,
@@ -55,10 +56,16 @@ pub struct Observed<'a> {
     pub cluster: Option<&'a Cluster>,
     /// The Host that `spec.hostRef` names, if it exists.
     pub bound: Option<&'a Host>,
-    /// The site's Hosts (candidates, and claims made for this machine).
-    pub hosts: &'a [Host],
+    /// The site's Hosts (candidates, and claims made for this machine), as cached.
+    pub hosts: &'a [Arc<Host>],
     /// Seconds since the Unix epoch.
     pub now: u64,
+}
+
+impl<'a> Observed<'a> {
+    fn hosts(&self) -> impl Iterator<Item = &'a Host> + use<'a> {
+        self.hosts.iter().map(|h| &**h)
+    }
 }
 
 /// The one write a pass makes (besides the status).
@@ -179,22 +186,7 @@ impl Report {
 
 fn decide<'a>(seen: &Observed<'a>, policy: &Policy, report: &mut Report) -> (Step<'a>, Requeue) {
     let sbm = seen.machine;
-    let paused = seen.cluster.is_some_and(Cluster::is_paused)
-        || sbm.annotations().contains_key(PAUSED_ANNOTATION);
-    let (reason, message) = if paused {
-        (Reason::Paused, "the Cluster or this object is paused: no changes are made")
-    } else {
-        (Reason::NotPaused, "")
-    };
-    set_condition(
-        &mut report.status.conditions,
-        PAUSED,
-        paused,
-        &reason.to_string(),
-        message,
-        report.generation,
-    );
-    if paused {
+    if check_paused(seen.cluster, sbm, &mut report.status.conditions) {
         return (Step::None, Requeue::OnChange);
     }
     if sbm.metadata.deletion_timestamp.is_some() {
@@ -345,17 +337,14 @@ fn bind<'a>(
     }
     let selector = sbm.spec.host_selector.as_ref();
     let site = Some(policy.site.as_str());
-    let hosts: Vec<&Host> = seen
-        .hosts
-        .iter()
-        .filter(|h| h.namespace().as_deref() == Some(namespace.as_str()))
-        .collect();
-    let duplicates = selection::duplicate_macs(hosts.iter().copied());
+    let pool = selection::Pool::new(
+        seen.hosts().filter(|h| h.namespace().as_deref() == Some(namespace.as_str())),
+    );
     // The host the mark names, claimed for this machine: adopt it if it still fits.
     if let Some(m) = &mark
-        && let Some(host) = hosts.iter().copied().find(|h| m.names(h) && consumed_by(h, sbm))
+        && let Some(host) = pool.hosts().find(|h| m.names(h) && consumed_by(h, sbm))
     {
-        return match selection::fits(host, selector, site, &duplicates) {
+        return match pool.fits(host, selector, site) {
             Ok(()) => (Step::RecordHostRef(host), Requeue::Now),
             Err(e) => (
                 Step::Release {
@@ -372,9 +361,9 @@ fn bind<'a>(
     if let Some(orphan) = orphans(seen, None).next() {
         return release_orphan(sbm, orphan);
     }
-    let candidates = selection::candidates(hosts.iter().copied(), selector, site, seed(sbm));
+    let candidates = pool.candidates(selector, site, seed(sbm));
     let Some(first) = candidates.first().copied() else {
-        let why = selection::explain(hosts.iter().copied(), selector, site);
+        let why = pool.explain(selector, site);
         return report.wait(
             Reason::NoHostAvailable,
             &format!("no Available Host in site {} matches ({why})", policy.site),
@@ -405,7 +394,7 @@ fn delete<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
     let host = seen.bound.filter(|h| consumed_by(h, sbm)).or_else(|| {
         // Claimed but not yet recorded: the host the mark names.
         let m = mark.as_ref()?;
-        seen.hosts.iter().find(|h| m.names(h) && consumed_by(h, sbm))
+        seen.hosts().find(|h| m.names(h) && consumed_by(h, sbm))
     });
     if let Some(host) = host {
         if host.spec.provisioning.is_some() {
@@ -445,8 +434,7 @@ fn orphans<'a, 's>(
     seen: &'s Observed<'a>,
     keep: Option<&'s Host>,
 ) -> impl Iterator<Item = &'a Host> + 's {
-    seen.hosts
-        .iter()
+    seen.hosts()
         .filter(move |h| consumed_by(h, seen.machine) && keep.is_none_or(|k| k.uid() != h.uid()))
 }
 
@@ -498,7 +486,8 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
     use super::*;
-    use crate::crd::capi::{ClusterInitialization, ClusterStatus};
+    use crate::conditions::PAUSED;
+    use crate::crd::capi::{ClusterInitialization, ClusterStatus, PAUSED_ANNOTATION};
     use crate::crd::{
         ConsumerRef, HostSelector, HostSpec, HostStatus, Image, Installed, SitebootMachineSpec, now,
     };
@@ -598,11 +587,12 @@ mod tests {
         sbm: SitebootMachine,
         machine: Option<Machine>,
         cluster: Option<Cluster>,
-        hosts: Vec<Host>,
+        hosts: Vec<Arc<Host>>,
     }
 
     impl World {
         fn new(sbm: SitebootMachine, hosts: Vec<Host>) -> Self {
+            let hosts = hosts.into_iter().map(Arc::new).collect();
             World { sbm, machine: Some(machine()), cluster: Some(cluster()), hosts }
         }
 
@@ -612,7 +602,8 @@ mod tests {
                 .spec
                 .host_ref
                 .as_ref()
-                .and_then(|r| self.hosts.iter().find(|h| h.name_any() == r.name));
+                .and_then(|r| self.hosts.iter().find(|h| h.name_any() == r.name))
+                .map(|h| &**h);
             let seen = Observed {
                 machine: &self.sbm,
                 owner: self.machine.as_ref(),

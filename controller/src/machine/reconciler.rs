@@ -6,23 +6,22 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
 use serde_json::json;
+use siteboot_boot::dhcp::leases::unix_now;
 
 use super::plan::{
     self, BINDER_ANNOTATION, FINALIZER, Observed, Plan, Requeue, Step, consumed_by, key,
 };
 use crate::conditions::{READY, Reason};
-use crate::context::{Ctx, Error, ErrorKind, patch_unchanged, unix_now};
+use crate::context::{Ctx, Error, Reconciled, patch_unchanged};
 use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
 use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine, set_condition};
 
-const API_VERSION: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
 /// After losing a compare-and-swap: long enough for the watch to bring the winner's write.
 const LOST_RACE_RETRY: Duration = Duration::from_secs(1);
 
@@ -33,7 +32,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
     let store = controller.store();
     let by_host = store.clone();
     let by_cluster = store.clone();
-    controller
+    let controller = controller
         .watches(
             Api::<Host>::all(client.clone()),
             watcher::Config::default().labels(&format!("{SITE_LABEL}={}", ctx.site)),
@@ -58,15 +57,8 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
                 })
                 .map(|m| ObjectRef::from_obj(&*m))
                 .collect::<Vec<_>>()
-        })
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(e) = result {
-                tracing::debug!(error = %e, "SitebootMachine reconcile error");
-            }
-        })
-        .await;
+        });
+    ctx.drive(controller, shutdown, |sbm, ctx| async move { pass(&sbm, &ctx).await }).await;
 }
 
 /// A Host change concerns its consumer, and, if it may have become claimable, every machine
@@ -93,48 +85,29 @@ fn machines_for_host(
     refs
 }
 
-fn error_policy(sbm: Arc<SitebootMachine>, error: &Error, ctx: Arc<Ctx>) -> Action {
-    let retry = ctx.backoff.retry_after(&key(&sbm), error);
-    tracing::warn!(machine = %key(&sbm), error = %error, kind = ?error.kind(), ?retry, "SitebootMachine reconcile failed");
-    Action::requeue(retry)
-}
-
-async fn reconcile(sbm: Arc<SitebootMachine>, ctx: Arc<Ctx>) -> Result<Action, Error> {
-    match pass(&sbm, &ctx).await {
-        Ok(action) => {
-            ctx.backoff.succeeded(&key(&sbm));
-            Ok(action)
-        }
-        Err(e) => {
-            if e.kind() == ErrorKind::Refused {
-                report_refused(&sbm, &ctx, &e).await;
+impl Reconciled for SitebootMachine {
+    /// In the Ready condition, which Cluster API shows on the Machine (best effort: this write
+    /// may be refused too).
+    async fn report_refused(&self, ctx: &Ctx, error: &Error) {
+        let mut status = self.status.clone().unwrap_or_default();
+        let reason = Reason::ApiRefused.to_string();
+        let generation = self.metadata.generation;
+        if set_condition(
+            &mut status.conditions,
+            READY,
+            false,
+            &reason,
+            &error.refusal(),
+            generation,
+        ) {
+            let api: Api<SitebootMachine> =
+                Api::namespaced(ctx.client.clone(), &self.namespace().unwrap_or_default());
+            let patch = json!({ "status": status });
+            let params = PatchParams::default();
+            if let Err(e) = api.patch_status(&self.name_any(), &params, &Patch::Merge(&patch)).await
+            {
+                tracing::debug!(machine = %key(self), error = %e, "cannot report the refusal either");
             }
-            Err(e)
-        }
-    }
-}
-
-/// Says on the object that the API server refused what the reconciler needed, so the operator
-/// sees it without reading logs (best effort: this write may be refused too).
-async fn report_refused(sbm: &SitebootMachine, ctx: &Ctx, error: &Error) {
-    let mut status = sbm.status.clone().unwrap_or_default();
-    let message = format!("the API server refused a request: {error}");
-    let reason = Reason::ApiRefused.to_string();
-    if set_condition(
-        &mut status.conditions,
-        READY,
-        false,
-        &reason,
-        &message,
-        sbm.metadata.generation,
-    ) {
-        let api: Api<SitebootMachine> =
-            Api::namespaced(ctx.client.clone(), &sbm.namespace().unwrap_or_default());
-        let patch = json!({ "status": status });
-        if let Err(e) =
-            api.patch_status(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await
-        {
-            tracing::debug!(machine = %key(sbm), error = %e, "cannot report the refusal either");
         }
     }
 }
@@ -161,7 +134,7 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx) -> Result<Action, Error> {
         Some(r) => ctx.hosts_api(&r.namespace).get_opt(&r.name).await?,
         None => None,
     };
-    let hosts: Vec<Host> = ctx.hosts.all().iter().map(|h| (**h).clone()).collect();
+    let hosts = ctx.hosts.all();
     let seen = Observed {
         machine: sbm,
         owner: owner.as_ref(),
@@ -255,7 +228,7 @@ async fn perform(
         }
         Step::Claim(host) => {
             let consumer = ConsumerRef {
-                api_version: API_VERSION.into(),
+                api_version: SitebootMachine::api_version(&()).into_owned(),
                 kind: "SitebootMachine".into(),
                 namespace: sbm.namespace().unwrap_or_default(),
                 name: sbm.name_any(),
