@@ -186,6 +186,12 @@ async fn gone(api: &Api<SitebootMachine>, sbm: &SitebootMachine) -> Result<bool,
     Ok(sbm.metadata.deletion_timestamp.is_some() && api.get_opt(&sbm.name_any()).await?.is_none())
 }
 
+/// Whether `sbm` is still the machine's latest version.
+async fn unchanged(api: &Api<SitebootMachine>, sbm: &SitebootMachine) -> Result<bool, Error> {
+    let latest = api.get_opt(&sbm.name_any()).await?;
+    Ok(latest.is_some_and(|m| m.metadata.resource_version == sbm.metadata.resource_version))
+}
+
 enum Done {
     Yes,
     /// A compare-and-swap found the object changed since it was read.
@@ -261,6 +267,12 @@ async fn perform(
             }
         }
         Step::Release { host, why } => {
+            // The machine comes from one watch and the Hosts from another: a claim made moments
+            // ago for this machine looks unused to a copy of it that predates its mark or its
+            // hostRef. Give back only what the machine as it is now does not use.
+            if !unchanged(api, sbm).await? {
+                return Ok(Done::LostRace);
+            }
             // Only a claim for this machine is released; provisioning goes with it, and the Host
             // lifecycle wipes whatever may have been written.
             debug_assert!(consumed_by(host, sbm));
