@@ -14,35 +14,32 @@ use serde::{Deserialize, Deserializer};
 use crate::MacAddr;
 use crate::decision::DhcpMode;
 
+/// The `dhcp:` section. A field left out takes its value from [`Settings::default`], the one
+/// place the defaults are written (`examples/standalone.yaml` shows each, checked by a test).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Settings {
     /// `full`, `proxy` or `off`.
-    #[serde(default)]
     pub mode: DhcpMode,
-    /// How long a lease lasts unless renewed (default 1h).
-    #[serde(default = "default_lease_time", with = "humantime_serde")]
+    /// How long a lease lasts unless renewed.
+    #[serde(with = "humantime_serde")]
     pub lease_time: Duration,
-    /// How long an address a client DECLINEd stays out of the pool (default 10m).
-    #[serde(default = "default_quarantine", with = "humantime_serde")]
+    /// How long an address a client DECLINEd stays out of the pool.
+    #[serde(with = "humantime_serde")]
     pub decline_quarantine: Duration,
     /// Subnets served: the one containing the server address is local, the others are reached
     /// through relays.
-    #[serde(default)]
     pub subnets: Vec<SubnetSettings>,
     /// Fixed addresses by MAC.
-    #[serde(default)]
     pub reservations: Vec<Reservation>,
     /// Full mode: answer only the MACs the inventory knows (listed under `hosts`, or with a
     /// Host object in Kubernetes mode); any other machine gets no address. Unset, the appliance
     /// decides: false standalone, true in Kubernetes mode (where a new machine gets its Host
     /// before it first boots, and so is answered and inspected).
-    #[serde(default)]
     pub known_hosts_only: Option<bool>,
     /// The DHCP relays (their `giaddr`) whose relayed messages are answered; a message relayed
     /// by any other is dropped. Empty, the default: relayed messages are refused, since any
     /// machine on the link can put a relay's address in a message.
-    #[serde(default)]
     pub trusted_relays: Vec<Ipv4Addr>,
 }
 
@@ -50,22 +47,14 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             mode: DhcpMode::default(),
-            lease_time: default_lease_time(),
-            decline_quarantine: default_quarantine(),
+            lease_time: Duration::from_secs(3600),
+            decline_quarantine: Duration::from_secs(600),
             subnets: Vec::new(),
             reservations: Vec::new(),
             known_hosts_only: None,
             trusted_relays: Vec::new(),
         }
     }
-}
-
-fn default_lease_time() -> Duration {
-    Duration::from_secs(3600)
-}
-
-fn default_quarantine() -> Duration {
-    Duration::from_secs(600)
 }
 
 #[derive(Debug, Clone, Deserialize)]
