@@ -367,3 +367,84 @@ async fn send_file(
         };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BLOCK: usize = 512;
+
+    fn rrq(name: &str) -> Vec<u8> {
+        [&[0, 1][..], name.as_bytes(), &[0], b"octet", &[0]].concat()
+    }
+
+    fn ack(block: u16) -> Vec<u8> {
+        [&[0, 4][..], &block.to_be_bytes()].concat()
+    }
+
+    /// Receives one DATA packet: (block, payload length, the transfer's address).
+    async fn data(client: &UdpSocket) -> (u16, usize, SocketAddr) {
+        let mut buf = [0u8; 4 + BLOCK];
+        let (n, from) = tokio::time::timeout(Duration::from_secs(5), client.recv_from(&mut buf))
+            .await
+            .expect("a DATA packet in time")
+            .unwrap();
+        assert_eq!(&buf[..2], &[0, 3], "a DATA packet");
+        (u16::from_be_bytes([buf[2], buf[3]]), n - 4, from)
+    }
+
+    #[tokio::test]
+    async fn shutdown_takes_no_new_transfer_and_finishes_the_ones_under_way() {
+        let dir = tempfile::tempdir().unwrap();
+        // Three and a bit blocks: the transfer needs four ACKs.
+        std::fs::write(dir.path().join("undionly.kpxe"), vec![7u8; 3 * BLOCK + 10]).unwrap();
+        let settings = TftpSettings { ipxe_dir: dir.path().to_owned(), ..TftpSettings::default() };
+        let server = TftpServer::new(
+            Ipv4Addr::LOCALHOST,
+            &settings,
+            Arc::new(IpxeBinaries::discover(dir.path())),
+            Arc::new(Timeline::new()),
+            Arc::new(Metrics::new()),
+            Arc::new(Neighbors::from_arp(Vec::<(Ipv4Addr, crate::MacAddr)>::new())),
+        )
+        .unwrap();
+        let listener = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let running = tokio::spawn(server.run(listener, shutdown.clone(), Duration::from_secs(10)));
+
+        let client = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        client.send_to(&rrq("undionly.kpxe"), port).await.unwrap();
+        let (block, len, transfer) = data(&client).await;
+        assert_eq!((block, len), (1, BLOCK));
+
+        shutdown.cancel();
+        // A new client is not served any more...
+        let late = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        late.send_to(&rrq("undionly.kpxe"), port).await.unwrap();
+        let mut buf = [0u8; 600];
+        let answer = tokio::time::timeout(Duration::from_millis(500), late.recv_from(&mut buf));
+        assert!(answer.await.is_err(), "a transfer started after shutdown");
+        // ... while the transfer under way runs to its end, and then the server returns.
+        let mut received = len;
+        let mut last = block;
+        while more_follows(received) {
+            client.send_to(&ack(last), transfer).await.unwrap();
+            let (block, len, _) = data(&client).await;
+            assert_eq!(block, last + 1);
+            received += len;
+            last = block;
+        }
+        client.send_to(&ack(last), transfer).await.unwrap();
+        assert_eq!(received, 3 * BLOCK + 10);
+        tokio::time::timeout(Duration::from_secs(5), running)
+            .await
+            .expect("the server returns once the transfer is done")
+            .unwrap();
+    }
+
+    /// Whether more DATA follows after `received` bytes (the last block is short).
+    fn more_follows(received: usize) -> bool {
+        received % BLOCK == 0
+    }
+}
