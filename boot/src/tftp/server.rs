@@ -445,6 +445,6 @@ mod tests {
 
     /// Whether more DATA follows after `received` bytes (the last block is short).
     fn more_follows(received: usize) -> bool {
-        received % BLOCK == 0
+        received.is_multiple_of(BLOCK)
     }
 }
