@@ -80,6 +80,8 @@ pub enum Step<'a> {
     Claim(&'a Host),
     /// Record the host claimed for this machine in `spec.hostRef`, dropping the mark.
     RecordHostRef(&'a Host),
+    /// Clear `spec.hostRef`: the host it names no longer names this machine.
+    ForgetHostRef,
     /// Give back a claim for this machine that it does not use.
     Release {
         host: &'a Host,
@@ -231,6 +233,10 @@ fn decide<'a>(seen: &Observed<'a>, policy: &Policy, report: &mut Report) -> (Ste
                 }
                 bound(seen, host, report)
             }
+            // The host went, or its claim was given back. Before anything ran on it (no
+            // providerID), the machine binds again; after, it stays failed for Cluster API to
+            // replace (a MachineHealthCheck).
+            None if sbm.spec.provider_id.is_none() => (Step::ForgetHostRef, Requeue::Now),
             None => report.wait(
                 Reason::HostMissing,
                 &format!(
@@ -719,6 +725,26 @@ mod tests {
     }
 
     #[test]
+    fn a_machine_whose_host_let_go_binds_again_unless_it_ran_there() {
+        let m = bound_to(sbm(), "h1");
+        let other = {
+            let mut o = sbm();
+            o.metadata.uid = Some("other-uid".into());
+            o
+        };
+        // The host's claim went to another machine, or the host is gone: forget it, bind anew.
+        let w = World::new(m.clone(), vec![claimed_for(available(1), &other), available(2)]);
+        assert_eq!(w.plan().step, Step::ForgetHostRef);
+        let w = World::new(m.clone(), vec![available(2)]);
+        assert_eq!(w.plan().step, Step::ForgetHostRef);
+        // Once it has a providerID it stays failed: Cluster API replaces the Machine.
+        let mut ran = m;
+        ran.spec.provider_id = Some("siteboot://ns/h1".into());
+        let w = World::new(ran, vec![available(2)]);
+        waits(&w.plan(), Reason::HostMissing);
+    }
+
+    #[test]
     fn a_host_that_names_the_machine_is_not_adopted() {
         // Made (or edited) by someone who may edit Hosts, naming a waiting machine: given back.
         let m = sbm();
@@ -813,7 +839,6 @@ mod tests {
 
         h.status.as_mut().unwrap().state = Some(HostState::Quarantined);
         waits(&World::new(m.clone(), vec![h.clone()]).plan(), Reason::HostQuarantined);
-        waits(&World::new(m.clone(), vec![]).plan(), Reason::HostMissing);
         // Bound, and another Host names the machine too: that one is given back first.
         let w = World::new(m.clone(), vec![h, claimed_for(available(2), &m)]);
         assert!(matches!(&w.plan().step, Step::Release { host, .. } if host.name_any() == "h2"));

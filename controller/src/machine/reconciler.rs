@@ -266,6 +266,15 @@ async fn perform(
                 Err(e) => return Err(e.into()),
             }
         }
+        Step::ForgetHostRef => {
+            let host = sbm.spec.host_ref.as_ref().map(|r| format!("{}/{}", r.namespace, r.name));
+            let patch = json!({ "spec": { "hostRef": null } });
+            let forgotten = patch_unchanged(api, sbm, patch).await?;
+            if forgotten.is_some() {
+                tracing::warn!(machine = %key(sbm), host = host.unwrap_or_default(), "the Host no longer names this machine; binding it again");
+            }
+            done(forgotten)
+        }
         Step::Release { host, why } => {
             // The machine comes from one watch and the Hosts from another: a claim made moments
             // ago for this machine looks unused to a copy of it that predates its mark or its
