@@ -339,6 +339,9 @@ fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
     if h.port == 0 {
         return Err(FieldError::new("http.port", "must be 1-65535"));
     }
+    if h.https_port == 0 || h.https_port == h.port {
+        return Err(FieldError::new("http.https_port", "must be 1-65535 and not http.port"));
+    }
     h.caps().map_err(|e| {
         let field = match e {
             CapsError::ZeroTotal => "http.max_connections",
@@ -348,9 +351,11 @@ fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
         FieldError::new(field, e.to_string())
     })?;
     for (field, timeout) in [
+        ("http.handshake_timeout", h.handshake_timeout),
         ("http.header_timeout", h.header_timeout),
         ("http.body_timeout", h.body_timeout),
         ("http.stall_timeout", h.stall_timeout),
+        ("http.drain_timeout", h.drain_timeout),
     ] {
         if timeout.is_zero() {
             return Err(FieldError::new(field, "must be longer than 0s"));
@@ -559,6 +564,10 @@ unknown_hosts:
         assert_eq!(config.http.max_connections_per_address, 16);
         assert_eq!(config.http.reserved_connections(), 64, "a sixteenth by default");
         assert_eq!(config.http.header_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(config.http.https_port, 8443);
+        assert_eq!(config.http.tls, None, "generated in state_dir unless configured");
+        assert_eq!(config.http.handshake_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(config.http.drain_timeout, std::time::Duration::from_secs(10));
         assert_eq!(config.tftp.max_transfers_per_address, 8);
         assert_eq!(config.tftp.max_timeout, std::time::Duration::from_secs(10));
         let cases: &[(&str, &str)] = &[
@@ -568,6 +577,10 @@ unknown_hosts:
             ("http:\n  header_timeout: 0s", "http.header_timeout"),
             ("http:\n  body_timeout: 0s", "http.body_timeout"),
             ("http:\n  stall_timeout: 0s", "http.stall_timeout"),
+            ("http:\n  handshake_timeout: 0s", "http.handshake_timeout"),
+            ("http:\n  drain_timeout: 0s", "http.drain_timeout"),
+            ("http:\n  https_port: 8080", "http.https_port"),
+            ("http:\n  tls:\n    certificate: /x.crt", "http.tls"),
             ("  max_transfers: 0", "tftp.max_transfers"),
             ("  max_transfers_per_address: 0", "tftp.max_transfers_per_address"),
             ("  max_timeout: 256s", "tftp.max_timeout"),
