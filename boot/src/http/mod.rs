@@ -21,6 +21,8 @@
 
 mod deadline;
 mod rate;
+#[cfg(test)]
+mod server_tests;
 mod static_files;
 
 use std::convert::Infallible;
