@@ -167,6 +167,17 @@ impl SimHost {
         http(&self.host.ns, &self.shared.base_url, method, path, token, body)
     }
 
+    /// A request over plain HTTP from this host's address, whatever the path (what an old
+    /// or misconfigured ramdisk would send): (status, body).
+    pub fn http_plain(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+    ) -> Result<(u16, String)> {
+        http(&self.host.ns, &self.shared.base_url, method, path, token, None)
+    }
+
     pub fn log(&self) -> String {
         self.shared.log.lock().unwrap().join("\n")
     }
