@@ -233,3 +233,38 @@ async fn the_drain_deadline_bounds_shutdown() {
     let took = started.elapsed();
     assert!(took >= drain && took < DEADLINE, "returned after {took:?}");
 }
+
+#[tokio::test]
+async fn a_stalled_agent_body_over_https_is_answered_408() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let body_timeout = Duration::from_millis(300);
+    let running = start(HttpSettings { body_timeout, ..Default::default() }).await;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let pin = running.identity.fingerprint.to_string().parse().unwrap();
+    let verifier = siteboot_agent::pin::PinnedCertificate::new(pin, &provider);
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
+    let tcp = TcpStream::connect(running.https).unwrap();
+    tcp.set_nonblocking(true).unwrap();
+    let name = rustls::pki_types::ServerName::IpAddress(Ipv4Addr::LOCALHOST.into());
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tokio::net::TcpStream::from_std(tcp).unwrap())
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    tls.write_all(
+        b"POST /agent/v1/inspection HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n{",
+    )
+    .await
+    .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(DEADLINE, tls.read_to_end(&mut answer)).await.unwrap().unwrap_or(0);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(started.elapsed() >= body_timeout);
+}
