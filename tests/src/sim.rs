@@ -255,7 +255,8 @@ fn boot(s: &Shared, host: &ClientHost) -> Result<()> {
     }
     *s.token.lock().unwrap() = token.clone();
     *s.agent.lock().unwrap() = Some(agent.clone());
-    s.note(format!("in the ramdisk (token: {}, agent API {})", token.is_some(), agent.url()));
+    // trust_controller.rs counts these lines: keep "(token: ...)" as it is.
+    s.note(format!("in the ramdisk (token: {}) agent API {}", token.is_some(), agent.url()));
     s.set_phase(Phase::Ramdisk);
     if s.manual {
         while !s.interrupted() {
