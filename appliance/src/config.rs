@@ -229,6 +229,9 @@ impl Config {
         let plan = NetworkPlan::new(&file.dhcp, file.address, "dhcp")?;
         check_tftp(&file.tftp)?;
         check_http(&file.http)?;
+        if file.drain_timeout.is_zero() {
+            return Err(FieldError::new("drain_timeout", "must be longer than 0s"));
+        }
         let binaries = IpxeBinaries::discover(&file.tftp.ipxe_dir);
         if binaries.platforms().next().is_none() {
             return Err(FieldError::new(
@@ -353,6 +356,9 @@ fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
     if h.port == 0 {
         return Err(FieldError::new("http.port", "must be 1-65535"));
     }
+    if h.https_port == 0 || h.https_port == h.port {
+        return Err(FieldError::new("http.https_port", "must be 1-65535 and not http.port"));
+    }
     h.caps().map_err(|e| {
         let field = match e {
             CapsError::ZeroTotal => "http.max_connections",
@@ -362,6 +368,7 @@ fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
         FieldError::new(field, e.to_string())
     })?;
     for (field, timeout) in [
+        ("http.handshake_timeout", h.handshake_timeout),
         ("http.header_timeout", h.header_timeout),
         ("http.body_timeout", h.body_timeout),
         ("http.stall_timeout", h.stall_timeout),
@@ -573,6 +580,10 @@ unknown_hosts:
         assert_eq!(config.http.max_connections_per_address, 16);
         assert_eq!(config.http.reserved_connections(), 64, "a sixteenth by default");
         assert_eq!(config.http.header_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(config.http.https_port, 8443);
+        assert_eq!(config.http.tls, None, "generated in state_dir unless configured");
+        assert_eq!(config.http.handshake_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(config.drain_timeout, std::time::Duration::from_secs(10));
         assert_eq!(config.tftp.max_transfers_per_address, 8);
         assert_eq!(config.tftp.max_timeout, std::time::Duration::from_secs(10));
         let cases: &[(&str, &str)] = &[
@@ -582,6 +593,10 @@ unknown_hosts:
             ("http:\n  header_timeout: 0s", "http.header_timeout"),
             ("http:\n  body_timeout: 0s", "http.body_timeout"),
             ("http:\n  stall_timeout: 0s", "http.stall_timeout"),
+            ("http:\n  handshake_timeout: 0s", "http.handshake_timeout"),
+            ("drain_timeout: 0s", "drain_timeout"),
+            ("http:\n  https_port: 8080", "http.https_port"),
+            ("http:\n  tls:\n    certificate: /x.crt", "http.tls"),
             ("  max_transfers: 0", "tftp.max_transfers"),
             ("  max_transfers_per_address: 0", "tftp.max_transfers_per_address"),
             ("  max_timeout: 256s", "tftp.max_timeout"),
@@ -589,8 +604,9 @@ unknown_hosts:
             ("  timeout: 11s", "tftp.timeout"),
         ];
         for (extra, field) in cases {
-            // http: lines start a section; indented ones go into the tftp: section.
-            let text = if extra.starts_with("http:") {
+            // Unindented lines start a section or set a top-level field; indented ones go into
+            // the tftp: section.
+            let text = if !extra.starts_with(' ') {
                 format!("{GOOD}\n{extra}\n")
             } else {
                 GOOD.replace("  ipxe_dir: IPXE", &format!("  ipxe_dir: IPXE\n{extra}"))
@@ -632,6 +648,8 @@ unknown_hosts:
         // Unset, it follows the mode.
         "dhcp.known_hosts_only",
         "http.root",
+        // Unset (generated): kubernetes.yaml shows a certificate shared by the replicas.
+        "http.tls",
         // Unset, a sixteenth of max_connections.
         "http.reserved_connections",
         "profiles",
@@ -643,7 +661,8 @@ unknown_hosts:
 
     /// The examples are the reference of the file format. standalone.yaml shows every field
     /// both modes have, kubernetes.yaml its `kubernetes:` section (and may show a part of the
-    /// rest). Which fields exist comes from serde itself (see [`crate::serde_keys`]), so a new
+    /// rest; the fields of an optional section standalone.yaml shows unset). Which fields exist
+    /// comes from serde itself (see [`crate::serde_keys`]), so a new
     /// field fails here, by name, until an example shows it. Every value shown must be the
     /// default, but for [`EXAMPLE_VALUES`]: the file without that line must parse the same.
     #[test]
@@ -658,7 +677,12 @@ unknown_hosts:
             } else {
                 (&standalone, "standalone.yaml")
             };
-            if !shown_in.present.contains(key) {
+            // An optional section standalone.yaml leaves unset (`null`) may have its fields
+            // shown in kubernetes.yaml instead.
+            let parent_unset_here = key.rsplit_once('.').is_some_and(|(parent, _)| {
+                standalone.present.contains(parent) && kubernetes.present.contains(key)
+            });
+            if !shown_in.present.contains(key) && !parent_unset_here {
                 missing.push(format!("{key} (in examples/{name})"));
             }
         }

@@ -18,13 +18,14 @@ use siteboot_boot::dhcp::journal::Journal;
 use siteboot_boot::dhcp::leases::LeaseTable;
 use siteboot_boot::dhcp::server::{self, DhcpServer, PXE_PORT, SERVER_PORT};
 use siteboot_boot::dhcp::{DhcpService, bind_socket};
-use siteboot_boot::http::HttpServer;
+use siteboot_boot::http::{HttpServer, Listeners};
 use siteboot_boot::leadership::Leadership;
 use siteboot_boot::metrics::Metrics;
 use siteboot_boot::neighbors::{KernelArp, Neighbors};
 use siteboot_boot::tftp::TftpServer;
 use siteboot_boot::timeline::Timeline;
-use siteboot_boot::{Endpoints, Inventory};
+use siteboot_boot::tls::ServerIdentity;
+use siteboot_boot::{BootPlane, Endpoints, Inventory};
 use tokio::net::{TcpListener, UdpSocket};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinSet;
@@ -124,26 +125,36 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         }
     };
 
+    let identity =
+        ServerIdentity::load(config.http.tls.as_ref(), &config.state_dir, config.address)
+            .context("the agent API's TLS certificate (http.tls)")?;
+    tracing::info!(certificate = %identity.source.display(), fingerprint = %identity.fingerprint, "agent API certificate");
     let http_addr = SocketAddrV4::new(config.address, config.http.port);
-    let http_listener = TcpListener::bind(http_addr).await.with_context(|| {
-        format!("binding HTTP to {http_addr} (is {} an address of this machine?)", config.address)
-    })?;
+    let https_addr = SocketAddrV4::new(config.address, config.http.https_port);
+    let address = config.address;
+    let bind = |addr: SocketAddrV4| async move {
+        TcpListener::bind(addr).await.with_context(|| {
+            format!("binding HTTP to {addr} (is {address} an address of this machine?)")
+        })
+    };
+    let listeners = Listeners { http: bind(http_addr).await?, https: bind(https_addr).await? };
     let tftp_addr = SocketAddrV4::new(config.address, TFTP_PORT);
     let tftp_socket =
         UdpSocket::bind(tftp_addr).await.with_context(|| format!("binding TFTP to {tftp_addr}"))?;
 
-    let http = HttpServer::new(
-        endpoints.clone(),
-        &config.http,
-        inventory.clone(),
-        binaries.clone(),
-        timeline.clone(),
-        metrics.clone(),
-        neighbors.clone(),
-    )
-    .context("starting the HTTP server")?;
+    let plane = BootPlane {
+        endpoints: endpoints.clone(),
+        inventory: inventory.clone(),
+        binaries: binaries.clone(),
+        timeline: timeline.clone(),
+        metrics: metrics.clone(),
+        neighbors: neighbors.clone(),
+    };
+    let http =
+        HttpServer::new(plane, &config.http, &identity).context("starting the HTTP server")?;
+    let (stop, drain) = (shutdown.clone(), config.drain_timeout);
     servers.spawn(async move {
-        http.run(http_listener).await;
+        http.run(listeners, stop, drain).await;
         (Server::Http, Ok(()))
     });
     let tftp = TftpServer::new(
@@ -188,6 +199,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         address = %config.address,
         dhcp = ?config.dhcp.mode,
         http = %http_addr,
+        https = %https_addr,
         hosts = %known_hosts,
         fd_limit,
         "siteboot serving"

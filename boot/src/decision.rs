@@ -6,7 +6,7 @@ use siteboot_ipxe::{IpxeBinaries, Platform, Script, Word};
 
 use crate::client::{BootClient, ClientArch};
 use crate::inventory::{BootAction, LocalBoot, Source};
-use crate::{Endpoints, MacAddr};
+use crate::{AgentEndpoint, Endpoints, MacAddr};
 
 /// How siteboot takes part in DHCP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -124,8 +124,16 @@ pub fn answer(
     }
 }
 
-/// The iPXE script for a host's [`BootAction`].
-pub fn ipxe_script(action: &BootAction, mac: MacAddr, endpoints: &Endpoints) -> String {
+/// The iPXE script for a host's [`BootAction`]. A Linux boot's command line gets
+/// `siteboot.url=` (plain HTTP: files, reports), `siteboot.agent=` (the agent API's HTTPS base
+/// URL), `siteboot.fingerprint=` (`sha256:<hex>` of the certificate served there, which the
+/// ramdisk pins) and `siteboot.mac=`.
+pub fn ipxe_script(
+    action: &BootAction,
+    mac: MacAddr,
+    endpoints: &Endpoints,
+    agent: &AgentEndpoint,
+) -> String {
     let linux = match action {
         BootAction::Script(text) => return text.clone(),
         BootAction::LocalDisk(method) => {
@@ -155,6 +163,8 @@ pub fn ipxe_script(action: &BootAction, mac: MacAddr, endpoints: &Endpoints) -> 
         initrds.iter().map(|(_, name)| word(&format!("initrd={name}"))).collect();
     args.extend(linux.cmdline.iter().cloned());
     args.push(Word::url(&format!("siteboot.url={}", endpoints.http_base())).expect("safe"));
+    args.push(Word::url(&format!("siteboot.agent={}", agent.base_url())).expect("safe"));
+    args.push(word(&format!("siteboot.fingerprint={}", agent.fingerprint)));
     args.push(word(&format!("siteboot.mac={}", mac.hyphenated())));
 
     let mut script = Script::new();
@@ -190,6 +200,14 @@ mod tests {
 
     fn endpoints() -> Endpoints {
         Endpoints { address: "10.0.0.1".parse().unwrap(), http_port: 8080 }
+    }
+
+    fn agent() -> AgentEndpoint {
+        AgentEndpoint {
+            address: "10.0.0.1".parse().unwrap(),
+            port: 8443,
+            fingerprint: crate::tls::Fingerprint::of(b"a certificate"),
+        }
     }
 
     /// The x86 binaries of Debian's ipxe package, no arm64 build.
@@ -280,23 +298,32 @@ mod tests {
             cmdline: vec![Word::new("console=ttyS0").unwrap()],
         });
         let mac = "52:54:00:00:00:01".parse().unwrap();
+        let script = ipxe_script(&action, mac, &endpoints(), &agent());
         assert_eq!(
-            ipxe_script(&action, mac, &endpoints()),
+            script,
             "#!ipxe\n\
              echo siteboot: booting 52-54-00-00-00-01\n\
-             kernel http://10.0.0.1:8080/files/k/vmlinuz initrd=0-initrd.img initrd=1-initrd.img console=ttyS0 siteboot.url=http://10.0.0.1:8080 siteboot.mac=52-54-00-00-00-01\n\
+             kernel http://10.0.0.1:8080/files/k/vmlinuz initrd=0-initrd.img initrd=1-initrd.img console=ttyS0 siteboot.url=http://10.0.0.1:8080 siteboot.agent=https://10.0.0.1:8443 siteboot.fingerprint=sha256:81acd762140fa692a142822d2fbe4dc6f54bcaa501f68ab37e5aeed0bafe4d99 siteboot.mac=52-54-00-00-00-01\n\
              initrd --name 0-initrd.img http://10.0.0.1:8080/files/a/initrd.img\n\
              initrd --name 1-initrd.img http://mirror/b/initrd.img\n\
              boot\n"
         );
+        // What the ramdisk agent reads back from that command line.
+        let kernel = script.lines().find(|l| l.starts_with("kernel ")).unwrap();
+        let cmdline = siteboot_agent::cmdline::Cmdline::parse(kernel).unwrap();
+        assert_eq!(cmdline.agent.to_string(), agent().base_url());
+        assert_eq!(cmdline.fingerprint.to_string(), agent().fingerprint.to_string());
+        assert_eq!(cmdline.token, None);
     }
 
     #[test]
     fn local_disk_scripts() {
         let mac = "52:54:00:00:00:01".parse().unwrap();
-        let exit = ipxe_script(&BootAction::LocalDisk(LocalBoot::Exit), mac, &endpoints());
+        let exit =
+            ipxe_script(&BootAction::LocalDisk(LocalBoot::Exit), mac, &endpoints(), &agent());
         assert!(exit.ends_with("\nexit\n"), "{exit}");
-        let san = ipxe_script(&BootAction::LocalDisk(LocalBoot::Sanboot), mac, &endpoints());
+        let san =
+            ipxe_script(&BootAction::LocalDisk(LocalBoot::Sanboot), mac, &endpoints(), &agent());
         assert!(san.ends_with("\nsanboot --no-describe --drive 0x80\n"), "{san}");
     }
 }

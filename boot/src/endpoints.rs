@@ -3,6 +3,7 @@
 use std::net::Ipv4Addr;
 
 use crate::MacAddr;
+use crate::tls::Fingerprint;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoints {
@@ -30,5 +31,21 @@ impl Endpoints {
     /// An iPXE binary, for UEFI HTTP boot clients.
     pub fn ipxe_binary_url(&self, name: &str) -> String {
         format!("{}/ipxe/{}", self.http_base(), name)
+    }
+}
+
+/// Where the deploy ramdisk reaches the agent API over HTTPS, and the certificate it pins there
+/// (both go on its kernel command line).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentEndpoint {
+    pub address: Ipv4Addr,
+    pub port: u16,
+    pub fingerprint: Fingerprint,
+}
+
+impl AgentEndpoint {
+    /// `https://<address>:<port>`, with no trailing slash; the API is under `/agent/`.
+    pub fn base_url(&self) -> String {
+        format!("https://{}:{}", self.address, self.port)
     }
 }

@@ -17,9 +17,12 @@ pub mod leadership;
 mod mac;
 pub mod metrics;
 pub mod neighbors;
+mod plane;
 pub mod tftp;
 pub mod timeline;
+pub mod tls;
 
-pub use endpoints::Endpoints;
+pub use endpoints::{AgentEndpoint, Endpoints};
 pub use inventory::{BootAction, BootRequest, Inventory};
 pub use mac::{InvalidMac, MacAddr};
+pub use plane::BootPlane;

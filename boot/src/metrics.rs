@@ -34,12 +34,13 @@ pub enum HttpRoute {
     Agent,
     Timeline,
     Health,
+    Ready,
     Metrics,
     NotFound,
 }
 
 impl HttpRoute {
-    const ALL: [HttpRoute; 9] = [
+    const ALL: [HttpRoute; 10] = [
         HttpRoute::Script,
         HttpRoute::File,
         HttpRoute::IpxeBinary,
@@ -47,6 +48,7 @@ impl HttpRoute {
         HttpRoute::Agent,
         HttpRoute::Timeline,
         HttpRoute::Health,
+        HttpRoute::Ready,
         HttpRoute::Metrics,
         HttpRoute::NotFound,
     ];
@@ -60,6 +62,7 @@ impl HttpRoute {
             HttpRoute::Agent => "agent",
             HttpRoute::Timeline => "timeline",
             HttpRoute::Health => "health",
+            HttpRoute::Ready => "ready",
             HttpRoute::Metrics => "metrics",
             HttpRoute::NotFound => "not-found",
         }
@@ -73,23 +76,31 @@ impl HttpRoute {
 /// Why an HTTP request was refused before it was served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HttpRefusal {
-    /// A request other than a boot script, an iPXE binary or `/healthz` on a reserved slot.
+    /// A request other than a boot script, an iPXE binary, `/healthz` or `/readyz` on a
+    /// reserved slot.
     ReservedSlot,
     /// A boot report for a MAC the sender does not hold.
     ReportNotHolder,
     /// A boot report over the sender's rate.
     ReportRate,
+    /// The agent API asked for over plain HTTP.
+    AgentOverHttp,
 }
 
 impl HttpRefusal {
-    const ALL: [HttpRefusal; 3] =
-        [HttpRefusal::ReservedSlot, HttpRefusal::ReportNotHolder, HttpRefusal::ReportRate];
+    const ALL: [HttpRefusal; 4] = [
+        HttpRefusal::ReservedSlot,
+        HttpRefusal::ReportNotHolder,
+        HttpRefusal::ReportRate,
+        HttpRefusal::AgentOverHttp,
+    ];
 
     fn as_str(self) -> &'static str {
         match self {
             HttpRefusal::ReservedSlot => "reserved-slot",
             HttpRefusal::ReportNotHolder => "report-not-holder",
             HttpRefusal::ReportRate => "report-rate",
+            HttpRefusal::AgentOverHttp => "agent-over-http",
         }
     }
 

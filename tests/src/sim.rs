@@ -2,7 +2,9 @@
 //! what a machine does when it network-boots from siteboot. It gets a lease with a real DHCP
 //! client (udhcpc), fetches its iPXE script, then either "boots the local disk" (the OS phase)
 //! or fetches the ramdisk's kernel and initrd and plays the deploy ramdisk against the agent
-//! API (`/agent/v1/...`) with the token from its kernel command line.
+//! API (`/agent/v1/...`) with the token from its kernel command line. It speaks to the agent
+//! API as the real ramdisk does: with `siteboot_agent`'s client, over HTTPS, pinning the
+//! certificate fingerprint from that command line.
 //!
 //! What it cannot do by itself (power-cycle when told, run a kubelet) the test does through
 //! [`SimHost::reboot`] and the Kubernetes API.
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+use siteboot_agent::{AgentClient, Cmdline, Token};
 
 use crate::clients::{ClientHost, Udhcpc};
 use crate::netns::{self, Netns};
@@ -46,6 +49,8 @@ struct Shared {
     stop: AtomicBool,
     boots: AtomicU32,
     token: Mutex<Option<String>>,
+    /// The agent API client of the current ramdisk boot (URL and pin from its command line).
+    agent: Mutex<Option<AgentClient>>,
     bootstrap: Mutex<Vec<String>>,
     log: Mutex<Vec<String>>,
     /// Manual hosts boot and fetch their ramdisk, then leave the agent API to the test.
@@ -100,6 +105,7 @@ impl SimHost {
             stop: AtomicBool::new(false),
             boots: AtomicU32::new(0),
             token: Mutex::new(None),
+            agent: Mutex::new(None),
             bootstrap: Mutex::new(Vec::new()),
             log: Mutex::new(Vec::new()),
             manual,
@@ -144,7 +150,8 @@ impl SimHost {
         self.shared.bootstrap.lock().unwrap().clone()
     }
 
-    /// An HTTP request from this host's address: (status, body).
+    /// An HTTP request from this host's address: (status, body). `/agent/...` goes over HTTPS
+    /// to the agent API its ramdisk was told about, pinning that certificate.
     pub fn http(
         &self,
         method: &str,
@@ -152,7 +159,23 @@ impl SimHost {
         token: Option<&str>,
         body: Option<&Value>,
     ) -> Result<(u16, String)> {
+        if path.starts_with("/agent/") {
+            let agent = self.shared.agent.lock().unwrap().clone();
+            let agent = agent.context("the host has not booted a ramdisk: no agent API to ask")?;
+            return agent_http(&self.host.ns, &agent, method, path, token, body);
+        }
         http(&self.host.ns, &self.shared.base_url, method, path, token, body)
+    }
+
+    /// A request over plain HTTP from this host's address, whatever the path (what an old
+    /// or misconfigured ramdisk would send): (status, body).
+    pub fn http_plain(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+    ) -> Result<(u16, String)> {
+        http(&self.host.ns, &self.shared.base_url, method, path, token, None)
     }
 
     pub fn log(&self) -> String {
@@ -177,6 +200,7 @@ fn run(s: &Shared, host: &ClientHost) {
         s.reboot.store(false, Ordering::Release);
         s.set_phase(Phase::Booting);
         *s.token.lock().unwrap() = None;
+        *s.agent.lock().unwrap() = None;
         if let Err(e) = boot(s, host) {
             s.note(format!("boot failed: {e:#}"));
             std::thread::sleep(Duration::from_secs(1));
@@ -219,7 +243,9 @@ fn boot(s: &Shared, host: &ClientHost) -> Result<()> {
         dhcp.kill();
         return Ok(());
     }
-    let (files, token) = parse_script(&script)?;
+    let (files, cmdline) = parse_script(&script)?;
+    let token = cmdline.token.as_ref().map(|t| t.as_str().to_owned());
+    let agent = agent_client(&cmdline);
     for url in files {
         let path = url.strip_prefix(&s.base_url).context("ramdisk served elsewhere")?;
         let (status, _) = http(&host.ns, &s.base_url, "GET", path, None, None)?;
@@ -228,31 +254,29 @@ fn boot(s: &Shared, host: &ClientHost) -> Result<()> {
         }
     }
     *s.token.lock().unwrap() = token.clone();
-    s.note(format!("in the ramdisk (token: {})", token.is_some()));
+    *s.agent.lock().unwrap() = Some(agent.clone());
+    // trust_controller.rs counts these lines: keep "(token: ...)" as it is.
+    s.note(format!("in the ramdisk (token: {}) agent API {}", token.is_some(), agent.url()));
     s.set_phase(Phase::Ramdisk);
     if s.manual {
         while !s.interrupted() {
             std::thread::sleep(Duration::from_millis(200));
         }
     } else {
-        ramdisk(s, host, token.as_deref())?;
+        ramdisk(s, host, &agent, token.as_deref())?;
     }
     dhcp.kill();
     Ok(())
 }
 
-/// The kernel and initrd URLs and the token of an iPXE script siteboot wrote.
-fn parse_script(script: &str) -> Result<(Vec<String>, Option<String>)> {
+/// The kernel and initrd URLs of an iPXE script siteboot wrote, and the kernel command line
+/// as the ramdisk agent reads it.
+fn parse_script(script: &str) -> Result<(Vec<String>, Cmdline)> {
     let mut files = Vec::new();
-    let mut token = None;
     for line in script.lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
-            ["kernel", url, args @ ..] => {
-                files.push((*url).to_owned());
-                token =
-                    args.iter().find_map(|a| a.strip_prefix("siteboot.token=")).map(str::to_owned);
-            }
+            ["kernel", url, ..] => files.push((*url).to_owned()),
             ["initrd", "--name", _, url] => files.push((*url).to_owned()),
             _ => {}
         }
@@ -260,13 +284,48 @@ fn parse_script(script: &str) -> Result<(Vec<String>, Option<String>)> {
     if files.is_empty() {
         bail!("not a kernel script:\n{script}");
     }
-    Ok((files, token))
+    Ok((files, ramdisk_cmdline(script)?))
+}
+
+/// The kernel command line of a ramdisk script siteboot served, parsed as the agent does.
+pub fn ramdisk_cmdline(script: &str) -> Result<Cmdline> {
+    let kernel = script
+        .lines()
+        .find(|l| l.starts_with("kernel "))
+        .with_context(|| format!("no kernel line in:\n{script}"))?;
+    Cmdline::parse(kernel).with_context(|| format!("the ramdisk's command line: {kernel}"))
+}
+
+/// The agent API client a ramdisk with `cmdline` uses.
+pub fn agent_client(cmdline: &Cmdline) -> AgentClient {
+    AgentClient::new(cmdline.agent, cmdline.fingerprint).with_timeout(Duration::from_secs(10))
+}
+
+/// A request to the agent API from inside `ns` (`path` starts with `/agent/`): (status, body).
+pub fn agent_http(
+    ns: &Netns,
+    agent: &AgentClient,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> Result<(u16, String)> {
+    let path = path.strip_prefix("/agent/").context("not an agent API path")?.to_owned();
+    let method: http::Method = method.parse()?;
+    let token = token.map(Token::new).transpose().map_err(anyhow::Error::msg)?;
+    let body = body.map(|b| bytes::Bytes::from(b.to_string()));
+    let agent = agent.clone();
+    let response = ns.enter(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        Ok(runtime.block_on(agent.request(method, &path, token.as_ref(), body))?)
+    })?;
+    Ok((response.status.as_u16(), String::from_utf8_lossy(&response.body).into_owned()))
 }
 
 /// The deploy ramdisk's loop: ask for a task, do it, report.
-fn ramdisk(s: &Shared, host: &ClientHost, token: Option<&str>) -> Result<()> {
+fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&str>) -> Result<()> {
     let call = |method: &str, path: &str, body: Option<&Value>| {
-        http(&host.ns, &s.base_url, method, &format!("/agent/v1/{path}"), token, body)
+        agent_http(&host.ns, agent, method, &format!("/agent/v1/{path}"), token, body)
     };
     while !s.interrupted() {
         let (status, body) = call("GET", "task", None)?;

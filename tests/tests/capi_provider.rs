@@ -410,12 +410,9 @@ async fn bootstrap_data_reaches_only_the_claimed_host_with_its_token() {
     .unwrap();
     let mut dhcp = siteboot_tests::clients::Udhcpc::start(&intruder, &[]).unwrap();
     dhcp.wait_bound(Duration::from_secs(30)).unwrap();
-    let intruder_get = |path: &str, token: Option<&str>| {
+    let intruder_get = |path: &str| {
         let mut command = intruder.ns.command("curl");
         command.args(["-sS", "-o", "-", "-w", "\n%{http_code}"]);
-        if let Some(t) = token {
-            command.args(["-H", &format!("Authorization: Bearer {t}")]);
-        }
         let out = siteboot_tests::netns::output(
             command.arg(format!("{}{path}", lab.siteboot.base_url())),
         )
@@ -423,11 +420,22 @@ async fn bootstrap_data_reaches_only_the_claimed_host_with_its_token() {
         let (body, status) = out.rsplit_once('\n').unwrap();
         (status.trim().parse::<u16>().unwrap(), body.to_owned())
     };
-    assert_eq!(intruder_get("/agent/v1/bootstrap", Some(&token)).0, 403);
     // Nor does it get a token by asking for the host's script.
-    let (status, script) =
-        intruder_get(&format!("/boot/{}.ipxe", sim.mac().replace(':', "-")), None);
+    let (status, script) = intruder_get(&format!("/boot/{}.ipxe", sim.mac().replace(':', "-")));
     assert_eq!(status, 200);
+    // Over HTTPS, as a ramdisk would, with the agent URL and pin from that script.
+    let agent =
+        siteboot_tests::sim::agent_client(&siteboot_tests::sim::ramdisk_cmdline(&script).unwrap());
+    let (status, _) = siteboot_tests::sim::agent_http(
+        &intruder.ns,
+        &agent,
+        "GET",
+        "/agent/v1/bootstrap",
+        Some(&token),
+        None,
+    )
+    .unwrap();
+    assert_eq!(status, 403);
     assert!(
         !script.contains("siteboot.token="),
         "a token was issued to another address:\n{script}"

@@ -124,7 +124,9 @@ fn a_vm_boots_while_the_segment_attacks_siteboot() {
         failures.push(format!("reports for {VM_MAC} from 10.99.0.253 were accepted: {statuses:?}"));
     }
 
-    // Idle connections, stalled agent bodies, a download nobody reads.
+    // Idle connections, stalled agent bodies, a download nobody reads. The agent API is on
+    // HTTPS now: over plain HTTP these are refused (403) and closed before their bodies are
+    // read; the body deadline over HTTPS is boot/src/http/server_tests.rs's.
     let mut idle = Stalled::open("idle", &flood.ns, HTTP, IDLE_CONNECTIONS, b"").unwrap();
     let body = "POST /agent/v1/inspection HTTP/1.1\r\nHost: 10.99.0.1\r\n\
                 Content-Type: application/json\r\nContent-Length: 65536\r\n\r\n{\"disks\":";

@@ -16,7 +16,7 @@ use siteboot_controller::crd::{Host, HostSpec, HostState, SITE_LABEL};
 use siteboot_tests::appliance::{self, mac_dashed};
 use siteboot_tests::clients::{ClientHost, Udhcpc};
 use siteboot_tests::provider::{ProviderLab, SITE, Sims};
-use siteboot_tests::sim::SimHost;
+use siteboot_tests::sim::{self, SimHost};
 
 const ROLLOUT: Duration = Duration::from_secs(300);
 const SERVER: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 1);
@@ -162,12 +162,9 @@ impl Intruder {
     }
 
     /// `curl` from the intruder's address: (status, body).
-    fn get(&self, path: &str, token: Option<&str>) -> (u16, String) {
+    fn get(&self, path: &str) -> (u16, String) {
         let mut command = self.host.ns.command("curl");
         command.args(["-sS", "-o", "-", "-w", "\n%{http_code}"]);
-        if let Some(t) = token {
-            command.args(["-H", &format!("Authorization: Bearer {t}")]);
-        }
         let out =
             siteboot_tests::netns::output(command.arg(format!("{}{path}", self.base_url))).unwrap();
         let (body, status) = out.rsplit_once('\n').unwrap();
@@ -177,14 +174,18 @@ impl Intruder {
     /// The victim's boot script carries no token for the intruder, and the bootstrap data is
     /// refused even with the best token it can have: one from that script, or the victim's own.
     fn assert_gets_nothing(&self, victim: &SimHost, victim_token: &str) {
-        let (status, script) = self.get(&format!("/boot/{}.ipxe", mac_dashed(victim.mac())), None);
+        let (status, script) = self.get(&format!("/boot/{}.ipxe", mac_dashed(victim.mac())));
         assert_eq!(status, 200, "{script}");
         let stolen = script
             .split_whitespace()
             .find_map(|w| w.strip_prefix("siteboot.token="))
             .map(str::to_owned);
         let token = stolen.as_deref().unwrap_or(victim_token);
-        let (status, data) = self.get("/agent/v1/bootstrap", Some(token));
+        // Over HTTPS, as the ramdisk does, with the URL and pin from the victim's script.
+        let agent = sim::agent_client(&sim::ramdisk_cmdline(&script).unwrap());
+        let (status, data) =
+            sim::agent_http(&self.host.ns, &agent, "GET", "/agent/v1/bootstrap", Some(token), None)
+                .unwrap();
         assert!(
             stolen.is_none() && status == 403,
             "the intruder at {} got a token: {stolen:?}; bootstrap answered {status}: {data:?}",

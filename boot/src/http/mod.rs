@@ -1,20 +1,28 @@
 //! The HTTP server: per-host iPXE scripts, boot files, iPXE binaries for UEFI HTTP boot, boot
-//! callbacks, timelines, health and metrics.
+//! callbacks, timelines, health and metrics over plain HTTP (what firmware and iPXE can fetch),
+//! and the deploy ramdisk's agent API over HTTPS only (it carries join secrets).
 //!
-//! Routes:
+//! Plain HTTP routes (`http.port`):
 //! - `GET /boot/<mac>.ipxe`: the host's iPXE script
 //! - `GET|HEAD /files/<path>`: a file under the HTTP root (Range, ETag)
 //! - `GET|HEAD /ipxe/<name>`: an iPXE binary (UEFI HTTP boot)
 //! - `POST /report/<mac>/<stage>`: a boot callback, accepted from the host holding that MAC
 //! - `GET /timeline` and `GET /timeline/<mac>`: boot timelines as JSON
-//! - `GET /healthz`, `GET /metrics`
+//! - `GET /healthz` (alive), `GET /readyz` (the inventory can answer), `GET /metrics`
+//! - `/agent/...`: refused (403), with the HTTPS URL to use instead
 //!
-//! Every client is untrusted: connections are admitted per address with a reserve for boot
-//! scripts and iPXE binaries ([`crate::admission`]), and every read and write has a deadline
-//! (request headers, the agent body, and [`deadline::WriteDeadline`] for responses).
+//! HTTPS routes (`http.https_port`, the certificate of [`crate::tls`]): `/agent/...` only.
+//!
+//! Every client is untrusted: connections on both ports are admitted per address from one pool
+//! with a reserve for boot scripts and iPXE binaries ([`crate::admission`]), and every read and
+//! write has a deadline (the TLS handshake, request headers, the agent body, and
+//! [`deadline::WriteDeadline`] for responses). On shutdown both listeners close at once and
+//! the requests in flight get the configured `drain_timeout` to finish.
 
 mod deadline;
 mod rate;
+#[cfg(test)]
+mod server_tests;
 mod static_files;
 
 use std::convert::Infallible;
@@ -31,18 +39,21 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::Deserialize;
-use siteboot_ipxe::IpxeBinaries;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::admission::{Caps, CapsError, Slot, Slots, Ticket};
 use crate::backoff::Backoff;
 use crate::decision::ipxe_script;
 use crate::files::{FileError, FileRoot};
-use crate::inventory::{AgentRequest, BootRequest, Inventory};
+use crate::inventory::{AgentRequest, BootRequest};
 use crate::metrics::{HttpRefusal, HttpRoute, Metrics};
-use crate::neighbors::Neighbors;
-use crate::timeline::{Stage, Timeline};
-use crate::{Endpoints, MacAddr};
+use crate::timeline::Stage;
+use crate::tls::{ServerIdentity, TlsFiles};
+use crate::{AgentEndpoint, BootPlane, MacAddr};
 
 use deadline::WriteDeadline;
 use rate::{Rate, RateLimiter};
@@ -65,72 +76,70 @@ const REPORT_ADDRESSES: usize = 65_536;
 /// (128 events of a few hundred bytes).
 const MAX_LISTED_HOSTS: usize = 256;
 
-/// The `http:` section of the configuration.
+/// The `http:` section of the configuration. A field left out takes its value from
+/// [`HttpSettings::default`], the one place the defaults are written (`examples/standalone.yaml`
+/// shows each, checked by a test).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct HttpSettings {
-    /// TCP port for boot scripts, files, the agent API, health and metrics. Default 8080.
-    #[serde(default = "default_port")]
+    /// TCP port for boot scripts, files, reports, health and metrics (plain HTTP, what
+    /// firmware and iPXE fetch).
     pub port: u16,
+    /// TCP port of the agent API, over HTTPS only: the deploy ramdisk gets
+    /// `siteboot.agent=https://<address>:<https_port>` on its command line.
+    pub https_port: u16,
+    /// The agent API's certificate and key (PEM files, e.g. a mounted Kubernetes TLS Secret).
+    /// Default: none, and siteboot generates a self-signed certificate on first start and keeps
+    /// it in `state_dir/agent-tls.pem` (mode 0600), reused on every restart. Either way the
+    /// ramdisk pins the certificate's SHA-256 (`siteboot.fingerprint=` on its command line), so
+    /// no CA is needed; replicas of one site should share one certificate.
+    pub tls: Option<TlsFiles>,
     /// Kernels, initrds and images, served at `/files/<path>`.
     pub root: Option<PathBuf>,
-    /// Connections served at once; more wait in the listen backlog. Each takes up to two file
-    /// descriptors (the socket and a file), which the process's limit must allow. Default 1024.
-    #[serde(default = "default_max_connections")]
+    /// Connections served at once, on both ports together; more wait in the listen backlog.
+    /// Each takes up to two file descriptors (the socket and a file), which the process's
+    /// limit must allow.
     pub max_connections: usize,
     /// Connections one client address may hold at once; more are closed as they arrive, so
-    /// one machine cannot take every slot. Default 16.
-    #[serde(default = "default_max_connections_per_address")]
+    /// one machine cannot take every slot.
     pub max_connections_per_address: usize,
     /// How many of `max_connections` are kept for boot scripts (`/boot/`), iPXE binaries
-    /// (`/ipxe/`) and `/healthz` once the others are taken: hosts can still start to boot while
-    /// large downloads or idle clients hold the rest. Default: a sixteenth of `max_connections`.
+    /// (`/ipxe/`), `/healthz` and `/readyz` once the others are taken: hosts can still start to
+    /// boot, and probes still answer, while large downloads or idle clients hold the rest.
+    /// Default: a sixteenth of `max_connections`.
     pub reserved_connections: Option<usize>,
-    /// Time a client has to send a request's headers, from connecting or from the end of its
-    /// previous response. Default 10s.
-    #[serde(default = "default_header_timeout", with = "humantime_serde")]
+    /// Time an HTTPS client has to finish the TLS handshake, from connecting.
+    #[serde(with = "humantime_serde")]
+    pub handshake_timeout: Duration,
+    /// Time a client has to send a request's headers, from connecting (or from the end of the
+    /// TLS handshake) or from the end of its previous response.
+    #[serde(with = "humantime_serde")]
     pub header_timeout: Duration,
-    /// Time a client has to send a whole agent API request body. Default 10s.
-    #[serde(default = "default_body_timeout", with = "humantime_serde")]
+    /// Time a client has to send a whole agent API request body.
+    #[serde(with = "humantime_serde")]
     pub body_timeout: Duration,
     /// A client that accepts no response data for this long loses its connection. The time
-    /// restarts whenever data goes through: a slow but live download is never cut. Default 30s.
-    #[serde(default = "default_stall_timeout", with = "humantime_serde")]
+    /// restarts whenever data goes through: a slow but live download is never cut.
+    #[serde(with = "humantime_serde")]
     pub stall_timeout: Duration,
 }
 
 impl Default for HttpSettings {
     fn default() -> Self {
         Self {
-            port: default_port(),
+            port: 8080,
+            https_port: 8443,
+            tls: None,
             root: None,
-            max_connections: default_max_connections(),
-            max_connections_per_address: default_max_connections_per_address(),
+            max_connections: 1024,
+            max_connections_per_address: 16,
             reserved_connections: None,
-            header_timeout: default_header_timeout(),
-            body_timeout: default_body_timeout(),
-            stall_timeout: default_stall_timeout(),
+            handshake_timeout: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+            stall_timeout: Duration::from_secs(30),
         }
     }
-}
-
-fn default_port() -> u16 {
-    8080
-}
-fn default_max_connections() -> usize {
-    1024
-}
-fn default_max_connections_per_address() -> usize {
-    16
-}
-fn default_header_timeout() -> Duration {
-    Duration::from_secs(10)
-}
-fn default_body_timeout() -> Duration {
-    Duration::from_secs(10)
-}
-fn default_stall_timeout() -> Duration {
-    Duration::from_secs(30)
 }
 
 impl HttpSettings {
@@ -158,59 +167,105 @@ pub enum SetupError {
     Caps(#[from] CapsError),
 }
 
+/// The two listening sockets: plain HTTP (`http.port`) and HTTPS for the agent API
+/// (`http.https_port`).
+pub struct Listeners {
+    pub http: TcpListener,
+    pub https: TcpListener,
+}
+
+/// Which of the two ports a connection came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Port {
+    Http,
+    Https,
+}
+
 pub struct HttpServer {
-    endpoints: Endpoints,
-    inventory: Arc<dyn Inventory>,
+    plane: BootPlane,
+    /// What the ramdisk is told about the agent API, and where plain `/agent/` requests are
+    /// sent.
+    agent: AgentEndpoint,
+    tls: TlsAcceptor,
     files: Option<FileRoot>,
-    binaries: Arc<IpxeBinaries>,
     ipxe_root: FileRoot,
-    timeline: Arc<Timeline>,
-    metrics: Arc<Metrics>,
-    neighbors: Arc<Neighbors>,
     slots: Arc<Slots>,
     reports: Mutex<RateLimiter>,
+    handshake_timeout: Duration,
     header_timeout: Duration,
     body_timeout: Duration,
     stall_timeout: Duration,
 }
 
 impl HttpServer {
-    #[allow(clippy::too_many_arguments)]
+    /// A server for `plane`, serving the agent API with `identity`'s certificate.
     pub fn new(
-        endpoints: Endpoints,
+        plane: BootPlane,
         settings: &HttpSettings,
-        inventory: Arc<dyn Inventory>,
-        binaries: Arc<IpxeBinaries>,
-        timeline: Arc<Timeline>,
-        metrics: Arc<Metrics>,
-        neighbors: Arc<Neighbors>,
+        identity: &ServerIdentity,
     ) -> Result<Self, SetupError> {
         Ok(Self {
-            endpoints,
-            inventory,
+            agent: AgentEndpoint {
+                address: plane.endpoints.address,
+                port: settings.https_port,
+                fingerprint: identity.fingerprint,
+            },
+            tls: TlsAcceptor::from(identity.config.clone()),
             files: settings.root.as_deref().map(FileRoot::open).transpose()?,
-            ipxe_root: FileRoot::open(binaries.dir())?,
-            binaries,
-            timeline,
-            metrics,
-            neighbors,
+            ipxe_root: FileRoot::open(plane.binaries.dir())?,
+            plane,
             slots: Slots::new(settings.caps()?),
             reports: Mutex::new(RateLimiter::new(REPORT_RATE, REPORT_ADDRESSES)),
+            handshake_timeout: settings.handshake_timeout,
             header_timeout: settings.header_timeout,
             body_timeout: settings.body_timeout,
             stall_timeout: settings.stall_timeout,
         })
     }
 
-    /// Accepts and serves connections; never returns. Accept errors (out of file descriptors,
-    /// ...) are logged and retried after a backoff: they must not take the appliance down.
-    pub async fn run(self, listener: TcpListener) {
+    /// Accepts and serves connections on both ports until `shutdown` is cancelled; then closes
+    /// both listeners (new connections are refused), lets the requests in flight finish for
+    /// up to `drain`, and returns.
+    pub async fn run(self, listeners: Listeners, shutdown: CancellationToken, drain: Duration) {
         let server = Arc::new(self);
+        let connections = TaskTracker::new();
+        tokio::join!(
+            server.clone().accept(listeners.http, Port::Http, &connections, &shutdown),
+            server.clone().accept(listeners.https, Port::Https, &connections, &shutdown),
+        );
+        connections.close();
+        let open = connections.len();
+        if tokio::time::timeout(drain, connections.wait()).await.is_err() {
+            tracing::warn!(
+                left = connections.len(),
+                deadline = ?drain,
+                "HTTP connections still open after the drain deadline; leaving them"
+            );
+        } else {
+            tracing::info!(drained = open, "HTTP server stopped");
+        }
+    }
+
+    /// One port's accept loop, until `shutdown`. Accept errors (out of file descriptors, ...)
+    /// are logged and retried after a backoff: they must not take the appliance down.
+    async fn accept(
+        self: Arc<Self>,
+        listener: TcpListener,
+        port: Port,
+        connections: &TaskTracker,
+        shutdown: &CancellationToken,
+    ) {
         let mut backoff = Backoff::default();
         loop {
-            // With every slot taken, new connections wait in the listen backlog.
-            server.slots.room().await;
-            let (stream, remote) = match listener.accept().await {
+            let accepted = tokio::select! {
+                () = shutdown.cancelled() => return,
+                // With every slot taken, new connections wait in the listen backlog.
+                accepted = async {
+                    self.slots.room().await;
+                    listener.accept().await
+                } => accepted,
+            };
+            let (stream, remote) = match accepted {
                 Ok(accepted) => {
                     backoff.succeeded();
                     accepted
@@ -218,54 +273,104 @@ impl HttpServer {
                 // The client gave up before we accepted: nothing to wait for.
                 Err(e) if is_connection_error(&e) => continue,
                 Err(e) => {
-                    Metrics::add(&server.metrics.http_accept_errors, 1);
+                    Metrics::add(&self.plane.metrics.http_accept_errors, 1);
                     let wait = backoff.failed();
-                    tracing::warn!(error = %e, retry_in = ?wait, "cannot accept an HTTP connection");
-                    tokio::time::sleep(wait).await;
-                    continue;
+                    tracing::warn!(error = %e, ?port, retry_in = ?wait, "cannot accept an HTTP connection");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(wait) => continue,
+                    }
                 }
             };
-            match server.slots.admit(remote.ip()) {
+            match self.slots.admit(remote.ip()) {
                 Ok(ticket) => {
-                    tokio::spawn(server.clone().connection(stream, remote, ticket));
+                    let connection =
+                        self.clone().connection(stream, remote, port, ticket, shutdown.clone());
+                    connections.spawn(connection);
                 }
                 Err(refusal) => {
                     // Dropping the stream closes it. Debug level: a flood would fill the log.
-                    Metrics::add(&server.metrics.http_connections_refused, 1);
-                    tracing::debug!(%remote, %refusal, "closing an HTTP connection on arrival");
+                    Metrics::add(&self.plane.metrics.http_connections_refused, 1);
+                    tracing::debug!(%remote, ?port, %refusal, "closing an HTTP connection on arrival");
                 }
             }
         }
     }
 
-    async fn connection(self: Arc<Self>, stream: TcpStream, remote: SocketAddr, ticket: Ticket) {
+    async fn connection(
+        self: Arc<Self>,
+        stream: TcpStream,
+        remote: SocketAddr,
+        port: Port,
+        ticket: Ticket,
+        shutdown: CancellationToken,
+    ) {
         let _ = stream.set_nodelay(true);
-        Metrics::add(&self.metrics.http_connections_active, 1);
-        let slot = ticket.slot();
-        let io = TokioIo::new(WriteDeadline::new(stream, self.stall_timeout));
-        let service = service_fn(|req| {
-            let server = self.clone();
-            async move { Ok::<_, Infallible>(server.route(req, remote, slot).await) }
+        let metrics = self.plane.metrics.clone();
+        Metrics::add(&metrics.http_connections_active, 1);
+        // Under TLS, so the stall deadline sees the client's real progress.
+        let io = WriteDeadline::new(stream, self.stall_timeout);
+        match port {
+            Port::Http => self.serve_http(io, remote, port, ticket.slot(), &shutdown).await,
+            Port::Https => {
+                match tokio::time::timeout(self.handshake_timeout, self.tls.accept(io)).await {
+                    Ok(Ok(tls)) => {
+                        self.serve_http(tls, remote, port, ticket.slot(), &shutdown).await
+                    }
+                    Ok(Err(e)) => tracing::debug!(%remote, error = %e, "TLS handshake failed"),
+                    Err(_elapsed) => {
+                        Metrics::add(&metrics.http_timeouts, 1);
+                        tracing::debug!(%remote, "TLS handshake not finished in time");
+                    }
+                }
+            }
+        }
+        metrics.http_connections_active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        drop(ticket);
+    }
+
+    /// HTTP/1.1 on `io` until the client closes, a deadline passes, or `shutdown` (then the
+    /// request in flight is finished and the connection closed).
+    async fn serve_http<I>(
+        self: Arc<Self>,
+        io: I,
+        remote: SocketAddr,
+        port: Port,
+        slot: Slot,
+        shutdown: &CancellationToken,
+    ) where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let server = self.clone();
+        let service = service_fn(move |req| {
+            let server = server.clone();
+            async move { Ok::<_, Infallible>(server.route(req, remote, port, slot).await) }
         });
-        let result = hyper::server::conn::http1::Builder::new()
+        let connection = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(self.header_timeout)
-            .serve_connection(io, service)
-            .await;
+            .serve_connection(TokioIo::new(io), service);
+        let mut connection = std::pin::pin!(connection);
+        let result = tokio::select! {
+            result = connection.as_mut() => result,
+            () = shutdown.cancelled() => {
+                connection.as_mut().graceful_shutdown();
+                connection.await
+            }
+        };
         if let Err(e) = result {
             if is_timeout(&e) {
-                Metrics::add(&self.metrics.http_timeouts, 1);
+                Metrics::add(&self.plane.metrics.http_timeouts, 1);
             }
             tracing::debug!(%remote, error = %e, "HTTP connection ended with an error");
         }
-        self.metrics.http_connections_active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        drop(ticket);
     }
 
     async fn route(
         &self,
         req: Request<Incoming>,
         remote: SocketAddr,
+        port: Port,
         slot: Slot,
     ) -> Response<Body> {
         let path = req.uri().path().to_owned();
@@ -273,40 +378,74 @@ impl HttpServer {
         let head = method == Method::HEAD;
         let segments: Vec<&str> = path.trim_start_matches('/').splitn(2, '/').collect();
         // A reserved slot is for what starts a boot: short answers, so the reserve frees fast.
-        if slot == Slot::Reserved && !matches!(segments[0], "boot" | "ipxe" | "healthz") {
-            self.metrics.http_refused(HttpRefusal::ReservedSlot);
+        if slot == Slot::Reserved && !matches!(segments[0], "boot" | "ipxe" | "healthz" | "readyz")
+        {
+            self.plane.metrics.http_refused(HttpRefusal::ReservedSlot);
             let mut busy = text(StatusCode::SERVICE_UNAVAILABLE, "server busy, try again\n");
             busy.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("5"));
             return closing(busy);
         }
-        let (route, response) = match (&method, segments.as_slice()) {
-            (&Method::GET, ["healthz"]) => (HttpRoute::Health, text(StatusCode::OK, "ok\n")),
-            (&Method::GET, ["metrics"]) => (HttpRoute::Metrics, self.metrics_page()),
-            (&Method::GET, ["boot", file]) => (HttpRoute::Script, self.script(file, remote).await),
-            (_, ["agent", rest]) => {
+        let (route, response) = match (port, &method, segments.as_slice()) {
+            (Port::Https, _, ["agent", rest]) => {
                 let rest = (*rest).to_owned();
                 (HttpRoute::Agent, self.agent(req, rest, remote).await)
             }
-            (&Method::GET | &Method::HEAD, ["files", rest]) => {
+            (Port::Https, _, _) => (
+                HttpRoute::NotFound,
+                text(StatusCode::NOT_FOUND, "this port serves the agent API (/agent/) only\n"),
+            ),
+            // Before any of the request is read: the client has already sent its token in
+            // clear, but it gets nothing in clear back, and learns where to go.
+            (Port::Http, _, ["agent", ..]) => {
+                self.plane.metrics.http_refused(HttpRefusal::AgentOverHttp);
+                tracing::info!(%remote, path, "refused the agent API over plain HTTP");
+                let message = format!(
+                    "the agent API is served over HTTPS only: {}/agent/\n",
+                    self.agent.base_url()
+                );
+                (HttpRoute::Agent, closing(text(StatusCode::FORBIDDEN, &message)))
+            }
+            (Port::Http, &Method::GET, ["healthz"]) => {
+                (HttpRoute::Health, text(StatusCode::OK, "ok\n"))
+            }
+            (Port::Http, &Method::GET, ["readyz"]) => (HttpRoute::Ready, self.readiness()),
+            (Port::Http, &Method::GET, ["metrics"]) => (HttpRoute::Metrics, self.metrics_page()),
+            (Port::Http, &Method::GET, ["boot", file]) => {
+                (HttpRoute::Script, self.script(file, remote).await)
+            }
+            (Port::Http, &Method::GET | &Method::HEAD, ["files", rest]) => {
                 (HttpRoute::File, self.file(rest, &req, head, remote).await)
             }
-            (&Method::GET | &Method::HEAD, ["ipxe", name]) => {
+            (Port::Http, &Method::GET | &Method::HEAD, ["ipxe", name]) => {
                 (HttpRoute::IpxeBinary, self.ipxe_binary(name, &req, head, remote).await)
             }
-            (&Method::POST, ["report", rest]) => (HttpRoute::Report, self.report(rest, remote)),
-            (&Method::GET, ["timeline"]) => (HttpRoute::Timeline, self.timelines()),
-            (&Method::GET, ["timeline", mac]) => (HttpRoute::Timeline, self.timeline(mac)),
-            _ => (HttpRoute::NotFound, text(StatusCode::NOT_FOUND, "not found\n")),
+            (Port::Http, &Method::POST, ["report", rest]) => {
+                (HttpRoute::Report, self.report(rest, remote))
+            }
+            (Port::Http, &Method::GET, ["timeline"]) => (HttpRoute::Timeline, self.timelines()),
+            (Port::Http, &Method::GET, ["timeline", mac]) => {
+                (HttpRoute::Timeline, self.timeline(mac))
+            }
+            (Port::Http, _, _) => (HttpRoute::NotFound, text(StatusCode::NOT_FOUND, "not found\n")),
         };
-        self.metrics.http_request(route);
-        tracing::debug!(%remote, %method, path, status = response.status().as_u16(), "HTTP request");
+        self.plane.metrics.http_request(route);
+        tracing::debug!(%remote, ?port, %method, path, status = response.status().as_u16(), "HTTP request");
         response
+    }
+
+    /// 200 once the inventory can answer (in Kubernetes mode: the Host cache has synced),
+    /// else 503 with why. Liveness is `/healthz`.
+    fn readiness(&self) -> Response<Body> {
+        match self.plane.inventory.ready() {
+            Ok(()) => text(StatusCode::OK, "ready\n"),
+            Err(why) => text(StatusCode::SERVICE_UNAVAILABLE, &format!("not ready: {why}\n")),
+        }
     }
 
     fn metrics_page(&self) -> Response<Body> {
         Response::builder()
             .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
-            .body(full(self.metrics.render(&self.timeline)))
+            .body(full(self.plane.metrics.render(&self.plane.timeline)))
             .expect("valid response")
     }
 
@@ -320,12 +459,12 @@ impl HttpServer {
         let request = BootRequest {
             mac,
             remote: remote_ip,
-            remote_holds_mac: self.neighbors.mac_of(remote_ip) == Some(mac),
+            remote_holds_mac: self.plane.neighbors.mac_of(remote_ip) == Some(mac),
         };
-        match self.inventory.boot_action(request).await {
+        match self.plane.inventory.boot_action(request).await {
             Some(action) => {
-                let script = ipxe_script(&action, mac, &self.endpoints);
-                self.timeline.record(mac, Stage::IpxeScript, describe_script(&script));
+                let script = ipxe_script(&action, mac, &self.plane.endpoints, &self.agent);
+                self.plane.timeline.record(mac, Stage::IpxeScript, describe_script(&script));
                 Response::builder()
                     .header(header::CONTENT_TYPE, "text/plain")
                     .header(header::CACHE_CONTROL, "no-store")
@@ -363,7 +502,7 @@ impl HttpServer {
         head: bool,
         remote: SocketAddr,
     ) -> Response<Body> {
-        if !self.binaries.is_binary(name) {
+        if !self.plane.binaries.is_binary(name) {
             return text(StatusCode::NOT_FOUND, "not an iPXE binary served here\n");
         }
         self.serve(self.ipxe_root.open_file(name), name, req, head, remote).await
@@ -391,10 +530,12 @@ impl HttpServer {
                 return text(StatusCode::INTERNAL_SERVER_ERROR, "cannot open file\n");
             }
         };
-        match static_files::respond(file, len, req.headers(), head, self.metrics.clone()).await {
+        match static_files::respond(file, len, req.headers(), head, self.plane.metrics.clone())
+            .await
+        {
             Ok(response) => {
                 if let (false, Some(mac)) = (head, self.mac_of(remote)) {
-                    self.timeline.record(
+                    self.plane.timeline.record(
                         mac,
                         Stage::HttpFile,
                         format!("{name} {} ({len} bytes)", response.status().as_u16()),
@@ -430,7 +571,7 @@ impl HttpServer {
             Ok(Ok(collected)) => collected.to_bytes(),
             Ok(Err(_)) => return text(StatusCode::PAYLOAD_TOO_LARGE, "request body too large\n"),
             Err(_elapsed) => {
-                Metrics::add(&self.metrics.http_timeouts, 1);
+                Metrics::add(&self.plane.metrics.http_timeouts, 1);
                 tracing::info!(%remote, "agent request body not received in time");
                 return closing(text(StatusCode::REQUEST_TIMEOUT, "request body too slow\n"));
             }
@@ -440,10 +581,10 @@ impl HttpServer {
             path,
             token,
             remote: remote_ip,
-            remote_mac: self.neighbors.mac_of(remote_ip),
+            remote_mac: self.plane.neighbors.mac_of(remote_ip),
             body,
         };
-        let response = self.inventory.agent(request).await;
+        let response = self.plane.inventory.agent(request).await;
         Response::builder()
             .status(response.status)
             .header(header::CONTENT_TYPE, response.content_type)
@@ -467,23 +608,23 @@ impl HttpServer {
         }
         // The rate first: it is cheap, and the holder check may read the ARP table.
         if !self.reports.lock().expect("report limiter lock").allow(remote.ip(), Instant::now()) {
-            self.metrics.http_refused(HttpRefusal::ReportRate);
+            self.plane.metrics.http_refused(HttpRefusal::ReportRate);
             return text(StatusCode::TOO_MANY_REQUESTS, "too many reports from this address\n");
         }
         if self.mac_of(remote) != Some(mac) {
-            self.metrics.http_refused(HttpRefusal::ReportNotHolder);
+            self.plane.metrics.http_refused(HttpRefusal::ReportNotHolder);
             tracing::info!(%remote, %mac, stage, "refused a boot report from an address not holding the MAC");
             return text(
                 StatusCode::FORBIDDEN,
                 "reports are accepted only from the host holding the MAC\n",
             );
         }
-        self.timeline.record(mac, Stage::Report, format!("{stage} from {}", remote.ip()));
+        self.plane.timeline.record(mac, Stage::Report, format!("{stage} from {}", remote.ip()));
         text(StatusCode::OK, "recorded\n")
     }
 
     fn timelines(&self) -> Response<Body> {
-        let hosts = self.timeline.hosts();
+        let hosts = self.plane.timeline.hosts();
         let listed: Vec<String> =
             hosts.iter().take(MAX_LISTED_HOSTS).map(|m| m.to_string()).collect();
         json(&serde_json::json!({ "hosts": listed, "total": hosts.len() }))
@@ -493,14 +634,14 @@ impl HttpServer {
         let Ok(mac) = mac.parse::<MacAddr>() else {
             return text(StatusCode::BAD_REQUEST, "not a MAC address\n");
         };
-        json(&serde_json::json!({ "mac": mac, "events": self.timeline.events(mac) }))
+        json(&serde_json::json!({ "mac": mac, "events": self.plane.timeline.events(mac) }))
     }
 
     fn mac_of(&self, remote: SocketAddr) -> Option<MacAddr> {
         match remote.ip() {
-            std::net::IpAddr::V4(ip) => self.neighbors.mac_of(ip),
+            std::net::IpAddr::V4(ip) => self.plane.neighbors.mac_of(ip),
             std::net::IpAddr::V6(ip) => {
-                ip.to_ipv4_mapped().and_then(|ip: Ipv4Addr| self.neighbors.mac_of(ip))
+                ip.to_ipv4_mapped().and_then(|ip: Ipv4Addr| self.plane.neighbors.mac_of(ip))
             }
         }
     }

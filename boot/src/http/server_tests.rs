@@ -1,0 +1,277 @@
+//! The server on loopback, end to end: which port serves what, readiness, the TLS handshake
+//! deadline, and graceful shutdown.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use http::Method;
+use siteboot_agent::{AgentClient, AgentUrl};
+
+use super::*;
+use crate::inventory::{AgentResponse, BootAction, BoxFuture, Inventory};
+use crate::neighbors::Neighbors;
+use crate::timeline::Timeline;
+use crate::tls::ServerIdentity;
+use crate::{Endpoints, MacAddr};
+
+const DOWNLOAD_LEN: u64 = 64 * 1024 * 1024;
+/// Far longer than any wait below, so a test fails on its own deadline, not a hang.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// Boots nothing; its agent API answers every request with "agent ok"; ready when told.
+struct TestInventory {
+    ready: AtomicBool,
+}
+
+impl Inventory for TestInventory {
+    fn boots(&self, _: MacAddr) -> bool {
+        false
+    }
+
+    fn ready(&self) -> Result<(), &'static str> {
+        if self.ready.load(Ordering::Relaxed) { Ok(()) } else { Err("the cache is cold") }
+    }
+
+    fn boot_action(&self, _: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
+        Box::pin(async { None })
+    }
+
+    fn agent(&self, request: AgentRequest) -> BoxFuture<'_, AgentResponse> {
+        Box::pin(async move {
+            AgentResponse::text(StatusCode::OK, format!("agent ok: {}", request.path))
+        })
+    }
+}
+
+struct Running {
+    http: SocketAddrV4,
+    https: SocketAddrV4,
+    identity: ServerIdentity,
+    inventory: Arc<TestInventory>,
+    shutdown: CancellationToken,
+    server: tokio::task::JoinHandle<()>,
+    _dir: tempfile::TempDir,
+}
+
+/// The drain deadline of every test but the one about it: longer than any test waits.
+const DRAIN: Duration = Duration::from_secs(30);
+
+async fn start(settings: HttpSettings) -> Running {
+    start_draining(settings, DRAIN).await
+}
+
+async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("undionly.kpxe"), b"bios").unwrap();
+    std::fs::File::create(dir.path().join("big.img")).unwrap().set_len(DOWNLOAD_LEN).unwrap();
+    let inventory = Arc::new(TestInventory { ready: AtomicBool::new(false) });
+    let plane = BootPlane {
+        endpoints: Endpoints { address: Ipv4Addr::LOCALHOST, http_port: 0 },
+        inventory: inventory.clone(),
+        binaries: Arc::new(siteboot_ipxe::IpxeBinaries::discover(dir.path())),
+        timeline: Arc::new(Timeline::new()),
+        metrics: Arc::new(Metrics::new()),
+        neighbors: Arc::new(Neighbors::from_arp(Vec::<(Ipv4Addr, MacAddr)>::new())),
+    };
+    let identity = ServerIdentity::load(None, &dir.path().join("state"), Ipv4Addr::LOCALHOST)
+        .expect("a generated certificate");
+    let bind = || async { TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap() };
+    let listeners = Listeners { http: bind().await, https: bind().await };
+    let address = |l: &TcpListener| match l.local_addr().unwrap() {
+        SocketAddr::V4(a) => a,
+        SocketAddr::V6(_) => unreachable!("bound to IPv4"),
+    };
+    let (http, https) = (address(&listeners.http), address(&listeners.https));
+    let settings =
+        HttpSettings { root: Some(dir.path().to_owned()), https_port: https.port(), ..settings };
+    let server = HttpServer::new(plane, &settings, &identity).unwrap();
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(server.run(listeners, shutdown.clone(), drain));
+    Running { http, https, identity, inventory, shutdown, server, _dir: dir }
+}
+
+impl Running {
+    fn agent_client(&self) -> AgentClient {
+        let url = AgentUrl { address: *self.https.ip(), port: self.https.port() };
+        let pin = self.identity.fingerprint.to_string().parse().unwrap();
+        AgentClient::new(url, pin).with_timeout(DEADLINE)
+    }
+}
+
+/// One request on a new connection (blocking, so run it off the runtime): (status, body).
+fn get(addr: SocketAddrV4, path: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(DEADLINE)).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let status = answer.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = answer.split_once("\r\n\r\n").unwrap().1.to_owned();
+    (status, body)
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.unwrap()
+}
+
+#[tokio::test]
+async fn the_agent_api_is_served_over_https_only() {
+    let running = start(HttpSettings::default()).await;
+    let client = running.agent_client();
+    let response = client.request(Method::GET, "v1/task", None, None).await.unwrap();
+    assert_eq!((response.status, &response.body[..]), (StatusCode::OK, &b"agent ok: v1/task"[..]));
+
+    let https = running.https;
+    let (http, url) = (running.http, format!("https://127.0.0.1:{}/agent/", https.port()));
+    let (status, body) = blocking(move || get(http, "/agent/v1/bootstrap")).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains(&url), "the refusal does not point to {url}: {body}");
+    assert!(!body.contains("agent ok"), "the plain request reached the agent API");
+}
+
+#[tokio::test]
+async fn readyz_follows_the_inventory_and_healthz_does_not() {
+    let running = start(HttpSettings::default()).await;
+    let http = running.http;
+    let (status, body) = blocking(move || get(http, "/readyz")).await;
+    assert_eq!((status, body.as_str()), (503, "not ready: the cache is cold\n"));
+    assert_eq!(blocking(move || get(http, "/healthz")).await.0, 200);
+    running.inventory.ready.store(true, Ordering::Relaxed);
+    assert_eq!(blocking(move || get(http, "/readyz")).await, (200, "ready\n".to_owned()));
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_the_handshake_is_dropped() {
+    let timeout = Duration::from_millis(300);
+    let running = start(HttpSettings { handshake_timeout: timeout, ..Default::default() }).await;
+    let https = running.https;
+    let (closed_after, got) = blocking(move || {
+        let mut stream = TcpStream::connect(https).unwrap();
+        stream.set_read_timeout(Some(DEADLINE)).unwrap();
+        let started = std::time::Instant::now();
+        let mut got = Vec::new();
+        // EOF or a reset: either way the server let go.
+        let _ = stream.read_to_end(&mut got);
+        (started.elapsed(), got.len())
+    })
+    .await;
+    assert!(closed_after >= timeout && closed_after < DEADLINE, "closed after {closed_after:?}");
+    assert_eq!(got, 0);
+}
+
+#[tokio::test]
+async fn shutdown_finishes_a_download_in_flight_and_refuses_new_connections() {
+    let running = start(HttpSettings::default()).await;
+    let http = running.http;
+    // The download starts, and stops being read well before it is done.
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (cancelled_tx, cancelled_rx) = std::sync::mpsc::channel::<()>();
+    let download = tokio::task::spawn_blocking(move || {
+        let mut stream = TcpStream::connect(http).unwrap();
+        stream.set_read_timeout(Some(DEADLINE)).unwrap();
+        write!(stream, "GET /files/big.img HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut chunk = vec![0u8; 64 * 1024];
+        let mut total = stream.read(&mut chunk).unwrap() as u64;
+        started_tx.send(()).unwrap();
+        cancelled_rx.recv_timeout(DEADLINE).unwrap();
+        loop {
+            match stream.read(&mut chunk) {
+                Ok(0) => return total,
+                Ok(n) => total += n as u64,
+                Err(e) => panic!("the download broke off after {total} bytes: {e}"),
+            }
+        }
+    });
+    tokio::task::spawn_blocking(move || started_rx.recv_timeout(DEADLINE).unwrap()).await.unwrap();
+    running.shutdown.cancel();
+
+    // New connections are refused once the listeners are closed (soon after the cancel).
+    let https = running.https;
+    let refused = blocking(move || {
+        let deadline = std::time::Instant::now() + DEADLINE;
+        loop {
+            let http_refused =
+                TcpStream::connect(http).is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused);
+            let https_refused =
+                TcpStream::connect(https).is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused);
+            if http_refused && https_refused {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    })
+    .await;
+    assert!(refused, "a new connection was still accepted after the cancel");
+    assert!(!running.server.is_finished(), "the server returned with a download in flight");
+
+    cancelled_tx.send(()).unwrap();
+    let total = download.await.unwrap();
+    // The response head is counted too: at least the whole file arrived, and then EOF.
+    assert!(total > DOWNLOAD_LEN, "only {total} of {DOWNLOAD_LEN} bytes");
+    tokio::time::timeout(DEADLINE, running.server)
+        .await
+        .expect("run returns once drained")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn the_drain_deadline_bounds_shutdown() {
+    let drain = Duration::from_millis(300);
+    let running = start_draining(HttpSettings::default(), drain).await;
+    let http = running.http;
+    // A download nobody reads: it cannot finish.
+    let _stalled = blocking(move || {
+        let mut stream = TcpStream::connect(http).unwrap();
+        write!(stream, "GET /files/big.img HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut head = [0u8; 16];
+        stream.set_read_timeout(Some(DEADLINE)).unwrap();
+        stream.read_exact(&mut head).unwrap();
+        stream
+    })
+    .await;
+    let started = tokio::time::Instant::now();
+    running.shutdown.cancel();
+    tokio::time::timeout(DEADLINE, running.server).await.expect("run returns").unwrap();
+    let took = started.elapsed();
+    assert!(took >= drain && took < DEADLINE, "returned after {took:?}");
+}
+
+#[tokio::test]
+async fn a_stalled_agent_body_over_https_is_answered_408() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let body_timeout = Duration::from_millis(300);
+    let running = start(HttpSettings { body_timeout, ..Default::default() }).await;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let pin = running.identity.fingerprint.to_string().parse().unwrap();
+    let verifier = siteboot_agent::pin::PinnedCertificate::new(pin, &provider);
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
+    let tcp = TcpStream::connect(running.https).unwrap();
+    tcp.set_nonblocking(true).unwrap();
+    let name = rustls::pki_types::ServerName::IpAddress(Ipv4Addr::LOCALHOST.into());
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tokio::net::TcpStream::from_std(tcp).unwrap())
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    tls.write_all(
+        b"POST /agent/v1/inspection HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n{",
+    )
+    .await
+    .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(DEADLINE, tls.read_to_end(&mut answer)).await.unwrap().unwrap_or(0);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(started.elapsed() >= body_timeout);
+}
