@@ -290,6 +290,16 @@ fn decide<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
             let expiration = seen.now + token_ttl(config).as_secs();
             (Step::CreateToken { id, expiration }, Requeue::Now)
         }
+        // A token Secret of our name without its secret half (written by hand, or damaged)
+        // cannot join anyone: replace it (the next passes create it again under the same id).
+        TokenRead::Present(token) if token.secret.is_empty() => {
+            report.data(
+                false,
+                Reason::CreatingToken,
+                &format!("replacing malformed bootstrap token {}", token.id),
+            );
+            (Step::DeleteToken { id: &token.id }, Requeue::Now)
+        }
         TokenRead::Present(token) => {
             let join = JoinData {
                 server: &target.server,
@@ -616,6 +626,12 @@ mod tests {
         assert_eq!(p.step, Step::CreateToken { id: "abcdef", expiration: NOW + TTL });
         w.config.spec.token_ttl_seconds = Some(3600);
         assert_eq!(w.plan().step, Step::CreateToken { id: "abcdef", expiration: NOW + 3600 });
+        w.token = TokenState::Present(BootstrapToken { secret: String::new(), ..token(NOW) });
+        assert_eq!(
+            w.plan().step,
+            Step::DeleteToken { id: "abcdef" },
+            "a malformed token is replaced"
+        );
         w.token = TokenState::Present(token(NOW + 3600));
         let Step::WriteDataSecret(data) = w.plan().step else { panic!("{:?}", w.plan()) };
         assert!(data.0.contains("#cloud-config"));
