@@ -16,6 +16,8 @@ pub const READY: &str = "Ready";
 pub const PAUSED: &str = "Paused";
 /// On a Host: no other Host of the site has its boot MAC.
 pub const BOOT_MAC_UNIQUE: &str = "BootMACUnique";
+/// On a SitebootConfig (bootstrap contract): the bootstrap data Secret exists.
+pub const DATA_SECRET_AVAILABLE: &str = "DataSecretAvailable";
 
 /// Why a condition is what it is. Written as the variant's name (CamelCase, as Kubernetes
 /// wants reasons).
@@ -41,6 +43,28 @@ pub enum Reason {
     ApiRefused,
     BootMACUnique,
     DuplicateBootMAC,
+    /// The Cluster's control plane cannot take joins yet.
+    WaitingForControlPlaneInitialized,
+    /// The workload cluster's `<cluster>-kubeconfig` Secret does not exist yet.
+    WaitingForKubeconfig,
+    /// The `<cluster>-kubeconfig` Secret cannot be used.
+    InvalidKubeconfig,
+    /// The workload cluster's API server did not answer.
+    WorkloadUnreachable,
+    /// The SitebootConfig asks for something the renderer refuses.
+    InvalidSpec,
+    /// This provider joins workers only: control-plane Machines need a control plane provider.
+    ControlPlaneMachineNotSupported,
+    NspawnNotImplemented,
+    /// The token id is recorded; the token is being created in the workload cluster.
+    CreatingToken,
+    /// A Secret named like the config exists and is not this config's.
+    DataSecretConflict,
+    DataSecretAvailable,
+    /// The token went from the workload cluster (expired, or deleted) before the host joined.
+    TokenMissing,
+    /// Deleting the token in the workload cluster failed for too long; it is left to expire.
+    TokenAbandoned,
 }
 
 impl fmt::Display for Reason {

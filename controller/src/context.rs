@@ -158,6 +158,9 @@ pub trait Reconciled:
 pub enum Error {
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// A request to a workload cluster's API server (through its `<cluster>-kubeconfig`).
+    #[error("workload cluster {cluster} API: {source}")]
+    Workload { cluster: String, source: kube::Error },
 }
 
 /// How a reconciler treats an error.
@@ -177,12 +180,13 @@ impl Error {
     }
 
     pub fn kind(&self) -> ErrorKind {
-        match self {
-            Error::Kube(kube::Error::Api(e)) if e.code == 409 || e.code == 429 || e.code >= 500 => {
+        let (Error::Kube(e) | Error::Workload { source: e, .. }) = self;
+        match e {
+            kube::Error::Api(e) if e.code == 409 || e.code == 429 || e.code >= 500 => {
                 ErrorKind::Transient
             }
-            Error::Kube(kube::Error::Api(_)) => ErrorKind::Refused,
-            Error::Kube(_) => ErrorKind::Transient,
+            kube::Error::Api(_) => ErrorKind::Refused,
+            _ => ErrorKind::Transient,
         }
     }
 }

@@ -1,8 +1,9 @@
-//! The Kubernetes side of siteboot: the Host inventory and the Cluster API infrastructure
-//! provider, reconciled from inside the appliance.
+//! The Kubernetes side of siteboot: the Host inventory, the Cluster API infrastructure
+//! provider and the Cluster API bootstrap provider, reconciled from inside the appliance.
 
 pub mod agent;
 pub mod bmc;
+pub mod bootstrap;
 pub mod cache;
 pub mod cluster;
 pub mod conditions;

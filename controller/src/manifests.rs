@@ -8,7 +8,8 @@ use kube::CustomResourceExt;
 use serde_json::{Value, json};
 
 use crate::crd::{
-    Host, Site, SitebootCluster, SitebootClusterTemplate, SitebootMachine, SitebootMachineTemplate,
+    Host, Site, SitebootCluster, SitebootClusterTemplate, SitebootConfig, SitebootConfigTemplate,
+    SitebootMachine, SitebootMachineTemplate,
 };
 
 /// Every CRD of siteboot, ready to apply.
@@ -20,6 +21,8 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
         SitebootMachineTemplate::crd(),
         SitebootCluster::crd(),
         SitebootClusterTemplate::crd(),
+        SitebootConfig::crd(),
+        SitebootConfigTemplate::crd(),
     ];
     for crd in &mut crds {
         let kind = crd.spec.names.kind.clone();
@@ -64,7 +67,7 @@ fn validations(kind: &str) -> Vec<(&'static [&'static str], &'static str, &'stat
                 "spec.image is immutable: roll out a new template",
             ),
         ],
-        "SitebootMachineTemplate" | "SitebootClusterTemplate" => vec![(
+        "SitebootMachineTemplate" | "SitebootClusterTemplate" | "SitebootConfigTemplate" => vec![(
             &["spec", "template", "spec"],
             "self == oldSelf",
             "spec.template.spec is immutable: create a new template",
@@ -137,12 +140,21 @@ pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
         { "apiGroups": ["infrastructure.cluster.x-k8s.io"],
           "resources": ["sitebootmachinetemplates", "sitebootclustertemplates"],
           "verbs": ["get", "list", "watch"] },
+        // The bootstrap provider; finalizers: its data Secrets block their config's deletion.
+        { "apiGroups": ["bootstrap.cluster.x-k8s.io"], "resources": ["sitebootconfigs"],
+          "verbs": ["get", "list", "watch", "update", "patch"] },
+        { "apiGroups": ["bootstrap.cluster.x-k8s.io"], "resources": ["sitebootconfigs/status"],
+          "verbs": ["get", "update", "patch"] },
+        { "apiGroups": ["bootstrap.cluster.x-k8s.io"], "resources": ["sitebootconfigs/finalizers"],
+          "verbs": ["update"] },
         { "apiGroups": ["cluster.x-k8s.io"], "resources": ["machines", "clusters"],
           "verbs": ["get", "list", "watch"] },
         { "apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"] },
     ]);
-    // Only get: the provider reads the one bootstrap Secret a Machine names, never lists.
-    let secrets_rule = json!({ "apiGroups": [""], "resources": ["secrets"], "verbs": ["get"] });
+    // Never list: get reads the one bootstrap Secret a Machine names and a cluster's
+    // `<cluster>-kubeconfig`; create writes a SitebootConfig's data Secret, once (no update).
+    let secrets_rule =
+        json!({ "apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"] });
     let mut manager_rules = manager_rules;
     let secret_namespaces = match secrets {
         SecretAccess::Cluster => {
@@ -203,7 +215,8 @@ pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
             "subjects": [{ "kind": "ServiceAccount", "name": "siteboot", "namespace": namespace }],
         }),
         // The Cluster API core manager sets owner references and reads/writes our
-        // infrastructure objects; blockOwnerDeletion needs finalizer updates on them (v1.14).
+        // infrastructure and bootstrap objects; blockOwnerDeletion needs finalizer updates on
+        // them (v1.14).
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
             "metadata": {
@@ -217,6 +230,13 @@ pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
                     "sitebootmachinetemplates", "sitebootmachinetemplates/finalizers",
                     "sitebootclusters", "sitebootclusters/status", "sitebootclusters/finalizers",
                     "sitebootclustertemplates", "sitebootclustertemplates/finalizers",
+                ],
+                "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+            }, {
+                "apiGroups": ["bootstrap.cluster.x-k8s.io"],
+                "resources": [
+                    "sitebootconfigs", "sitebootconfigs/status", "sitebootconfigs/finalizers",
+                    "sitebootconfigtemplates", "sitebootconfigtemplates/finalizers",
                 ],
                 "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
             }],
@@ -256,6 +276,8 @@ mod tests {
                 "sitebootmachinetemplates.infrastructure.cluster.x-k8s.io",
                 "sitebootclusters.infrastructure.cluster.x-k8s.io",
                 "sitebootclustertemplates.infrastructure.cluster.x-k8s.io",
+                "sitebootconfigs.bootstrap.cluster.x-k8s.io",
+                "sitebootconfigtemplates.bootstrap.cluster.x-k8s.io",
             ]
         );
         for crd in &crds[2..] {

@@ -13,9 +13,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Ctx;
-use crate::crd::{Host, SITE_LABEL, Site, SitebootCluster, SitebootMachine};
+use crate::crd::{Host, SITE_LABEL, Site, SitebootCluster, SitebootConfig, SitebootMachine};
 use crate::leader::LeaderElection;
-use crate::{cluster, host, machine, site};
+use crate::{bootstrap, cluster, host, machine, site};
 
 pub struct Options {
     /// Namespace of the leader Lease.
@@ -27,26 +27,28 @@ pub struct Options {
     pub addresses: Vec<String>,
 }
 
-/// Fails unless siteboot's CRDs are installed, saying how to install them. Probes each kind
-/// with a one-item list: the appliance has no rights on CRDs themselves, and needs none.
-pub async fn check_crds(client: &kube::Client) -> anyhow::Result<()> {
-    async fn probe<K>(client: &kube::Client) -> anyhow::Result<()>
-    where
-        K: kube::Resource<DynamicType = ()>
-            + CustomResourceExt
-            + Clone
-            + serde::de::DeserializeOwned
-            + std::fmt::Debug,
-    {
-        match Api::<K>::all(client.clone()).list(&ListParams::default().limit(1)).await {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(e)) if e.code == 404 => anyhow::bail!(
-                "the {} CRD is not installed: run `siteboot manifests | kubectl apply -f -`",
-                K::crd_name()
-            ),
-            Err(e) => Err(anyhow::Error::new(e).context(format!("listing {}", K::plural(&())))),
-        }
+/// Fails unless `K`'s CRD is installed, saying how to install it. Probes the kind with a
+/// one-item list: the appliance has no rights on CRDs themselves, and needs none.
+async fn probe<K>(client: &kube::Client) -> anyhow::Result<()>
+where
+    K: kube::Resource<DynamicType = ()>
+        + CustomResourceExt
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    match Api::<K>::all(client.clone()).list(&ListParams::default().limit(1)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => anyhow::bail!(
+            "the {} CRD is not installed: run `siteboot manifests | kubectl apply -f -`",
+            K::crd_name()
+        ),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("listing {}", K::plural(&())))),
     }
+}
+
+/// Fails unless the CRDs of the inventory and the infrastructure provider are installed.
+pub async fn check_crds(client: &kube::Client) -> anyhow::Result<()> {
     probe::<Host>(client).await?;
     probe::<Site>(client).await?;
     probe::<SitebootMachine>(client).await?;
@@ -68,6 +70,14 @@ pub async fn run(
     let selector = watcher::Config::default().labels(&format!("{SITE_LABEL}={}", ctx.site));
     let cache = tokio::spawn(ctx.hosts.clone().run(hosts, selector));
 
+    // The bootstrap provider is optional: without its CRD the appliance runs without it.
+    let bootstrap_provider = match probe::<SitebootConfig>(&ctx.client).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::info!(error = %e, "the bootstrap provider stays off (restart once its CRD is installed)");
+            false
+        }
+    };
     let mut leading_rx = leadership.subscribe();
     let election = if options.leader_election {
         let election = LeaderElection::new(
@@ -103,6 +113,9 @@ pub async fn run(
         tasks.spawn(host::reconciler::run(ctx.clone(), stop()));
         tasks.spawn(machine::run(ctx.clone(), stop()));
         tasks.spawn(cluster::run(ctx.clone(), stop()));
+        if bootstrap_provider {
+            tasks.spawn(bootstrap::run(ctx.clone(), stop()));
+        }
         let heartbeat =
             tokio::spawn(site::heartbeat(ctx.clone(), timeline.clone(), options.addresses.clone()));
         while tasks.join_next().await.is_some() {}

@@ -25,9 +25,16 @@ pub struct LoopbackForward {
 
 impl LoopbackForward {
     pub fn start(ns: &Netns, target: u16) -> Result<Self> {
-        let listener = Arc::new(
-            ns.enter(|| Ok(TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))?))?,
-        );
+        Self::start_on(ns, 0, target)
+    }
+
+    /// Listens on `port` in the namespace (0: any free port). The same port as `target` makes
+    /// one URL (`https://127.0.0.1:<target>`) work inside the namespace and outside it.
+    pub fn start_on(ns: &Netns, port: u16, target: u16) -> Result<Self> {
+        let listener =
+            Arc::new(ns.enter(move || {
+                Ok(TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))?)
+            })?);
         let port = listener.local_addr()?.port();
         let stop = Arc::new(AtomicBool::new(false));
         let (accepting, stopping) = (listener.clone(), stop.clone());

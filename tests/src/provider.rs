@@ -54,6 +54,9 @@ pub struct ProviderLab {
     not_ready: Arc<Mutex<HashSet<String>>>,
     operator: tokio::task::JoinHandle<()>,
     _forward: LoopbackForward,
+    /// The apiserver's own port inside the lab namespace: the `<cluster>-kubeconfig` Secrets
+    /// (`KubeEnv::create_workload_kubeconfig_secret`) then work for siteboot too.
+    _workload_forward: LoopbackForward,
     pub lab: Netns,
     // Last: the apiserver outlives everything that talks to it.
     pub env: KubeEnv,
@@ -106,6 +109,8 @@ impl ProviderLab {
         let mut cfg = appliance_config();
         config(&mut cfg);
         let (forward, siteboot) = start_appliance(&env, &lab, &token, cfg)?;
+        let workload_forward =
+            LoopbackForward::start_on(&lab, env.apiserver_port(), env.apiserver_port())?;
         let ramdisk = siteboot.http_root().join("ramdisk");
         std::fs::create_dir_all(&ramdisk)?;
         std::fs::write(ramdisk.join("vmlinuz"), vec![0xaa; 64 * 1024])?;
@@ -120,6 +125,7 @@ impl ProviderLab {
             not_ready,
             operator,
             _forward: forward,
+            _workload_forward: workload_forward,
             lab,
             env,
             token,

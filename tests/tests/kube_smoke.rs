@@ -18,56 +18,6 @@ const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
 const INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Minimal infrastructure providers: TestMachine and TestMachineTemplate, labelled with the
-/// v1beta2 contract so CAPI reads `status.initialization.*`.
-const TEST_PROVIDER_CRDS: &str = r#"
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: testmachines.infrastructure.cluster.x-k8s.io
-  labels:
-    cluster.x-k8s.io/v1beta2: v1alpha1
-spec:
-  group: infrastructure.cluster.x-k8s.io
-  scope: Namespaced
-  names: { kind: TestMachine, listKind: TestMachineList, plural: testmachines, singular: testmachine }
-  versions:
-    - name: v1alpha1
-      served: true
-      storage: true
-      subresources: { status: {} }
-      schema:
-        openAPIV3Schema:
-          type: object
-          properties:
-            spec: { type: object, x-kubernetes-preserve-unknown-fields: true }
-            status: { type: object, x-kubernetes-preserve-unknown-fields: true }
----
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: testmachinetemplates.infrastructure.cluster.x-k8s.io
-  labels:
-    cluster.x-k8s.io/v1beta2: v1alpha1
-spec:
-  group: infrastructure.cluster.x-k8s.io
-  scope: Namespaced
-  names:
-    kind: TestMachineTemplate
-    listKind: TestMachineTemplateList
-    plural: testmachinetemplates
-    singular: testmachinetemplate
-  versions:
-    - name: v1alpha1
-      served: true
-      storage: true
-      schema:
-        openAPIV3Schema:
-          type: object
-          properties:
-            spec: { type: object, x-kubernetes-preserve-unknown-fields: true }
-"#;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn machine_lifecycle() {
     let env = KubeEnv::start().await.expect("starting the environment");
@@ -211,7 +161,7 @@ async fn machine_deployment_steps(env: &KubeEnv) -> Result<()> {
 ///   remains (`isDeleteNodeAllowed`);
 /// - the `<cluster>-kubeconfig` Secret, pointing at the same apiserver, and a bootstrap Secret.
 async fn workload_cluster(env: &KubeEnv, ns: &str, name: &str) -> Result<String> {
-    env.install_crd_yaml(TEST_PROVIDER_CRDS).await?;
+    env.install_crd_yaml(capi::TEST_MACHINE_CRDS).await?;
     capi::create_namespace(env, ns).await?;
     capi::create_cluster(env, ns, name, None).await?;
     capi::create_bootstrap_secret(env, ns, name, &bootstrap_secret(name), "#cloud-config\n")

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
 /// The annotation that pauses reconciliation of one object.
 pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
+/// The label CAPI puts on control-plane Machines.
+pub const CONTROL_PLANE_LABEL: &str = "cluster.x-k8s.io/control-plane";
 
 #[derive(CustomResource, Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 #[kube(
@@ -36,6 +38,8 @@ pub struct MachineSpec {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Bootstrap {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_ref: Option<ContractRef>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_secret_name: Option<String>,
 }
@@ -93,6 +97,10 @@ pub struct ClusterStatus {
 pub struct ClusterInitialization {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub infrastructure_provisioned: Option<bool>,
+    /// Set by CAPI once the control plane can take joins (from the control plane provider's
+    /// contract field, or the first control-plane Machine's Node); never unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane_initialized: Option<bool>,
 }
 
 impl Cluster {
@@ -101,6 +109,14 @@ impl Cluster {
             .as_ref()
             .and_then(|s| s.initialization.as_ref())
             .and_then(|i| i.infrastructure_provisioned)
+            == Some(true)
+    }
+
+    pub fn control_plane_initialized(&self) -> bool {
+        self.status
+            .as_ref()
+            .and_then(|s| s.initialization.as_ref())
+            .and_then(|i| i.control_plane_initialized)
             == Some(true)
     }
 }

@@ -544,7 +544,10 @@ mod tests {
     fn cluster() -> Cluster {
         let mut c = Cluster::new("c", Default::default());
         c.status = Some(ClusterStatus {
-            initialization: Some(ClusterInitialization { infrastructure_provisioned: Some(true) }),
+            initialization: Some(ClusterInitialization {
+                infrastructure_provisioned: Some(true),
+                ..Default::default()
+            }),
         });
         c
     }

@@ -50,6 +50,56 @@ spec:
             status: { type: object, x-kubernetes-preserve-unknown-fields: true }
 "#;
 
+/// Minimal infrastructure providers: TestMachine and TestMachineTemplate, labelled with the
+/// v1beta2 contract so CAPI reads `status.initialization.*`.
+pub const TEST_MACHINE_CRDS: &str = r#"
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: testmachines.infrastructure.cluster.x-k8s.io
+  labels:
+    cluster.x-k8s.io/v1beta2: v1alpha1
+spec:
+  group: infrastructure.cluster.x-k8s.io
+  scope: Namespaced
+  names: { kind: TestMachine, listKind: TestMachineList, plural: testmachines, singular: testmachine }
+  versions:
+    - name: v1alpha1
+      served: true
+      storage: true
+      subresources: { status: {} }
+      schema:
+        openAPIV3Schema:
+          type: object
+          properties:
+            spec: { type: object, x-kubernetes-preserve-unknown-fields: true }
+            status: { type: object, x-kubernetes-preserve-unknown-fields: true }
+---
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: testmachinetemplates.infrastructure.cluster.x-k8s.io
+  labels:
+    cluster.x-k8s.io/v1beta2: v1alpha1
+spec:
+  group: infrastructure.cluster.x-k8s.io
+  scope: Namespaced
+  names:
+    kind: TestMachineTemplate
+    listKind: TestMachineTemplateList
+    plural: testmachinetemplates
+    singular: testmachinetemplate
+  versions:
+    - name: v1alpha1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema:
+          type: object
+          properties:
+            spec: { type: object, x-kubernetes-preserve-unknown-fields: true }
+"#;
+
 pub async fn create_namespace(env: &KubeEnv, ns: &str) -> Result<()> {
     let namespace: Namespace = serde_json::from_value(json!({ "metadata": { "name": ns } }))?;
     Api::<Namespace>::all(env.client()).create(&PostParams::default(), &namespace).await?;

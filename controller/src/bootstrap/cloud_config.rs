@@ -1,0 +1,608 @@
+//! The bootstrap data: a cloud-init jinja template (`## template: jinja`, then `#cloud-config`)
+//! that joins the host to its cluster as a plain kubelet with TLS bootstrapping, and leaves
+//! nothing of siteboot running.
+//!
+//! The only jinja in the document is ours (`{{ ds.meta_data.provider_id }}`): everything a user
+//! or the workload cluster supplies is either base64 (file contents, the join script with the
+//! user's commands, the kubeconfig) or checked against a syntax without braces (label and taint
+//! words, paths, owners, modes). The YAML is built by serde_yaml, never by string pasting, and
+//! each user command runs in its own `sh -c` with its text single-quoted, so no input can leave
+//! its place in the YAML, the template or the script.
+
+use std::fmt;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde_json::{Value, json};
+
+use crate::crd::{BootstrapFile, NodeTaint, SitebootConfigSpec, TaintEffect};
+
+/// The sentinel Cluster API's convention names: written last, only after a successful join.
+pub const SENTINEL: &str = "/run/cluster-api/bootstrap-success.complete";
+/// The bootstrap kubeconfig (holds the token); removed once the kubelet has its certificate.
+pub const BOOTSTRAP_KUBECONFIG: &str = "/etc/kubernetes/bootstrap-kubelet.conf";
+pub const CA_PATH: &str = "/etc/kubernetes/pki/ca.crt";
+/// The join script, run by `runcmd`.
+pub const JOIN_SCRIPT: &str = "/run/siteboot/join.sh";
+/// How long the join waits for the kubelet's client certificate.
+pub const CERTIFICATE_WAIT_SECONDS: u32 = 300;
+/// The taint every new Node carries until Cluster API has matched it to its Machine.
+pub const UNINITIALIZED_TAINT: &str = "node.cluster.x-k8s.io/uninitialized";
+
+/// cloud-init's jinja renders this from the instance meta-data (NoCloud `provider-id`).
+const PROVIDER_ID_JINJA: &str = "{{ ds.meta_data.provider_id }}";
+/// The provider id as cloud-init rendered it, checked by the join script before use.
+const PROVIDER_ID_FILE: &str = "/run/siteboot/provider-id";
+/// The KubeletConfiguration as rendered, copied into place only once the provider id passed.
+const KUBELET_CONFIG_RENDERED: &str = "/run/siteboot/kubelet-config.yaml";
+const KUBELET_CONFIG: &str = "/var/lib/kubelet/config.yaml";
+const KUBELET_KUBECONFIG: &str = "/etc/kubernetes/kubelet.conf";
+const KUBELET_CLIENT_CERT: &str = "/var/lib/kubelet/pki/kubelet-client-current.pem";
+
+/// Where and how the host joins: the workload cluster's API server, its CA, and the token.
+pub struct JoinData<'a> {
+    pub server: &'a str,
+    pub ca_pem: &'a str,
+    pub token_id: &'a str,
+    pub token_secret: &'a str,
+}
+
+/// What the renderer refuses, naming the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("nodeLabels key {0:?} is not a Kubernetes label key")]
+    LabelKey(String),
+    #[error("nodeLabels[{key:?}] value {value:?} is not a Kubernetes label value")]
+    LabelValue { key: String, value: String },
+    #[error("nodeTaints key {0:?} is not a Kubernetes label key")]
+    TaintKey(String),
+    #[error("nodeTaints[{key:?}] value {value:?} is not a Kubernetes label value")]
+    TaintValue { key: String, value: String },
+    #[error("files path {0:?} must be absolute, without braces or control characters")]
+    Path(String),
+    #[error("files[{path:?}] permissions {permissions:?} are not an octal mode like 0644")]
+    Permissions { path: String, permissions: String },
+    #[error("files[{path:?}] owner {owner:?} is not user or user:group")]
+    Owner { path: String, owner: String },
+    #[error("{field}[{index}] contains a NUL byte")]
+    NulInCommand { field: &'static str, index: usize },
+}
+
+/// The rendered document. Holds the token: its Debug never shows the text.
+#[derive(Clone, PartialEq, Eq)]
+pub struct BootstrapData(pub String);
+
+impl fmt::Debug for BootstrapData {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BootstrapData({} bytes)", self.0.len())
+    }
+}
+
+/// Checks everything [`render`] would refuse, so a config is refused before a token is made.
+pub fn validate(spec: &SitebootConfigSpec) -> Result<(), SpecError> {
+    for (key, value) in &spec.node_labels {
+        if !is_label_key(key) {
+            return Err(SpecError::LabelKey(key.clone()));
+        }
+        if !is_label_value(value) {
+            return Err(SpecError::LabelValue { key: key.clone(), value: value.clone() });
+        }
+    }
+    for taint in &spec.node_taints {
+        if !is_label_key(&taint.key) {
+            return Err(SpecError::TaintKey(taint.key.clone()));
+        }
+        if let Some(value) = &taint.value
+            && !is_label_value(value)
+        {
+            return Err(SpecError::TaintValue { key: taint.key.clone(), value: value.clone() });
+        }
+    }
+    for file in &spec.files {
+        check_file(file)?;
+    }
+    for (field, commands) in
+        [("preCommands", &spec.pre_commands), ("postCommands", &spec.post_commands)]
+    {
+        if let Some(index) = commands.iter().position(|c| c.contains('\0')) {
+            return Err(SpecError::NulInCommand { field, index });
+        }
+    }
+    Ok(())
+}
+
+fn check_file(file: &BootstrapFile) -> Result<(), SpecError> {
+    let path = &file.path;
+    if !path.starts_with('/') || path.chars().any(|c| c.is_control() || c == '{' || c == '}') {
+        return Err(SpecError::Path(path.clone()));
+    }
+    if let Some(p) = &file.permissions {
+        let digits = p.strip_prefix('0').filter(|d| d.len() == 3).unwrap_or(p);
+        if digits.len() != 3 || !digits.bytes().all(|b| (b'0'..=b'7').contains(&b)) {
+            return Err(SpecError::Permissions { path: path.clone(), permissions: p.clone() });
+        }
+    }
+    if let Some(owner) = &file.owner {
+        let name = |s: &str| {
+            let mut bytes = s.bytes();
+            bytes.next().is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
+                && bytes
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+        };
+        let valid = match owner.split_once(':') {
+            Some((user, group)) => name(user) && name(group),
+            None => name(owner),
+        };
+        if !valid {
+            return Err(SpecError::Owner { path: path.clone(), owner: owner.clone() });
+        }
+    }
+    Ok(())
+}
+
+/// A Kubernetes label key: an optional DNS-subdomain prefix and `/`, then a name.
+fn is_label_key(key: &str) -> bool {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    let prefix_ok = prefix.is_none_or(|p| {
+        !p.is_empty()
+            && p.len() <= 253
+            && p.split('.').all(|label| {
+                !label.is_empty()
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            })
+    });
+    prefix_ok && !name.is_empty() && is_label_value(name)
+}
+
+/// A Kubernetes label value: empty, or up to 63 of `[A-Za-z0-9_.-]` starting and ending
+/// alphanumeric.
+fn is_label_value(value: &str) -> bool {
+    let alnum = |c: Option<u8>| c.is_some_and(|b| b.is_ascii_alphanumeric());
+    value.is_empty()
+        || (value.len() <= 63
+            && alnum(value.bytes().next())
+            && alnum(value.bytes().last())
+            && value.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)))
+}
+
+/// `text` as one single-quoted shell word: nothing in it is interpreted by the shell.
+pub fn shell_quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+/// The cloud-config for `spec`, joining through `join`.
+pub fn render(spec: &SitebootConfigSpec, join: &JoinData) -> Result<BootstrapData, SpecError> {
+    validate(spec)?;
+    let b64_file = |path: &str, permissions: &str, content: &str| {
+        json!({ "path": path, "permissions": permissions, "owner": "root:root",
+                "encoding": "b64", "content": BASE64.encode(content) })
+    };
+    let mut files = vec![
+        b64_file(CA_PATH, "0644", join.ca_pem),
+        b64_file(BOOTSTRAP_KUBECONFIG, "0600", &bootstrap_kubeconfig(join)),
+        // Rendered by cloud-init's jinja: the only templated files.
+        json!({ "path": PROVIDER_ID_FILE, "permissions": "0644", "content": format!("{PROVIDER_ID_JINJA}\n") }),
+        json!({ "path": KUBELET_CONFIG_RENDERED, "permissions": "0644", "content": kubelet_config(&spec.node_taints) }),
+        b64_file("/etc/containerd/config.toml", "0644", CONTAINERD_CONFIG),
+        b64_file("/etc/systemd/system/kubelet.service", "0644", KUBELET_UNIT),
+        b64_file(
+            "/etc/systemd/system/kubelet.service.d/zz-siteboot.conf",
+            "0644",
+            &kubelet_drop_in(spec),
+        ),
+    ];
+    // After siteboot's own files, so a user's file (a containerd config, say) wins.
+    files.extend(spec.files.iter().map(|f| {
+        json!({ "path": f.path, "permissions": f.permissions.as_deref().unwrap_or("0644"),
+                "owner": f.owner.as_deref().unwrap_or("root:root"),
+                "encoding": "b64", "content": BASE64.encode(&f.content) })
+    }));
+    files.push(b64_file(JOIN_SCRIPT, "0700", &join_script(spec)));
+    let document = json!({ "write_files": files, "runcmd": [["/bin/sh", JOIN_SCRIPT]] });
+    let yaml = serde_yaml::to_string(&document).expect("a JSON value serializes as YAML");
+    Ok(BootstrapData(format!("## template: jinja\n#cloud-config\n{yaml}")))
+}
+
+fn bootstrap_kubeconfig(join: &JoinData) -> String {
+    let config = json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{ "name": "workload", "cluster": { "server": join.server, "certificate-authority": CA_PATH } }],
+        "users": [{ "name": "kubelet-bootstrap", "user": { "token": format!("{}.{}", join.token_id, join.token_secret) } }],
+        "contexts": [{ "name": "bootstrap", "context": { "cluster": "workload", "user": "kubelet-bootstrap" } }],
+        "current-context": "bootstrap",
+    });
+    serde_yaml::to_string(&config).expect("a JSON value serializes as YAML")
+}
+
+fn kubelet_config(taints: &[NodeTaint]) -> String {
+    let mut register = vec![json!({ "key": UNINITIALIZED_TAINT, "effect": "NoSchedule" })];
+    register.extend(taints.iter().map(|t| {
+        let effect = match t.effect {
+            TaintEffect::NoSchedule => "NoSchedule",
+            TaintEffect::PreferNoSchedule => "PreferNoSchedule",
+            TaintEffect::NoExecute => "NoExecute",
+        };
+        let mut taint = json!({ "key": t.key, "effect": effect });
+        if let Some(value) = &t.value {
+            taint["value"] = Value::from(value.as_str());
+        }
+        taint
+    }));
+    let config = json!({
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "providerID": PROVIDER_ID_JINJA,
+        "cgroupDriver": "systemd",
+        "containerRuntimeEndpoint": "unix:///run/containerd/containerd.sock",
+        "rotateCertificates": true,
+        "authentication": {
+            "anonymous": { "enabled": false },
+            "webhook": { "enabled": true },
+            "x509": { "clientCAFile": CA_PATH },
+        },
+        "authorization": { "mode": "Webhook" },
+        "registerWithTaints": register,
+    });
+    serde_yaml::to_string(&config).expect("a JSON value serializes as YAML")
+}
+
+/// containerd's CRI with the systemd cgroup driver, as the kubelet is configured.
+const CONTAINERD_CONFIG: &str = r#"# Written by siteboot's bootstrap data: the systemd cgroup driver, as the kubelet uses.
+version = 2
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+  SystemdCgroup = true
+"#;
+
+/// A unit for images that have none; its ExecStart comes from the drop-in, which sorts after
+/// any packaged drop-in (kubeadm's `10-kubeadm.conf`) and so replaces their ExecStart.
+const KUBELET_UNIT: &str = "[Unit]
+Description=kubelet (joined by siteboot bootstrap data)
+Wants=network-online.target containerd.service
+After=network-online.target containerd.service
+
+[Service]
+Restart=always
+RestartSec=5
+
+[Install]
+WantedBy=multi-user.target
+";
+
+fn kubelet_drop_in(spec: &SitebootConfigSpec) -> String {
+    let mut exec = format!(
+        "/usr/bin/kubelet --config={KUBELET_CONFIG} --bootstrap-kubeconfig={BOOTSTRAP_KUBECONFIG} --kubeconfig={KUBELET_KUBECONFIG}"
+    );
+    if !spec.node_labels.is_empty() {
+        // Checked label syntax: no character systemd or the kubelet would read specially.
+        let labels: Vec<String> =
+            spec.node_labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        exec.push_str(&format!(" --node-labels={}", labels.join(",")));
+    }
+    format!("[Service]\nExecStart=\nExecStart={exec}\n")
+}
+
+fn join_script(spec: &SitebootConfigSpec) -> String {
+    let commands = |field: &str, commands: &[String]| -> String {
+        commands
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                // The index, not the text: a command may carry a secret of its own.
+                format!("/bin/sh -c {} || fail \"{field}[{i}] failed\"\n", shell_quote(c))
+            })
+            .collect()
+    };
+    format!(
+        r#"#!/bin/sh
+# siteboot bootstrap: joins this host to its cluster as a kubelet, then exits.
+set -eu
+fail() {{
+    echo "siteboot bootstrap FAILED: $*" >&2
+    echo "siteboot bootstrap FAILED: $*" > /dev/console 2>/dev/null || true
+    exit 1
+}}
+provider_id=$(cat {PROVIDER_ID_FILE})
+case "$provider_id" in
+    ""|*CI_MISSING_JINJA_VAR*)
+        fail "the instance meta-data has no provider-id (ds.meta_data.provider_id): not registering a Node without its Machine's providerID" ;;
+    *[!A-Za-z0-9._:/@-]*)
+        fail "the instance meta-data's provider-id has characters a providerID cannot have" ;;
+esac
+{pre}install -d -m 0755 /var/lib/kubelet
+cp {KUBELET_CONFIG_RENDERED} {KUBELET_CONFIG}
+modprobe overlay 2>/dev/null || true
+modprobe br_netfilter 2>/dev/null || true
+sysctl -qw net.ipv4.ip_forward=1 || fail "cannot enable IPv4 forwarding"
+sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
+systemctl daemon-reload
+systemctl enable containerd kubelet || fail "cannot enable containerd and the kubelet"
+systemctl restart containerd || fail "containerd did not start"
+systemctl restart kubelet || fail "the kubelet did not start"
+waited=0
+until [ -s {KUBELET_CLIENT_CERT} ]; do
+    [ "$waited" -lt {CERTIFICATE_WAIT_SECONDS} ] || fail "the kubelet got no client certificate within {CERTIFICATE_WAIT_SECONDS} s (TLS bootstrap: token valid? CSRs approved?)"
+    sleep 1
+    waited=$((waited + 1))
+done
+rm -f {BOOTSTRAP_KUBECONFIG}
+{post}mkdir -p /run/cluster-api
+echo success > {SENTINEL}
+"#,
+        pre = commands("preCommands", &spec.pre_commands),
+        post = commands("postCommands", &spec.post_commands),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    const JOIN: JoinData<'static> = JoinData {
+        server: "https://10.0.0.1:6443",
+        ca_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+        token_id: "abcdef",
+        token_secret: "0123456789abcdef",
+    };
+
+    /// The document as cloud-init would parse it after jinja, with `provider_id` substituted.
+    fn parsed(data: &BootstrapData, provider_id: &str) -> Value {
+        let text = data.0.replace(PROVIDER_ID_JINJA, provider_id);
+        serde_yaml::from_str(&text).expect("the cloud-config is YAML")
+    }
+
+    fn file<'a>(doc: &'a Value, path: &str) -> &'a Value {
+        doc["write_files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["path"] == path)
+            .unwrap_or_else(|| panic!("no file {path}"))
+    }
+
+    fn content(doc: &Value, path: &str) -> String {
+        let f = file(doc, path);
+        let raw = f["content"].as_str().unwrap();
+        if f["encoding"] == "b64" {
+            String::from_utf8(BASE64.decode(raw).unwrap()).unwrap()
+        } else {
+            raw.to_owned()
+        }
+    }
+
+    /// Every `{{`/`{%`/`{#` in the text: cloud-init's jinja would evaluate each.
+    fn jinja_markers(text: &str) -> Vec<&str> {
+        ["{{", "{%", "{#"]
+            .into_iter()
+            .flat_map(|m| text.match_indices(m).map(|(i, _)| &text[i..(i + 30).min(text.len())]))
+            .collect()
+    }
+
+    #[test]
+    fn a_plain_config_renders_a_join_through_tls_bootstrapping() {
+        let data = render(&SitebootConfigSpec::default(), &JOIN).unwrap();
+        assert!(data.0.starts_with("## template: jinja\n#cloud-config\n"));
+        assert_eq!(jinja_markers(&data.0).len(), 2, "only the two provider-id placeholders");
+        let doc = parsed(&data, "siteboot://metal/host-0");
+        assert_eq!(content(&doc, CA_PATH), JOIN.ca_pem);
+        assert_eq!(file(&doc, BOOTSTRAP_KUBECONFIG)["permissions"], "0600");
+        let kubeconfig: Value = serde_yaml::from_str(&content(&doc, BOOTSTRAP_KUBECONFIG)).unwrap();
+        assert_eq!(kubeconfig["clusters"][0]["cluster"]["server"], JOIN.server);
+        assert_eq!(kubeconfig["users"][0]["user"]["token"], "abcdef.0123456789abcdef");
+        let kubelet: Value = serde_yaml::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
+        assert_eq!(kubelet["providerID"], "siteboot://metal/host-0");
+        assert_eq!(kubelet["cgroupDriver"], "systemd");
+        assert_eq!(
+            kubelet["registerWithTaints"],
+            json!([{ "key": UNINITIALIZED_TAINT, "effect": "NoSchedule" }])
+        );
+        assert!(content(&doc, "/etc/containerd/config.toml").contains("SystemdCgroup = true"));
+        let drop_in = content(&doc, "/etc/systemd/system/kubelet.service.d/zz-siteboot.conf");
+        assert!(drop_in.contains(&format!("--bootstrap-kubeconfig={BOOTSTRAP_KUBECONFIG}")));
+        assert!(!drop_in.contains("--node-labels"));
+        assert_eq!(doc["runcmd"], json!([["/bin/sh", JOIN_SCRIPT]]));
+        // The join script is the last file written: user files cannot replace it.
+        assert_eq!(doc["write_files"].as_array().unwrap().last().unwrap()["path"], JOIN_SCRIPT);
+    }
+
+    #[test]
+    fn the_join_script_checks_the_provider_id_first_and_writes_the_sentinel_last() {
+        let spec = SitebootConfigSpec {
+            pre_commands: vec!["echo pre".into()],
+            post_commands: vec!["echo post".into()],
+            ..Default::default()
+        };
+        let doc = parsed(&render(&spec, &JOIN).unwrap(), "siteboot://metal/host-0");
+        let script = content(&doc, JOIN_SCRIPT);
+        let at = |needle: &str| script.find(needle).unwrap_or_else(|| panic!("no {needle:?}"));
+        assert!(script.starts_with("#!/bin/sh\n"));
+        assert!(at("set -eu") < at("CI_MISSING_JINJA_VAR"));
+        assert!(at("CI_MISSING_JINJA_VAR") < at("'echo pre'"), "the guard runs before anything");
+        assert!(at("'echo pre'") < at(&format!("cp {KUBELET_CONFIG_RENDERED}")));
+        assert!(at("systemctl restart kubelet") < at(KUBELET_CLIENT_CERT));
+        assert!(at(KUBELET_CLIENT_CERT) < at(&format!("rm -f {BOOTSTRAP_KUBECONFIG}")));
+        assert!(at(&format!("rm -f {BOOTSTRAP_KUBECONFIG}")) < at("'echo post'"));
+        assert!(at("'echo post'") < at(SENTINEL));
+        assert!(script.contains(&format!("-lt {CERTIFICATE_WAIT_SECONDS} ]")), "bounded wait");
+    }
+
+    /// Runs the join script's provider-id guard in a real shell against what cloud-init
+    /// renders: a missing key must stop it with a clear message before anything else.
+    #[test]
+    fn the_guard_fails_loudly_on_a_missing_or_odd_provider_id() {
+        let data = render(&SitebootConfigSpec::default(), &JOIN).unwrap();
+        let doc = parsed(&data, "unused");
+        let script = content(&doc, JOIN_SCRIPT);
+        let guard_end = script.find("esac\n").unwrap() + "esac\n".len();
+        let dir = std::env::temp_dir().join(format!("siteboot-guard-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = |provider_id: &str| {
+            let id_file = dir.join("provider-id");
+            std::fs::write(&id_file, format!("{provider_id}\n")).unwrap();
+            let guard = script[..guard_end]
+                .replace(PROVIDER_ID_FILE, id_file.to_str().unwrap())
+                .replace("> /dev/console", "> /dev/null");
+            let out = std::process::Command::new("/bin/sh")
+                .arg("-c")
+                .arg(format!("{guard}echo passed"))
+                .output()
+                .unwrap();
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        };
+        let (ok, stdout, _) = run("siteboot://metal/host-0");
+        assert!(ok && stdout.contains("passed"));
+        for bad in ["CI_MISSING_JINJA_VAR/provider_id", "", "a'b", "x y", "$(reboot)"] {
+            let (ok, stdout, stderr) = run(bad);
+            assert!(!ok && !stdout.contains("passed"), "{bad:?} passed the guard");
+            assert!(stderr.contains("siteboot bootstrap FAILED"), "{bad:?}: {stderr}");
+        }
+        let (_, _, stderr) = run("CI_MISSING_JINJA_VAR/provider_id");
+        assert!(stderr.contains("no provider-id"), "{stderr}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn labels_and_taints_reach_the_kubelet() {
+        let spec = SitebootConfigSpec {
+            node_labels: BTreeMap::from([
+                ("example.com/pool".into(), "gpu".into()),
+                ("tier".into(), "".into()),
+            ]),
+            node_taints: vec![NodeTaint {
+                key: "dedicated".into(),
+                value: Some("ml".into()),
+                effect: TaintEffect::NoExecute,
+            }],
+            ..Default::default()
+        };
+        let doc = parsed(&render(&spec, &JOIN).unwrap(), "p");
+        let drop_in = content(&doc, "/etc/systemd/system/kubelet.service.d/zz-siteboot.conf");
+        assert!(drop_in.contains(" --node-labels=example.com/pool=gpu,tier=\n"), "{drop_in}");
+        let kubelet: Value = serde_yaml::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
+        assert_eq!(
+            kubelet["registerWithTaints"][1],
+            json!({ "key": "dedicated", "value": "ml", "effect": "NoExecute" })
+        );
+    }
+
+    #[test]
+    fn hostile_labels_taints_and_files_are_refused() {
+        let label = |k: &str, v: &str| SitebootConfigSpec {
+            node_labels: BTreeMap::from([(k.to_owned(), v.to_owned())]),
+            ..Default::default()
+        };
+        let taint = |k: &str, v: &str| SitebootConfigSpec {
+            node_taints: vec![NodeTaint {
+                key: k.into(),
+                value: Some(v.into()),
+                effect: TaintEffect::NoSchedule,
+            }],
+            ..Default::default()
+        };
+        let file =
+            |path: &str, permissions: Option<&str>, owner: Option<&str>| SitebootConfigSpec {
+                files: vec![BootstrapFile {
+                    path: path.into(),
+                    content: "x".into(),
+                    permissions: permissions.map(Into::into),
+                    owner: owner.map(Into::into),
+                }],
+                ..Default::default()
+            };
+        let refused = [
+            (label("a,b=c", "x"), "comma injects a label"),
+            (label("a", "x,evil=1"), "comma in value"),
+            (label("a", "x --register-node=false"), "space injects a flag"),
+            (label("a", "{{ ds.meta_data }}"), "jinja"),
+            (label("a", "%n"), "systemd specifier"),
+            (label("a", "$HOME"), "systemd expansion"),
+            (label("a\nExecStartPre=/bin/evil", "x"), "newline into the unit"),
+            (label("Bad.Prefix/a", "x"), "uppercase prefix"),
+            (label("", "x"), "empty key"),
+            (label("a", &"x".repeat(64)), "too long"),
+            (taint("a", "x\"}]"), "quote in taint value"),
+            (taint("{% raw %}", "x"), "jinja taint key"),
+            (file("relative/path", None, None), "relative path"),
+            (file("/etc/{{ x }}", None, None), "jinja in path"),
+            (file("/etc/a\nruncmd: [reboot]", None, None), "newline in path"),
+            (file("/etc/a", Some("0999"), None), "bad mode"),
+            (file("/etc/a", Some("0644; reboot"), None), "injected mode"),
+            (file("/etc/a", None, Some("root:root\nx")), "injected owner"),
+            (
+                SitebootConfigSpec { pre_commands: vec!["a\0b".into()], ..Default::default() },
+                "NUL in a command",
+            ),
+        ];
+        for (spec, why) in refused {
+            assert!(render(&spec, &JOIN).is_err(), "{why} was rendered");
+            assert!(validate(&spec).is_err(), "{why} validated");
+        }
+        assert!(validate(&file("/etc/a", Some("600"), Some("app:app-group"))).is_ok());
+    }
+
+    /// Hostile file contents and commands: their text survives byte-exact, adds no jinja, no
+    /// YAML keys and no shell outside its own `sh -c`.
+    #[test]
+    fn hostile_contents_and_commands_stay_in_their_place() {
+        let hostile = [
+            "{{ ds.meta_data.provider_id }}",
+            "{% endraw %}{% include '/etc/shadow' %}",
+            "'; reboot; echo '",
+            "\"; reboot; \"",
+            "$(reboot) `reboot`",
+            "line\nruncmd: [reboot]\n---\n#cloud-config",
+            "exit 0",
+            "fail() { :; }",
+        ];
+        let spec = SitebootConfigSpec {
+            files: hostile
+                .iter()
+                .enumerate()
+                .map(|(i, c)| BootstrapFile {
+                    path: format!("/etc/hostile-{i}"),
+                    content: (*c).into(),
+                    permissions: None,
+                    owner: None,
+                })
+                .collect(),
+            pre_commands: hostile.iter().map(|c| (*c).into()).collect(),
+            post_commands: hostile.iter().map(|c| (*c).into()).collect(),
+            ..Default::default()
+        };
+        let data = render(&spec, &JOIN).unwrap();
+        assert_eq!(jinja_markers(&data.0).len(), 2, "{:?}", jinja_markers(&data.0));
+        let doc = parsed(&data, "p");
+        assert_eq!(doc.as_object().unwrap().len(), 2, "only write_files and runcmd");
+        assert_eq!(doc["runcmd"], json!([["/bin/sh", JOIN_SCRIPT]]));
+        for (i, c) in hostile.iter().enumerate() {
+            assert_eq!(content(&doc, &format!("/etc/hostile-{i}")), *c);
+        }
+        // Each command, read back by a real shell from its quoted word, is its exact text.
+        let script = content(&doc, JOIN_SCRIPT);
+        for c in hostile {
+            let line = format!("/bin/sh -c {} ||", shell_quote(c));
+            assert_eq!(script.matches(&line).count(), 2, "{c:?} not quoted in place");
+            let out = std::process::Command::new("/bin/sh")
+                .arg("-c")
+                .arg(format!("printf %s {}", shell_quote(c)))
+                .output()
+                .unwrap();
+            assert_eq!(String::from_utf8(out.stdout).unwrap(), c);
+        }
+        assert!(!script.contains("FAILED: '"), "a failure names the index, not the command");
+    }
+}

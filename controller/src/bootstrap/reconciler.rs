@@ -1,0 +1,522 @@
+//! The SitebootConfig reconciler: reads what [`plan`] needs (in the management cluster, and the
+//! config's token in the workload cluster through its `<cluster>-kubeconfig` Secret), performs
+//! the step it returns, and writes the status. Killed between any two lines, the next pass reads
+//! what was stored and plans the same step or the one after it.
+//!
+//! The token's secret half exists only in the workload cluster's token Secret and in the data
+//! Secret: it is never logged, put in an Event, or written to the config's status.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use rand::Rng;
+use serde_json::json;
+use siteboot_boot::dhcp::leases::unix_now;
+
+use super::plan::{
+    self, BootstrapToken, DataSecret, FINALIZER, JoinTarget, Kubeconfig, Plan, Requeue, Step,
+    TokenRead,
+};
+use crate::conditions::{READY, Reason};
+use crate::context::{Ctx, Error, Reconciled, patch_unchanged};
+use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
+use crate::crd::{SitebootConfig, set_condition};
+
+/// Where bootstrap tokens live in the workload cluster.
+const TOKEN_NAMESPACE: &str = "kube-system";
+/// The group kubeadm gives node bootstrap tokens; the RBAC below is bound to it.
+pub const TOKEN_GROUP: &str = "system:bootstrappers:kubeadm:default-node-token";
+/// The type CAPI gives its Secrets (and that the infrastructure provider reads).
+const CAPI_SECRET_TYPE: &str = "cluster.x-k8s.io/secret";
+/// Bounds on each request to a workload cluster, so an unreachable one is reported in seconds.
+const WORKLOAD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const WORKLOAD_READ_TIMEOUT: Duration = Duration::from_secs(15);
+/// After losing a compare-and-swap: long enough for the watch to bring the winner's write.
+const LOST_RACE_RETRY: Duration = Duration::from_secs(1);
+
+/// The ClusterRoleBindings a kubeadm cluster has for node bootstrap, by name: the token's group
+/// may create CSRs and get them approved; nodes may renew their own client certificates.
+pub const NODE_BOOTSTRAP_BINDINGS: [(&str, &str, &str); 3] = [
+    ("kubeadm:kubelet-bootstrap", "system:node-bootstrapper", TOKEN_GROUP),
+    (
+        "kubeadm:node-autoapprove-bootstrap",
+        "system:certificates.k8s.io:certificatesigningrequests:nodeclient",
+        TOKEN_GROUP,
+    ),
+    (
+        "kubeadm:node-autoapprove-certificate-rotation",
+        "system:certificates.k8s.io:certificatesigningrequests:selfnodeclient",
+        "system:nodes",
+    ),
+];
+
+pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
+    let client = ctx.client.clone();
+    let controller =
+        Controller::new(Api::<SitebootConfig>::all(client.clone()), watcher::Config::default());
+    let by_cluster = controller.store();
+    let controller = controller
+        .watches(Api::<Machine>::all(client.clone()), watcher::Config::default(), |machine| {
+            let namespace = machine.namespace().unwrap_or_default();
+            machine
+                .spec
+                .bootstrap
+                .config_ref
+                .filter(|r| r.kind == "SitebootConfig" && r.api_group == SitebootConfig::group(&()))
+                .map(|r| ObjectRef::new(&r.name).within(&namespace))
+        })
+        .watches(Api::<Cluster>::all(client), watcher::Config::default(), move |cluster| {
+            let (name, namespace) = (cluster.name_any(), cluster.namespace().unwrap_or_default());
+            by_cluster
+                .state()
+                .into_iter()
+                .filter(|c| {
+                    c.namespace().as_deref() == Some(namespace.as_str())
+                        && c.labels().get(CLUSTER_NAME_LABEL) == Some(&name)
+                })
+                .map(|c| ObjectRef::from_obj(&*c))
+                .collect::<Vec<_>>()
+        });
+    ctx.drive(controller, shutdown, |config, ctx| async move { pass(&config, &ctx).await }).await;
+}
+
+impl Reconciled for SitebootConfig {
+    /// In the Ready condition, which Cluster API shows on the Machine (best effort: this write
+    /// may be refused too).
+    async fn report_refused(&self, ctx: &Ctx, error: &Error) {
+        let mut status = self.status.clone().unwrap_or_default();
+        let reason = Reason::ApiRefused.to_string();
+        let generation = self.metadata.generation;
+        if set_condition(
+            &mut status.conditions,
+            READY,
+            false,
+            &reason,
+            &error.refusal(),
+            generation,
+        ) {
+            let api = configs_api(ctx, self);
+            let patch = json!({ "status": status });
+            let params = PatchParams::default();
+            if let Err(e) = api.patch_status(&self.name_any(), &params, &Patch::Merge(&patch)).await
+            {
+                tracing::debug!(config = %key(self), error = %e, "cannot report the refusal either");
+            }
+        }
+    }
+}
+
+/// The workload cluster, reached through its kubeconfig Secret.
+struct Workload {
+    cluster: String,
+    target: JoinTarget,
+    client: kube::Client,
+}
+
+impl Workload {
+    fn error(&self, source: kube::Error) -> Error {
+        Error::Workload { cluster: self.cluster.clone(), source }
+    }
+
+    fn tokens(&self) -> Api<Secret> {
+        Api::namespaced(self.client.clone(), TOKEN_NAMESPACE)
+    }
+}
+
+async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
+    let namespace = config.namespace().unwrap_or_default();
+    let owner = match owner_machine(config) {
+        Some(name) => {
+            Api::<Machine>::namespaced(ctx.client.clone(), &namespace).get_opt(&name).await?
+        }
+        None => None,
+    };
+    let cluster_name =
+        config.labels().get(CLUSTER_NAME_LABEL).cloned().or_else(|| {
+            owner.as_ref().map(|m| m.spec.cluster_name.clone()).filter(|n| !n.is_empty())
+        });
+    let cluster = match &cluster_name {
+        Some(name) => {
+            Api::<Cluster>::namespaced(ctx.client.clone(), &namespace).get_opt(name).await?
+        }
+        None => None,
+    };
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
+    let data_secret = match secrets.get_opt(&config.name_any()).await? {
+        None => DataSecret::Absent,
+        Some(s) if controlled_by(&s, config) => DataSecret::Ours,
+        Some(_) => DataSecret::Foreign,
+    };
+    let workload = match &cluster {
+        Some(cluster) => {
+            let name = format!("{}-kubeconfig", cluster.name_any());
+            match secrets.get_opt(&name).await? {
+                Some(secret) => Some(workload(&cluster.name_any(), &secret).await),
+                None => None,
+            }
+        }
+        None => None,
+    };
+    let token_id = config.status.as_ref().and_then(|s| s.token_id.as_deref());
+    let token = match (&workload, token_id) {
+        (Some(Ok(w)), Some(id)) => Some(read_token(w, id).await?),
+        _ => None,
+    };
+    let kubeconfig = match &workload {
+        None => Kubeconfig::Missing,
+        Some(Err(why)) => Kubeconfig::Invalid(why.clone()),
+        Some(Ok(w)) => Kubeconfig::Valid {
+            target: &w.target,
+            token: match (&token, token_id) {
+                (Some(TokenFound::Present(t)), _) => TokenRead::Present(t),
+                (Some(TokenFound::Absent), Some(id)) => TokenRead::Absent(id),
+                (Some(TokenFound::Unreachable(why)), _) => TokenRead::Unreachable(why.clone()),
+                (Some(TokenFound::Absent), None) | (None, _) => TokenRead::NoId,
+            },
+        },
+    };
+    let seen = plan::Observed {
+        config,
+        owner: owner.as_ref(),
+        cluster: cluster.as_ref(),
+        kubeconfig,
+        data_secret,
+        now: unix_now(),
+    };
+    let Plan { step, status, requeue } = plan::plan(&seen);
+    let api = configs_api(ctx, config);
+    let workload = workload.as_ref().and_then(|w| w.as_ref().ok());
+    let done = perform(config, ctx, &api, workload, step, &status).await?;
+    let requeue = match done {
+        Done::Yes => requeue,
+        Done::StatusWritten => return Ok(action(requeue)),
+        Done::LostRace => Requeue::After(LOST_RACE_RETRY),
+    };
+    if config.status.as_ref() != Some(&status) && !gone(&api, config).await? {
+        let patch = json!({ "status": status });
+        api.patch_status(&config.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+    }
+    Ok(action(requeue))
+}
+
+fn action(requeue: Requeue) -> Action {
+    match requeue {
+        Requeue::Now => Action::requeue(Duration::ZERO),
+        Requeue::After(d) => Action::requeue(d),
+        Requeue::OnChange => Action::await_change(),
+    }
+}
+
+fn configs_api(ctx: &Ctx, config: &SitebootConfig) -> Api<SitebootConfig> {
+    Api::namespaced(ctx.client.clone(), &config.namespace().unwrap_or_default())
+}
+
+pub fn key(config: &SitebootConfig) -> String {
+    format!("{}/{}", config.namespace().unwrap_or_default(), config.name_any())
+}
+
+/// The Machine that owns this config.
+fn owner_machine(config: &SitebootConfig) -> Option<String> {
+    config
+        .owner_references()
+        .iter()
+        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
+        .map(|o| o.name.clone())
+}
+
+fn controlled_by(secret: &Secret, config: &SitebootConfig) -> bool {
+    let uid = config.uid();
+    secret
+        .owner_references()
+        .iter()
+        .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
+}
+
+/// Whether the object was deleted during this pass (the last finalizer removed).
+async fn gone(api: &Api<SitebootConfig>, config: &SitebootConfig) -> Result<bool, Error> {
+    Ok(config.metadata.deletion_timestamp.is_some()
+        && api.get_opt(&config.name_any()).await?.is_none())
+}
+
+/// The workload cluster from its kubeconfig Secret, or why it cannot be used.
+async fn workload(cluster: &str, secret: &Secret) -> Result<Workload, String> {
+    let value = secret.data.as_ref().and_then(|d| d.get("value")).ok_or("it has no key `value`")?;
+    let kubeconfig: kube::config::Kubeconfig =
+        serde_yaml::from_slice(&value.0).map_err(|e| format!("not a kubeconfig: {e}"))?;
+    let context = kubeconfig
+        .current_context
+        .as_ref()
+        .and_then(|name| kubeconfig.contexts.iter().find(|c| &c.name == name))
+        .or_else(|| kubeconfig.contexts.first())
+        .and_then(|c| c.context.as_ref())
+        .ok_or("it has no context")?;
+    let named = kubeconfig
+        .clusters
+        .iter()
+        .find(|c| c.name == context.cluster)
+        .and_then(|c| c.cluster.as_ref())
+        .ok_or_else(|| {
+            format!("its context names cluster {:?}, which it lacks", context.cluster)
+        })?;
+    let server = named.server.clone().ok_or("its cluster has no server")?;
+    let ca_pem = named
+        .certificate_authority_data
+        .as_ref()
+        .and_then(|b64| BASE64.decode(b64).ok())
+        .and_then(|pem| String::from_utf8(pem).ok())
+        .filter(|pem| pem.contains("-----BEGIN CERTIFICATE-----"))
+        .ok_or("its cluster has no certificate-authority-data (the CA hosts must trust)")?;
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .map_err(|e| format!("unusable kubeconfig: {e}"))?;
+    config.connect_timeout = Some(WORKLOAD_CONNECT_TIMEOUT);
+    config.read_timeout = Some(WORKLOAD_READ_TIMEOUT);
+    let client = kube::Client::try_from(config).map_err(|e| format!("unusable kubeconfig: {e}"))?;
+    Ok(Workload { cluster: cluster.to_owned(), target: JoinTarget { server, ca_pem }, client })
+}
+
+/// What became of the token Secret `bootstrap-token-<id>`.
+enum TokenFound {
+    Present(BootstrapToken),
+    Absent,
+    Unreachable(String),
+}
+
+/// An API server that does not answer is a finding here, not an error (deletion must go on
+/// without it); a refusal is an error.
+async fn read_token(w: &Workload, id: &str) -> Result<TokenFound, Error> {
+    match w.tokens().get_opt(&format!("bootstrap-token-{id}")).await {
+        Ok(Some(secret)) => Ok(TokenFound::Present(parse_token(id, &secret))),
+        Ok(None) => Ok(TokenFound::Absent),
+        Err(e) if unreachable(&e) => Ok(TokenFound::Unreachable(e.to_string())),
+        Err(e) => Err(w.error(e)),
+    }
+}
+
+/// Connection failures, timeouts and 5xx: the workload cluster is not answering.
+fn unreachable(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(status) => status.code >= 500,
+        _ => true,
+    }
+}
+
+fn parse_token(id: &str, secret: &Secret) -> BootstrapToken {
+    let field = |name: &str| {
+        secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(name))
+            .and_then(|v| String::from_utf8(v.0.clone()).ok())
+    };
+    BootstrapToken {
+        id: id.to_owned(),
+        secret: field("token-secret").unwrap_or_default(),
+        expiration: field("expiration")
+            .and_then(|e| e.parse::<k8s_openapi::jiff::Timestamp>().ok())
+            .and_then(|t| u64::try_from(t.as_second()).ok()),
+    }
+}
+
+/// `len` characters of `[a-z0-9]`, as bootstrap token ids (6) and secrets (16) are.
+fn token_part(len: usize) -> String {
+    const ALPHABET: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut rng = rand::rng();
+    (0..len).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+}
+
+fn rfc3339(unix: u64) -> String {
+    k8s_openapi::jiff::Timestamp::from_second(unix as i64)
+        .map(|t| t.to_string())
+        .unwrap_or_default()
+}
+
+enum Done {
+    Yes,
+    /// The step wrote the status itself.
+    StatusWritten,
+    /// A compare-and-swap found the object changed since it was read.
+    LostRace,
+}
+
+async fn perform(
+    config: &SitebootConfig,
+    ctx: &Ctx,
+    api: &Api<SitebootConfig>,
+    workload: Option<&Workload>,
+    step: Step<'_>,
+    status: &crate::crd::SitebootConfigStatus,
+) -> Result<Done, Error> {
+    let workload = || workload.expect("workload steps are planned only with a usable kubeconfig");
+    Ok(match step {
+        Step::None => Done::Yes,
+        Step::AddFinalizer => {
+            let mut finalizers = config.finalizers().to_vec();
+            finalizers.push(FINALIZER.to_owned());
+            let patch = json!({ "metadata": { "finalizers": finalizers } });
+            if patch_unchanged(api, config, patch).await?.is_some() {
+                Done::Yes
+            } else {
+                Done::LostRace
+            }
+        }
+        Step::RemoveFinalizer { abandoned } => {
+            if let Some(why) = abandoned {
+                tracing::warn!(config = %key(config), "{why}");
+                ctx.event(config, true, &Reason::TokenAbandoned.to_string(), why).await;
+            }
+            let finalizers: Vec<&String> =
+                config.finalizers().iter().filter(|f| *f != FINALIZER).collect();
+            let patch = json!({ "metadata": { "finalizers": finalizers } });
+            if patch_unchanged(api, config, patch).await?.is_some() {
+                Done::Yes
+            } else {
+                Done::LostRace
+            }
+        }
+        Step::RecordTokenId => {
+            // Only if the config is unchanged since read: a pass on a stale copy (which would
+            // not see an id already recorded) loses here instead of minting a second token.
+            let mut status = status.clone();
+            let id = token_part(6);
+            status.token_id = Some(id.clone());
+            let patch = json!({
+                "metadata": { "resourceVersion": config.resource_version() },
+                "status": status,
+            });
+            let params = PatchParams::default();
+            match api.patch_status(&config.name_any(), &params, &Patch::Merge(&patch)).await {
+                Ok(_) => {
+                    tracing::info!(config = %key(config), token = %id, "recorded the bootstrap token id");
+                    Done::StatusWritten
+                }
+                Err(kube::Error::Api(e)) if e.code == 409 => Done::LostRace,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Step::CreateToken { id, expiration } => {
+            let w = workload();
+            let description =
+                format!("siteboot bootstrap token for SitebootConfig {}", key(config));
+            let token: Secret = serde_json::from_value(json!({
+                "metadata": { "name": format!("bootstrap-token-{id}"), "namespace": TOKEN_NAMESPACE },
+                "type": "bootstrap.kubernetes.io/token",
+                "stringData": {
+                    "description": description,
+                    "token-id": id,
+                    "token-secret": token_part(16),
+                    "expiration": rfc3339(expiration),
+                    "usage-bootstrap-authentication": "true",
+                    "usage-bootstrap-signing": "true",
+                    "auth-extra-groups": TOKEN_GROUP,
+                },
+            }))
+            .expect("a token Secret deserializes");
+            match w.tokens().create(&PostParams::default(), &token).await {
+                Ok(_) => {
+                    tracing::info!(config = %key(config), token = %id, cluster = %w.cluster, "created the bootstrap token")
+                }
+                // Made by an earlier pass whose answer was lost: the next pass reads it.
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(w.error(e)),
+            }
+            Done::Yes
+        }
+        Step::WriteDataSecret(data) => {
+            let w = workload();
+            ensure_node_bootstrap_rbac(w).await?;
+            let owner = OwnerReference {
+                api_version: SitebootConfig::api_version(&()).into_owned(),
+                kind: SitebootConfig::kind(&()).into_owned(),
+                name: config.name_any(),
+                uid: config.uid().unwrap_or_default(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            };
+            let cluster = &w.cluster;
+            let secret: Secret = serde_json::from_value(json!({
+                "metadata": {
+                    "name": config.name_any(),
+                    "namespace": config.namespace(),
+                    "labels": { CLUSTER_NAME_LABEL: cluster },
+                    "ownerReferences": [owner],
+                },
+                "type": CAPI_SECRET_TYPE,
+                "stringData": { "value": data.0, "format": "cloud-config" },
+            }))
+            .expect("a data Secret deserializes");
+            let secrets: Api<Secret> =
+                Api::namespaced(ctx.client.clone(), &config.namespace().unwrap_or_default());
+            match secrets.create(&PostParams::default(), &secret).await {
+                Ok(_) => {
+                    tracing::info!(config = %key(config), "wrote the bootstrap data Secret");
+                    let note = format!("Secret {} holds the bootstrap data", config.name_any());
+                    ctx.event(config, false, &Reason::DataSecretAvailable.to_string(), note).await;
+                    Done::Yes
+                }
+                Err(kube::Error::Api(e)) if e.code == 409 => Done::LostRace,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Step::ExtendToken { id, expiration } => {
+            let w = workload();
+            let patch = json!({ "data": { "expiration": BASE64.encode(rfc3339(expiration)) } });
+            let name = format!("bootstrap-token-{id}");
+            w.tokens()
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(|e| w.error(e))?;
+            tracing::debug!(config = %key(config), token = %id, "extended the bootstrap token");
+            Done::Yes
+        }
+        Step::DeleteToken { id } => {
+            let w = workload();
+            match w
+                .tokens()
+                .delete(&format!("bootstrap-token-{id}"), &DeleteParams::default())
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(config = %key(config), token = %id, "deleted the bootstrap token")
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(w.error(e)),
+            }
+            Done::Yes
+        }
+    })
+}
+
+/// The ClusterRoleBindings of [`NODE_BOOTSTRAP_BINDINGS`], created where missing (a kubeadm
+/// cluster has them already; existing ones are left as they are).
+async fn ensure_node_bootstrap_rbac(w: &Workload) -> Result<(), Error> {
+    let api: Api<ClusterRoleBinding> = Api::all(w.client.clone());
+    for (name, role, group) in NODE_BOOTSTRAP_BINDINGS {
+        let binding: ClusterRoleBinding = serde_json::from_value(json!({
+            "metadata": { "name": name },
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role },
+            "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group }],
+        }))
+        .expect("a ClusterRoleBinding deserializes");
+        match api.create(&PostParams::default(), &binding).await {
+            Ok(_) => {
+                tracing::info!(cluster = %w.cluster, binding = name, "created node-bootstrap RBAC")
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(w.error(e)),
+        }
+    }
+    Ok(())
+}
