@@ -226,7 +226,7 @@ fn start_kea(lab: &Lab, work: &Path) -> Result<Supervised> {
     if let Some(status) = process.try_wait() {
         bail!("kea-dhcp4 exited ({status}):\n{}", process.log_tail());
     }
-    wait_answering(lab, work)?;
+    wait_answering(lab, work).with_context(|| process.log_tail())?;
     Ok(process)
 }
 
@@ -249,7 +249,7 @@ fn start_dnsmasq(lab: &Lab, work: &Path) -> Result<Supervised> {
     if let Some(status) = process.try_wait() {
         bail!("dnsmasq exited ({status}):\n{}", process.log_tail());
     }
-    wait_answering(lab, work)?;
+    wait_answering(lab, work).with_context(|| process.log_tail())?;
     Ok(process)
 }
 
