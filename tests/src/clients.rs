@@ -303,7 +303,8 @@ impl PerfdhcpReport {
         self.exchanges.iter().find(|e| e.name == name)
     }
 
-    fn parse(output: &str) -> Self {
+    /// Reads perfdhcp's printed summary.
+    pub fn parse(output: &str) -> Self {
         let mut exchanges: Vec<Exchange> = Vec::new();
         for line in output.lines().map(str::trim) {
             if let Some(name) =

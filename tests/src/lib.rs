@@ -7,6 +7,7 @@
 
 pub mod appliance;
 pub mod attack;
+pub mod bench;
 pub mod clients;
 pub mod forward;
 pub mod initramfs;

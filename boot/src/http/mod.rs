@@ -21,6 +21,7 @@
 
 mod deadline;
 mod rate;
+mod sendfile;
 #[cfg(test)]
 mod server_tests;
 mod static_files;
@@ -57,6 +58,7 @@ use crate::{AgentEndpoint, BootPlane, MacAddr};
 
 use deadline::WriteDeadline;
 use rate::{Rate, RateLimiter};
+use sendfile::{FileChunks, SendfileStream};
 pub use static_files::{RangeRequest, parse_range};
 
 pub type Body = BoxBody<Bytes, std::io::Error>;
@@ -308,14 +310,22 @@ impl HttpServer {
         let _ = stream.set_nodelay(true);
         let metrics = self.plane.metrics.clone();
         Metrics::add(&metrics.http_connections_active, 1);
-        // Under TLS, so the stall deadline sees the client's real progress.
-        let io = WriteDeadline::new(stream, self.stall_timeout);
         match port {
-            Port::Http => self.serve_http(io, remote, port, ticket.slot(), &shutdown).await,
+            Port::Http => {
+                // Files leave by sendfile, so only plain HTTP connections get a chunk queue.
+                let chunks = Arc::new(FileChunks::default());
+                let io = WriteDeadline::new(
+                    SendfileStream::new(stream, chunks.clone()),
+                    self.stall_timeout,
+                );
+                self.serve_http(io, remote, port, Some(chunks), ticket.slot(), &shutdown).await
+            }
             Port::Https => {
+                // Under TLS, so the stall deadline sees the client's real progress.
+                let io = WriteDeadline::new(stream, self.stall_timeout);
                 match tokio::time::timeout(self.handshake_timeout, self.tls.accept(io)).await {
                     Ok(Ok(tls)) => {
-                        self.serve_http(tls, remote, port, ticket.slot(), &shutdown).await
+                        self.serve_http(tls, remote, port, None, ticket.slot(), &shutdown).await
                     }
                     Ok(Err(e)) => tracing::debug!(%remote, error = %e, "TLS handshake failed"),
                     Err(_elapsed) => {
@@ -336,6 +346,7 @@ impl HttpServer {
         io: I,
         remote: SocketAddr,
         port: Port,
+        chunks: Option<Arc<FileChunks>>,
         slot: Slot,
         shutdown: &CancellationToken,
     ) where
@@ -343,8 +354,8 @@ impl HttpServer {
     {
         let server = self.clone();
         let service = service_fn(move |req| {
-            let server = server.clone();
-            async move { Ok::<_, Infallible>(server.route(req, remote, port, slot).await) }
+            let (server, chunks) = (server.clone(), chunks.clone());
+            async move { Ok::<_, Infallible>(server.route(req, remote, port, chunks, slot).await) }
         });
         let connection = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
@@ -371,6 +382,7 @@ impl HttpServer {
         req: Request<Incoming>,
         remote: SocketAddr,
         port: Port,
+        chunks: Option<Arc<FileChunks>>,
         slot: Slot,
     ) -> Response<Body> {
         let path = req.uri().path().to_owned();
@@ -414,10 +426,10 @@ impl HttpServer {
                 (HttpRoute::Script, self.script(file, remote).await)
             }
             (Port::Http, &Method::GET | &Method::HEAD, ["files", rest]) => {
-                (HttpRoute::File, self.file(rest, &req, head, remote).await)
+                (HttpRoute::File, self.file(rest, &req, head, remote, chunks).await)
             }
             (Port::Http, &Method::GET | &Method::HEAD, ["ipxe", name]) => {
-                (HttpRoute::IpxeBinary, self.ipxe_binary(name, &req, head, remote).await)
+                (HttpRoute::IpxeBinary, self.ipxe_binary(name, &req, head, remote, chunks).await)
             }
             (Port::Http, &Method::POST, ["report", rest]) => {
                 (HttpRoute::Report, self.report(rest, remote))
@@ -484,6 +496,7 @@ impl HttpServer {
         req: &Request<Incoming>,
         head: bool,
         remote: SocketAddr,
+        chunks: Option<Arc<FileChunks>>,
     ) -> Response<Body> {
         let Some(root) = &self.files else {
             return text(StatusCode::NOT_FOUND, "no http.root configured\n");
@@ -492,7 +505,7 @@ impl HttpServer {
         let Some(decoded) = decoded else {
             return text(StatusCode::BAD_REQUEST, "bad percent-encoding\n");
         };
-        self.serve(root.open_file(&decoded), &decoded, req, head, remote).await
+        self.serve(root.open_file(&decoded), &decoded, req, head, remote, chunks).await
     }
 
     async fn ipxe_binary(
@@ -501,11 +514,12 @@ impl HttpServer {
         req: &Request<Incoming>,
         head: bool,
         remote: SocketAddr,
+        chunks: Option<Arc<FileChunks>>,
     ) -> Response<Body> {
         if !self.plane.binaries.is_binary(name) {
             return text(StatusCode::NOT_FOUND, "not an iPXE binary served here\n");
         }
-        self.serve(self.ipxe_root.open_file(name), name, req, head, remote).await
+        self.serve(self.ipxe_root.open_file(name), name, req, head, remote, chunks).await
     }
 
     async fn serve(
@@ -515,7 +529,12 @@ impl HttpServer {
         req: &Request<Incoming>,
         head: bool,
         remote: SocketAddr,
+        chunks: Option<Arc<FileChunks>>,
     ) -> Response<Body> {
+        // Files are routes of the plain HTTP port, whose connections all have a chunk queue.
+        let Some(chunks) = chunks else {
+            return text(StatusCode::NOT_FOUND, "files are served over plain HTTP only\n");
+        };
         let (file, len) = match opened {
             Ok(found) => found,
             Err(e @ (FileError::NotFound | FileError::NotAFile)) => {
@@ -530,9 +549,14 @@ impl HttpServer {
                 return text(StatusCode::INTERNAL_SERVER_ERROR, "cannot open file\n");
             }
         };
-        match static_files::respond(file, len, req.headers(), head, self.plane.metrics.clone())
-            .await
-        {
+        match static_files::respond(
+            file,
+            len,
+            req.headers(),
+            head,
+            chunks,
+            self.plane.metrics.clone(),
+        ) {
             Ok(response) => {
                 if let (false, Some(mac)) = (head, self.mac_of(remote)) {
                     self.plane.timeline.record(

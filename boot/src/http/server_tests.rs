@@ -1,5 +1,5 @@
 //! The server on loopback, end to end: which port serves what, readiness, the TLS handshake
-//! deadline, and graceful shutdown.
+//! deadline, graceful shutdown, and file bodies sent by sendfile.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
@@ -66,6 +66,7 @@ async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("undionly.kpxe"), b"bios").unwrap();
     std::fs::File::create(dir.path().join("big.img")).unwrap().set_len(DOWNLOAD_LEN).unwrap();
+    std::fs::write(dir.path().join("pattern.bin"), pattern()).unwrap();
     let inventory = Arc::new(TestInventory { ready: AtomicBool::new(false) });
     let plane = BootPlane {
         endpoints: Endpoints { address: Ipv4Addr::LOCALHOST, http_port: 0 },
@@ -274,4 +275,63 @@ async fn a_stalled_agent_body_over_https_is_answered_408() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(started.elapsed() >= body_timeout);
+}
+
+/// 3.5 MiB that are not zeros (a sendfile placeholder is zeros) and differ at every 4-byte
+/// position, spanning several sendfile chunks.
+fn pattern() -> Vec<u8> {
+    (0..(7u32 << 19) / 4).flat_map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()).collect()
+}
+
+/// Reads one response with a Content-Length body from a keep-alive connection.
+fn read_response(stream: &mut TcpStream) -> (u16, Vec<u8>) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        stream.read_exact(&mut byte).unwrap();
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let len: usize = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .unwrap();
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).unwrap();
+    (status, body)
+}
+
+#[tokio::test]
+async fn file_bodies_by_sendfile_are_exact_across_chunks_ranges_and_keep_alive() {
+    let server = start(HttpSettings::default()).await;
+    let addr = server.http;
+    blocking(move || {
+        let expected = pattern();
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream.set_read_timeout(Some(DEADLINE)).unwrap();
+        // A range across a chunk boundary, the whole file, a small iPXE binary, and the tail:
+        // four responses on one connection, each exact, none shifted by the one before.
+        let requests = [
+            ("/files/pattern.bin", "bytes=1000-2500000", &expected[1000..=2_500_000]),
+            ("/files/pattern.bin", "", &expected[..]),
+            ("/ipxe/undionly.kpxe", "", &b"bios"[..]),
+            ("/files/pattern.bin", "bytes=-7", &expected[expected.len() - 7..]),
+        ];
+        for (path, range, want) in requests {
+            let range =
+                if range.is_empty() { String::new() } else { format!("Range: {range}\r\n") };
+            write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\n{range}\r\n").unwrap();
+            let (status, body) = read_response(&mut stream);
+            assert!(status == 200 || status == 206, "{path}: {status}");
+            assert_eq!(body.len(), want.len(), "{path} {range}");
+            assert!(body == want, "{path} {range}: the bytes differ");
+        }
+    })
+    .await;
+    server.shutdown.cancel();
 }

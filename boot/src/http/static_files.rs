@@ -1,23 +1,17 @@
-//! Serving a file with HEAD, ETag/If-None-Match, Last-Modified and single byte ranges, streamed
-//! in chunks so a multi-gigabyte image never sits in memory.
+//! Serving a file with HEAD, ETag/If-None-Match, Last-Modified and single byte ranges. The body
+//! leaves by sendfile ([`super::sendfile`]): a multi-gigabyte image never passes through memory.
 
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, UNIX_EPOCH};
 
-use futures_util::TryStreamExt;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
-use http_body_util::{BodyExt, StreamBody};
-use hyper::body::Frame;
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
-use tokio_util::io::ReaderStream;
+use http_body_util::BodyExt;
 
+use super::sendfile::{FileBody, FileChunks};
 use super::{Body, empty, full};
 use crate::metrics::Metrics;
 use std::sync::Arc;
-
-/// Read size for streaming: large enough to keep a fast link busy, small enough to bound memory.
-const CHUNK: usize = 256 * 1024;
 
 /// A byte range request, resolved against the file length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,11 +61,12 @@ pub fn parse_range(value: &str, len: u64) -> RangeRequest {
 }
 
 /// The response for `file` given the request's method and headers.
-pub async fn respond(
+pub fn respond(
     file: File,
     len: u64,
     request_headers: &HeaderMap,
     head: bool,
+    chunks: Arc<FileChunks>,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<Response<Body>> {
     let meta = file.metadata()?;
@@ -116,12 +111,8 @@ pub async fn respond(
     if head {
         return Ok(builder.body(empty()).expect("valid response"));
     }
-    let mut file = tokio::fs::File::from_std(file);
-    file.seek(std::io::SeekFrom::Start(start)).await?;
-    let stream = ReaderStream::with_capacity(file.take(count), CHUNK)
-        .inspect_ok(move |chunk| Metrics::add(&metrics.http_bytes, chunk.len() as u64))
-        .map_ok(Frame::data);
-    Ok(builder.body(StreamBody::new(stream).boxed()).expect("valid response"))
+    let body = FileBody::new(file, start, count, chunks, metrics);
+    Ok(builder.body(body.boxed()).expect("valid response"))
 }
 
 #[cfg(test)]

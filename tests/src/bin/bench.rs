@@ -1,0 +1,76 @@
+//! `bench`: siteboot against nginx (HTTP), tftpd-hpa (TFTP), Kea and dnsmasq (DHCP), each in
+//! its own network namespaces. Writes raw results as JSON and the tables into a markdown file
+//! (between the bench markers, keeping the rest). Run through `scripts/bench` (release build).
+//!
+//! ```text
+//! bench [--smoke] [--runs N] [--only http,tftp,dhcp] [--http-bytes N] [--http-clients 1,16,64]
+//!       [--tftp-bytes N] [--tftp-windows 1,16,64] [--dhcp-seconds S] [--dhcp-max-rate R]
+//!       [--json FILE] [--markdown FILE] [--command TEXT]
+//! ```
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use siteboot_tests::bench::report::{self, Results};
+use siteboot_tests::bench::{self, Settings};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut settings =
+        if args.iter().any(|a| a == "--smoke") { Settings::smoke() } else { Settings::full() };
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut json = root.join("docs/benchmarks.json");
+    let mut markdown = root.join("docs/benchmarks.md");
+    let mut command = "scripts/bench".to_owned();
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        if arg == "--smoke" {
+            continue;
+        }
+        let value = rest.next().with_context(|| format!("{arg} needs a value"))?;
+        let list = || value.split(',').map(str::parse).collect::<Result<Vec<_>, _>>();
+        match arg.as_str() {
+            "--runs" => settings.runs = value.parse()?,
+            "--only" => settings.only = value.split(',').map(str::to_owned).collect(),
+            "--http-bytes" => settings.http_bytes = value.parse()?,
+            "--http-clients" => settings.http_clients = list()?,
+            "--tftp-bytes" => settings.tftp_bytes = value.parse()?,
+            "--tftp-windows" => {
+                settings.tftp_windows =
+                    value.split(',').map(str::parse).collect::<Result<_, _>>()?
+            }
+            "--dhcp-seconds" => settings.dhcp_seconds = value.parse()?,
+            "--dhcp-max-rate" => settings.dhcp_max_rate = value.parse()?,
+            "--json" => json = value.into(),
+            "--markdown" => markdown = value.into(),
+            "--command" => command = value.clone(),
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    // Per-request logging would cost siteboot what the peers (logging warnings only) do not pay.
+    if std::env::var_os("SITEBOOT_LOG").is_none() {
+        // SAFETY: single-threaded here; nothing else reads the environment yet.
+        unsafe { std::env::set_var("SITEBOOT_LOG", "warn") };
+    }
+    let dir = tempfile::Builder::new().prefix("siteboot-bench-").tempdir()?;
+    let http =
+        if settings.wants("http") { bench::http::run(&settings, dir.path())? } else { vec![] };
+    let tftp =
+        if settings.wants("tftp") { bench::tftp::run(&settings, dir.path())? } else { vec![] };
+    let dhcp =
+        if settings.wants("dhcp") { bench::dhcp::run(&settings, dir.path())? } else { vec![] };
+    let results = Results {
+        command,
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")?.trim().to_owned(),
+        finished: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs(),
+        versions: bench::versions(),
+        settings,
+        http,
+        tftp,
+        dhcp,
+    };
+    report::write(&results, &json, &markdown)?;
+    println!("{}", results.markdown());
+    Ok(())
+}

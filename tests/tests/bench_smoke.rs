@@ -1,0 +1,56 @@
+//! The benchmark driver (`scripts/bench`) in seconds: every benchmark with tiny sizes and one
+//! run, against every peer. It checks that the driver ran and wrote a well-formed table with
+//! every server in it; it never judges a speed (speeds are published, not asserted).
+
+use std::process::Command;
+
+use siteboot_tests::bench::report::{BEGIN, END};
+
+#[test]
+fn every_benchmark_runs_against_every_peer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (json, markdown) = (dir.path().join("bench.json"), dir.path().join("bench.md"));
+    std::fs::write(&markdown, "# Benchmarks\n\nText kept as it is.\n").unwrap();
+    // The driver needs the siteboot binary the other lab tests use (it checks it is fresh).
+    siteboot_tests::appliance::binary().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bench"))
+        .arg("--smoke")
+        .arg("--json")
+        .arg(&json)
+        .arg("--markdown")
+        .arg(&markdown)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench --smoke failed ({}):\n{stderr}", out.status);
+
+    let doc = std::fs::read_to_string(&markdown).unwrap();
+    assert!(doc.starts_with("# Benchmarks\n\nText kept as it is.\n"), "{doc}");
+    let tables = &doc[doc.find(BEGIN).expect("begin marker")..doc.find(END).expect("end marker")];
+    for heading in ["### HTTP", "### TFTP", "### DHCP"] {
+        assert!(tables.contains(heading), "no {heading} table:\n{tables}");
+    }
+    // Every server has a row, with a number in its first measured column.
+    for server in ["siteboot", "nginx", "tftpd-hpa", "kea", "dnsmasq"] {
+        let rows: Vec<&str> =
+            tables.lines().filter(|l| l.contains(&format!("| {server} |"))).collect();
+        assert!(!rows.is_empty(), "no row for {server}:\n{tables}");
+        for row in rows {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let measured = cells.iter().skip_while(|c| **c != server).nth(1).unwrap();
+            let number = measured.split_whitespace().next().unwrap_or("");
+            assert!(number.parse::<f64>().is_ok(), "{server}: no number in {row:?}");
+        }
+    }
+
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for benchmark in ["http", "tftp", "dhcp"] {
+        assert!(
+            results[benchmark].as_array().is_some_and(|a| !a.is_empty()),
+            "no {benchmark} samples in the JSON"
+        );
+    }
+    assert!(results["cpus"].as_u64().unwrap() >= 1);
+    assert!(!results["kernel"].as_str().unwrap().is_empty());
+}
