@@ -16,6 +16,9 @@ pub const READY: &str = "Ready";
 pub const PAUSED: &str = "Paused";
 /// On a Host: no other Host of the site has its boot MAC.
 pub const BOOT_MAC_UNIQUE: &str = "BootMACUnique";
+/// On a SitebootMachine: the workload cluster's Node of the machine carries its providerID (so
+/// Cluster API can give the Machine its nodeRef).
+pub const NODE_HAS_PROVIDER_ID: &str = "NodeHasProviderID";
 /// On a SitebootConfig (bootstrap contract): the bootstrap data Secret exists.
 pub const DATA_SECRET_AVAILABLE: &str = "DataSecretAvailable";
 
@@ -36,6 +39,12 @@ pub enum Reason {
     BindingElsewhere,
     HostMissing,
     HostQuarantined,
+    /// No Node of the workload cluster is this machine yet (matched by system UUID).
+    WaitingForNode,
+    /// The machine's Node carries this machine's providerID.
+    NodeFound,
+    /// A Node with this machine's system UUID carries another providerID: left alone.
+    NodeProviderIDConflict,
     Provisioning,
     Provisioned,
     Deprovisioning,

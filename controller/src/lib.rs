@@ -19,3 +19,4 @@ pub mod run;
 pub mod selection;
 pub mod site;
 pub mod token;
+pub mod workload;

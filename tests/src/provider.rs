@@ -8,6 +8,7 @@
 //! the test says otherwise).
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,6 +53,9 @@ pub struct ProviderLab {
     sims: Arc<Mutex<Vec<Arc<SimHost>>>>,
     pub siteboot: Appliance,
     not_ready: Arc<Mutex<HashSet<String>>>,
+    /// Whether the simulated kubelets register with `--provider-id` (as a bootstrap template
+    /// that passes it from the meta-data does); if not, siteboot must set it on the Node.
+    kubelet_provider_id: Arc<AtomicBool>,
     operator: tokio::task::JoinHandle<()>,
     _forward: LoopbackForward,
     /// The apiserver's own port inside the lab namespace: the `<cluster>-kubeconfig` Secrets
@@ -118,11 +122,18 @@ impl ProviderLab {
 
         let not_ready = Arc::new(Mutex::new(HashSet::new()));
         let all: Arc<Mutex<Vec<Arc<SimHost>>>> = Arc::default();
-        let operator = tokio::spawn(operate(env.client(), all.clone(), not_ready.clone()));
+        let kubelet_provider_id = Arc::new(AtomicBool::new(true));
+        let operator = tokio::spawn(operate(
+            env.client(),
+            all.clone(),
+            not_ready.clone(),
+            kubelet_provider_id.clone(),
+        ));
         let lab = Self {
             sims: all,
             siteboot,
             not_ready,
+            kubelet_provider_id,
             operator,
             _forward: forward,
             _workload_forward: workload_forward,
@@ -294,6 +305,12 @@ impl ProviderLab {
     }
 
     /// The Node of a provisioned host reports NotReady (or Ready again).
+    /// From now on, simulated kubelets register without `--provider-id`, under a Node name of
+    /// their own (`kubelet-<host>`), with the host's system UUID.
+    pub fn kubelets_without_provider_id(&self) {
+        self.kubelet_provider_id.store(false, Ordering::Relaxed);
+    }
+
     pub fn set_node_ready(&self, host: &str, ready: bool) {
         let mut set = self.not_ready.lock().unwrap();
         if ready {
@@ -521,6 +538,7 @@ async fn operate(
     client: kube::Client,
     sims: Arc<Mutex<Vec<Arc<SimHost>>>>,
     not_ready: Arc<Mutex<HashSet<String>>>,
+    kubelet_provider_id: Arc<AtomicBool>,
 ) {
     let hosts: Api<Host> = Api::namespaced(client.clone(), NS);
     let nodes: Api<Node> = Api::all(client);
@@ -542,22 +560,32 @@ async fn operate(
             }
             if sim.phase() == Phase::Os && state == Some(HostState::Provisioned) {
                 let ready = !not_ready.lock().unwrap().contains(&host.name_any());
-                let _ = kubelet(&nodes, host, ready).await;
+                let with_provider_id = kubelet_provider_id.load(Ordering::Relaxed);
+                let _ = kubelet(&nodes, host, ready, with_provider_id).await;
             }
         }
     }
 }
 
 /// Registers the host's Node (providerID as its SitebootMachine reports it) and its readiness.
-async fn kubelet(nodes: &Api<Node>, host: &Host, ready: bool) -> Result<()> {
-    let name = host.name_any();
-    let provider_id = format!("siteboot://{NS}/{name}");
+async fn kubelet(
+    nodes: &Api<Node>,
+    host: &Host,
+    ready: bool,
+    with_provider_id: bool,
+) -> Result<()> {
+    let (name, spec) = if with_provider_id {
+        let name = host.name_any();
+        let provider_id = format!("siteboot://{NS}/{name}");
+        (name, json!({ "providerID": provider_id }))
+    } else {
+        (format!("kubelet-{}", host.name_any()), json!({}))
+    };
     let existing = match nodes.get_opt(&name).await? {
         Some(node) => node,
         None => {
-            let node: Node = serde_json::from_value(
-                json!({ "metadata": { "name": name }, "spec": { "providerID": provider_id } }),
-            )?;
+            let node: Node =
+                serde_json::from_value(json!({ "metadata": { "name": name }, "spec": spec }))?;
             nodes.create(&PostParams::default(), &node).await?
         }
     };
@@ -578,7 +606,13 @@ async fn kubelet(nodes: &Api<Node>, host: &Host, ready: bool) -> Result<()> {
             "lastHeartbeatTime": now, "lastTransitionTime": since,
         })
     };
-    let patch = json!({ "status": { "conditions": [
+    let node_info = json!({
+        "systemUUID": crate::sim::system_uuid(&host.spec.boot_mac_address),
+        "machineID": "", "bootID": "", "kernelVersion": "", "osImage": "",
+        "containerRuntimeVersion": "", "kubeletVersion": "", "kubeProxyVersion": "",
+        "operatingSystem": "linux", "architecture": "amd64",
+    });
+    let patch = json!({ "status": { "nodeInfo": node_info, "conditions": [
         condition("Ready", if ready { "True" } else { "False" }, if ready { "KubeletReady" } else { "KubeletNotReady" }),
         condition("MemoryPressure", "False", "KubeletHasSufficientMemory"),
         condition("DiskPressure", "False", "KubeletHasNoDiskPressure"),

@@ -33,6 +33,12 @@ pub enum Phase {
 }
 
 /// What the simulated ramdisk reports from inspection.
+/// The SMBIOS UUID of the simulated machine with boot MAC `mac`: what its ramdisk reports and
+/// its kubelet registers (`Node.status.nodeInfo.systemUUID`).
+pub fn system_uuid(mac: &str) -> String {
+    format!("5e7b0000-0000-4000-8000-{}", mac.to_ascii_lowercase().replace(':', ""))
+}
+
 pub fn hardware() -> Value {
     json!({
         "cpus": 4, "memoryMiB": 8192, "arch": "x86_64",
@@ -344,6 +350,7 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
             Some("inspect") => {
                 let mut hw = hardware();
                 hw["nics"][0]["mac"] = json!(s.mac);
+                hw["system"] = json!({ "uuid": system_uuid(&s.mac), "vendor": "QEMU" });
                 expect_ok(call("POST", "inspection", Some(&hw)), "inspection")?;
                 s.note("inspected".into());
             }

@@ -7,8 +7,9 @@
 
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 use siteboot_controller::crd::HostState;
 use siteboot_tests::provider::{ProviderLab, Sims, image_spec};
@@ -627,4 +628,49 @@ async fn another_replica_takes_over_when_the_leader_dies() {
     .unwrap();
     lab.hosts().create(&kube::api::PostParams::default(), &host).await.unwrap();
     lab.wait_hosts(HostState::Inspecting, 1, Duration::from_secs(60)).await.unwrap();
+}
+
+/// A bootstrap template that does not pass `--provider-id` to the kubelet: the Node registers
+/// under a name of its own with no providerID, and siteboot sets it, matching the Node by the
+/// system UUID the ramdisk reported, never by name. A Node with another UUID is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_without_provider_id_gets_it_by_its_system_uuid() {
+    let lab = ProviderLab::start(1, |_| {}).await.unwrap();
+    lab.kubelets_without_provider_id();
+    let nodes: Api<Node> = Api::all(lab.env.client());
+    // A stranger: no providerID, a UUID of no host, and the name a careless match would pick.
+    let decoy: Node = serde_json::from_value(json!({ "metadata": { "name": "host-0" } })).unwrap();
+    nodes.create(&kube::api::PostParams::default(), &decoy).await.unwrap();
+    let info = json!({ "status": { "nodeInfo": {
+        "systemUUID": "00000000-0000-4000-8000-00000000dead", "machineID": "", "bootID": "",
+        "kernelVersion": "", "osImage": "", "containerRuntimeVersion": "", "kubeletVersion": "",
+        "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
+    } } });
+    nodes.patch_status("host-0", &PatchParams::default(), &Patch::Merge(&info)).await.unwrap();
+
+    lab.create_cluster("c6", "#cloud-config\n").await.unwrap();
+    lab.create_template("t", "v1").await.unwrap();
+    lab.create_machine_deployment("workers", "c6", "t", 1).await.unwrap();
+    let machine = match lab.wait_running("workers", 1, ROLLOUT).await {
+        Ok(mut running) => running.remove(0),
+        Err(e) => panic!("{e:#}\n{}", lab.describe().await),
+    };
+    assert_eq!(machine.data["status"]["nodeRef"]["name"], "kubelet-host-0", "{machine:?}");
+    let node = nodes.get("kubelet-host-0").await.unwrap();
+    assert_eq!(
+        node.spec.and_then(|s| s.provider_id).as_deref(),
+        Some("siteboot://metal/host-0"),
+        "the Node found by its system UUID got the providerID"
+    );
+    let decoy = nodes.get("host-0").await.unwrap();
+    assert_eq!(decoy.spec.and_then(|s| s.provider_id), None, "the stranger is left alone");
+    let sbm =
+        lab.api("SitebootMachine").list(&ListParams::default()).await.unwrap().items.remove(0);
+    let linked = sbm.data["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "NodeHasProviderID")
+        .cloned();
+    assert_eq!(linked.as_ref().map(|c| &c["status"]), Some(&json!("True")), "{sbm:?}");
 }

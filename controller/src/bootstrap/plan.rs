@@ -30,14 +30,7 @@ pub const UNREACHABLE_RETRY: Duration = Duration::from_secs(15);
 const KUBECONFIG_RETRY: Duration = Duration::from_secs(30);
 const INVALID_KUBECONFIG_RETRY: Duration = Duration::from_secs(300);
 
-/// The workload cluster as described by its `<cluster>-kubeconfig` Secret: where hosts join.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct JoinTarget {
-    /// The API server URL.
-    pub server: String,
-    /// The cluster CA (PEM).
-    pub ca_pem: String,
-}
+pub use crate::workload::JoinTarget;
 
 /// A bootstrap token as read from the workload cluster. Debug never shows the secret half.
 #[derive(Clone, PartialEq, Eq)]

@@ -25,13 +25,13 @@ use serde_json::json;
 use siteboot_boot::dhcp::leases::unix_now;
 
 use super::plan::{
-    self, BootstrapToken, DataSecret, FINALIZER, JoinTarget, Kubeconfig, Plan, Requeue, Step,
-    TokenRead,
+    self, BootstrapToken, DataSecret, FINALIZER, Kubeconfig, Plan, Requeue, Step, TokenRead,
 };
 use crate::conditions::{READY, Reason};
 use crate::context::{Ctx, Error, Reconciled, patch_unchanged};
 use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
 use crate::crd::{SitebootConfig, set_condition};
+use crate::workload::Workload;
 
 /// Where bootstrap tokens live in the workload cluster.
 const TOKEN_NAMESPACE: &str = "kube-system";
@@ -39,9 +39,6 @@ const TOKEN_NAMESPACE: &str = "kube-system";
 pub const TOKEN_GROUP: &str = "system:bootstrappers:kubeadm:default-node-token";
 /// The type CAPI gives its Secrets (and that the infrastructure provider reads).
 const CAPI_SECRET_TYPE: &str = "cluster.x-k8s.io/secret";
-/// Bounds on each request to a workload cluster, so an unreachable one is reported in seconds.
-const WORKLOAD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-const WORKLOAD_READ_TIMEOUT: Duration = Duration::from_secs(15);
 /// After losing a compare-and-swap: long enough for the watch to bring the winner's write.
 const LOST_RACE_RETRY: Duration = Duration::from_secs(1);
 
@@ -117,21 +114,9 @@ impl Reconciled for SitebootConfig {
     }
 }
 
-/// The workload cluster, reached through its kubeconfig Secret.
-struct Workload {
-    cluster: String,
-    target: JoinTarget,
-    client: kube::Client,
-}
-
-impl Workload {
-    fn error(&self, source: kube::Error) -> Error {
-        Error::Workload { cluster: self.cluster.clone(), source }
-    }
-
-    fn tokens(&self) -> Api<Secret> {
-        Api::namespaced(self.client.clone(), TOKEN_NAMESPACE)
-    }
+/// Where bootstrap tokens live in the workload cluster.
+fn tokens(w: &Workload) -> Api<Secret> {
+    Api::namespaced(w.client.clone(), TOKEN_NAMESPACE)
 }
 
 async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
@@ -162,7 +147,7 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
         Some(cluster) => {
             let name = format!("{}-kubeconfig", cluster.name_any());
             match secrets.get_opt(&name).await? {
-                Some(secret) => Some(workload(&cluster.name_any(), &secret).await),
+                Some(secret) => Some(Workload::connect(&cluster.name_any(), &secret).await),
                 None => None,
             }
         }
@@ -250,43 +235,6 @@ async fn gone(api: &Api<SitebootConfig>, config: &SitebootConfig) -> Result<bool
         && api.get_opt(&config.name_any()).await?.is_none())
 }
 
-/// The workload cluster from its kubeconfig Secret, or why it cannot be used.
-async fn workload(cluster: &str, secret: &Secret) -> Result<Workload, String> {
-    let value = secret.data.as_ref().and_then(|d| d.get("value")).ok_or("it has no key `value`")?;
-    let kubeconfig: kube::config::Kubeconfig =
-        serde_yaml::from_slice(&value.0).map_err(|e| format!("not a kubeconfig: {e}"))?;
-    let context = kubeconfig
-        .current_context
-        .as_ref()
-        .and_then(|name| kubeconfig.contexts.iter().find(|c| &c.name == name))
-        .or_else(|| kubeconfig.contexts.first())
-        .and_then(|c| c.context.as_ref())
-        .ok_or("it has no context")?;
-    let named = kubeconfig
-        .clusters
-        .iter()
-        .find(|c| c.name == context.cluster)
-        .and_then(|c| c.cluster.as_ref())
-        .ok_or_else(|| {
-            format!("its context names cluster {:?}, which it lacks", context.cluster)
-        })?;
-    let server = named.server.clone().ok_or("its cluster has no server")?;
-    let ca_pem = named
-        .certificate_authority_data
-        .as_ref()
-        .and_then(|b64| BASE64.decode(b64).ok())
-        .and_then(|pem| String::from_utf8(pem).ok())
-        .filter(|pem| pem.contains("-----BEGIN CERTIFICATE-----"))
-        .ok_or("its cluster has no certificate-authority-data (the CA hosts must trust)")?;
-    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-        .await
-        .map_err(|e| format!("unusable kubeconfig: {e}"))?;
-    config.connect_timeout = Some(WORKLOAD_CONNECT_TIMEOUT);
-    config.read_timeout = Some(WORKLOAD_READ_TIMEOUT);
-    let client = kube::Client::try_from(config).map_err(|e| format!("unusable kubeconfig: {e}"))?;
-    Ok(Workload { cluster: cluster.to_owned(), target: JoinTarget { server, ca_pem }, client })
-}
-
 /// What became of the token Secret `bootstrap-token-<id>`.
 enum TokenFound {
     Present(BootstrapToken),
@@ -297,7 +245,7 @@ enum TokenFound {
 /// An API server that does not answer is a finding here, not an error (deletion must go on
 /// without it); a refusal is an error.
 async fn read_token(w: &Workload, id: &str) -> Result<TokenFound, Error> {
-    match w.tokens().get_opt(&format!("bootstrap-token-{id}")).await {
+    match tokens(w).get_opt(&format!("bootstrap-token-{id}")).await {
         Ok(Some(secret)) => Ok(TokenFound::Present(parse_token(id, &secret))),
         Ok(None) => Ok(TokenFound::Absent),
         Err(e) if unreachable(&e) => Ok(TokenFound::Unreachable(e.to_string())),
@@ -424,7 +372,7 @@ async fn perform(
                 },
             }))
             .expect("a token Secret deserializes");
-            match w.tokens().create(&PostParams::default(), &token).await {
+            match tokens(w).create(&PostParams::default(), &token).await {
                 Ok(_) => {
                     tracing::info!(config = %key(config), token = %id, cluster = %w.cluster, "created the bootstrap token")
                 }
@@ -474,7 +422,7 @@ async fn perform(
             let w = workload();
             let patch = json!({ "data": { "expiration": BASE64.encode(rfc3339(expiration)) } });
             let name = format!("bootstrap-token-{id}");
-            w.tokens()
+            tokens(w)
                 .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
                 .map_err(|e| w.error(e))?;
@@ -483,10 +431,7 @@ async fn perform(
         }
         Step::DeleteToken { id } => {
             let w = workload();
-            match w
-                .tokens()
-                .delete(&format!("bootstrap-token-{id}"), &DeleteParams::default())
-                .await
+            match tokens(w).delete(&format!("bootstrap-token-{id}"), &DeleteParams::default()).await
             {
                 Ok(_) => {
                     tracing::info!(config = %key(config), token = %id, "deleted the bootstrap token")

@@ -186,6 +186,23 @@ pub struct Hardware {
     pub disks: Vec<Disk>,
     #[serde(default)]
     pub nics: Vec<Nic>,
+    /// The machine's SMBIOS identity. Its UUID is what the kubelet reports as
+    /// `Node.status.nodeInfo.systemUUID`: how the machine's Node is found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system: Option<SystemInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SystemInfo {
+    /// `/sys/class/dmi/id/product_uuid`.
+    pub uuid: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vendor: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

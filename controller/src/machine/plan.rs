@@ -14,9 +14,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 
-use crate::conditions::{READY, Reason, check_paused};
+use crate::conditions::{NODE_HAS_PROVIDER_ID, READY, Reason, check_paused};
 use crate::crd::capi::{Cluster, Machine};
 use crate::crd::{
     Host, HostRef, HostState, Initialization, MachineAddress, Provisioning, SITE_LABEL,
@@ -36,6 +37,8 @@ pub const NO_HOST_RETRY: Duration = Duration::from_secs(60);
 const PROGRESS_RETRY: Duration = Duration::from_secs(30);
 const DEPROVISION_RETRY: Duration = Duration::from_secs(10);
 const PROVISIONED_RETRY: Duration = Duration::from_secs(600);
+/// How often a provisioned machine looks for its Node while it has none.
+const NODE_RETRY: Duration = Duration::from_secs(15);
 
 /// What this appliance may do, from its configuration.
 #[derive(Debug, Clone)]
@@ -58,6 +61,9 @@ pub struct Observed<'a> {
     pub bound: Option<&'a Host>,
     /// The site's Hosts (candidates, and claims made for this machine), as cached.
     pub hosts: &'a [Arc<Host>],
+    /// The workload cluster's Nodes, read once the bound host is Provisioned and while the
+    /// Machine has no nodeRef (see [`wants_nodes`]); `Err` says why they could not be read.
+    pub nodes: Option<Result<&'a [Node], String>>,
     /// Seconds since the Unix epoch.
     pub now: u64,
 }
@@ -93,6 +99,11 @@ pub enum Step<'a> {
         provisioning: Provisioning,
     },
     SetProviderId(String),
+    /// Set `spec.providerID` on the machine's Node in the workload cluster (it had none).
+    SetNodeProviderId {
+        node: &'a Node,
+        provider_id: String,
+    },
     /// Let go of `spec.provisioning`: the host wipes itself.
     CancelProvisioning(&'a Host),
     RemoveFinalizer,
@@ -173,6 +184,18 @@ impl Report {
     fn ready(&mut self, ready: bool, reason: Reason, message: &str) {
         let reason = reason.to_string();
         set_condition(&mut self.status.conditions, READY, ready, &reason, message, self.generation);
+    }
+
+    fn node(&mut self, linked: bool, reason: Reason, message: &str) {
+        let reason = reason.to_string();
+        set_condition(
+            &mut self.status.conditions,
+            NODE_HAS_PROVIDER_ID,
+            linked,
+            &reason,
+            message,
+            self.generation,
+        );
     }
 
     fn wait(
@@ -279,7 +302,7 @@ fn bound<'a>(seen: &Observed<'a>, host: &'a Host, report: &mut Report) -> (Step<
             if seen.machine.spec.provider_id.as_deref() != Some(provider_id.as_str()) {
                 return (Step::SetProviderId(provider_id), Requeue::After(PROVISIONED_RETRY));
             }
-            (Step::None, Requeue::After(PROVISIONED_RETRY))
+            link_node(seen, host, provider_id, report)
         }
         Some(HostState::Quarantined) => {
             let why = status.quarantine_reason.unwrap_or_default();
@@ -295,6 +318,113 @@ fn bound<'a>(seen: &Observed<'a>, host: &'a Host, report: &mut Report) -> (Step<
                 Reason::Provisioning,
                 &format!("Host {} is {state:?}{}", host.name_any(), step.unwrap_or_default()),
                 Requeue::After(PROGRESS_RETRY),
+            )
+        }
+    }
+}
+
+/// Whether a pass must read the workload cluster's Nodes: the host is Provisioned and the
+/// Machine has no nodeRef yet (then Cluster API has found the Node by providerID, and there is
+/// nothing left to do).
+pub fn wants_nodes(owner: Option<&Machine>, bound: Option<&Host>) -> bool {
+    let provisioned =
+        bound.and_then(|h| h.status.as_ref()).and_then(|s| s.state) == Some(HostState::Provisioned);
+    let node_ref = owner.and_then(|m| m.status.as_ref()).and_then(|s| s.node_ref.as_ref());
+    provisioned && node_ref.is_none()
+}
+
+/// The fallback that needs nothing from the bootstrap template: the machine's Node, found by
+/// the system UUID inspection recorded (never by name), gets the providerID if it has none.
+fn link_node<'a>(
+    seen: &Observed<'a>,
+    host: &Host,
+    provider_id: String,
+    report: &mut Report,
+) -> (Step<'a>, Requeue) {
+    let node_ref = seen.owner.and_then(|m| m.status.as_ref()).and_then(|s| s.node_ref.as_ref());
+    if let Some(node) = node_ref {
+        report.node(true, Reason::NodeFound, &format!("Node {}", node.name));
+        return (Step::None, Requeue::After(PROVISIONED_RETRY));
+    }
+    let waiting = |report: &mut Report, message: &str| {
+        report.node(false, Reason::WaitingForNode, message);
+        (Step::None, Requeue::After(NODE_RETRY))
+    };
+    let nodes = match &seen.nodes {
+        None => return (Step::None, Requeue::After(NODE_RETRY)),
+        Some(Err(why)) => {
+            return waiting(report, &format!("cannot read the workload cluster's Nodes: {why}"));
+        }
+        Some(Ok(nodes)) => *nodes,
+    };
+    let uuid = host
+        .status
+        .as_ref()
+        .and_then(|s| s.hardware.as_ref())
+        .and_then(|h| h.system.as_ref())
+        .map(|s| s.uuid.as_str());
+    let Some(uuid) = uuid.filter(|u| !u.is_empty()) else {
+        return waiting(
+            report,
+            &format!(
+                "inspection recorded no system UUID for Host {}: the kubelet must be given --provider-id {provider_id}",
+                host.name_any()
+            ),
+        );
+    };
+    let mine: Vec<&Node> = nodes
+        .iter()
+        .filter(|n| {
+            let reported = n
+                .status
+                .as_ref()
+                .and_then(|s| s.node_info.as_ref())
+                .map(|i| i.system_uuid.as_str());
+            reported.is_some_and(|r| r.eq_ignore_ascii_case(uuid))
+        })
+        .collect();
+    match mine.as_slice() {
+        [] => {
+            waiting(report, &format!("no Node of the workload cluster has system UUID {uuid} yet"))
+        }
+        [node] => match node
+            .spec
+            .as_ref()
+            .and_then(|s| s.provider_id.as_deref())
+            .filter(|p| !p.is_empty())
+        {
+            None => {
+                report.node(
+                    false,
+                    Reason::WaitingForNode,
+                    &format!("setting the providerID of Node {}", node.name_any()),
+                );
+                (Step::SetNodeProviderId { node, provider_id }, Requeue::After(NODE_RETRY))
+            }
+            Some(p) if p == provider_id => {
+                report.node(true, Reason::NodeFound, &format!("Node {}", node.name_any()));
+                (Step::None, Requeue::After(NODE_RETRY))
+            }
+            Some(other) => {
+                report.node(
+                    false,
+                    Reason::NodeProviderIDConflict,
+                    &format!(
+                        "Node {} has system UUID {uuid} but providerID {other}; left alone",
+                        node.name_any()
+                    ),
+                );
+                (Step::None, Requeue::After(PROVISIONED_RETRY))
+            }
+        },
+        several => {
+            let names: Vec<String> = several.iter().map(|n| n.name_any()).collect();
+            waiting(
+                report,
+                &format!(
+                    "Nodes {} all report system UUID {uuid}; none is changed",
+                    names.join(", ")
+                ),
             )
         }
     }
@@ -495,7 +625,8 @@ mod tests {
     use crate::conditions::PAUSED;
     use crate::crd::capi::{ClusterInitialization, ClusterStatus, PAUSED_ANNOTATION};
     use crate::crd::{
-        ConsumerRef, HostSelector, HostSpec, HostStatus, Image, Installed, SitebootMachineSpec, now,
+        ConsumerRef, Hardware, HostSelector, HostSpec, HostStatus, Image, Installed,
+        SitebootMachineSpec, SystemInfo, now,
     };
 
     const NOW: u64 = 1_000_000;
@@ -597,12 +728,13 @@ mod tests {
         machine: Option<Machine>,
         cluster: Option<Cluster>,
         hosts: Vec<Arc<Host>>,
+        nodes: Option<Result<Vec<Node>, String>>,
     }
 
     impl World {
         fn new(sbm: SitebootMachine, hosts: Vec<Host>) -> Self {
             let hosts = hosts.into_iter().map(Arc::new).collect();
-            World { sbm, machine: Some(machine()), cluster: Some(cluster()), hosts }
+            World { sbm, machine: Some(machine()), cluster: Some(cluster()), hosts, nodes: None }
         }
 
         fn plan(&self) -> Plan<'_> {
@@ -619,6 +751,7 @@ mod tests {
                 cluster: self.cluster.as_ref(),
                 bound,
                 hosts: &self.hosts,
+                nodes: self.nodes.as_ref().map(|n| n.as_deref().map_err(Clone::clone)),
                 now: NOW,
             };
             plan(&seen, &policy())
@@ -725,6 +858,103 @@ mod tests {
         let w =
             World::new(marked(sbm(), "dead", NOW - BINDER_TIMEOUT - 1, "h1"), vec![available(1)]);
         assert!(matches!(&w.plan().step, Step::Mark(m) if m.binder == "me"));
+    }
+
+    fn node(name: &str, uuid: &str, provider_id: Option<&str>) -> Node {
+        serde_json::from_value(serde_json::json!({
+            "metadata": { "name": name },
+            "spec": { "providerID": provider_id },
+            "status": { "nodeInfo": {
+                "systemUUID": uuid, "machineID": "", "bootID": "", "kernelVersion": "",
+                "osImage": "", "containerRuntimeVersion": "", "kubeletVersion": "",
+                "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
+            } },
+        }))
+        .unwrap()
+    }
+
+    /// A machine on Provisioned host h1, whose inspection found system UUID `uuid`.
+    fn provisioned_world(uuid: Option<&str>, nodes: Option<Result<Vec<Node>, String>>) -> World {
+        let mut m = bound_to(sbm(), "h1");
+        m.spec.provider_id = Some("siteboot://ns/h1".into());
+        let mut h = claimed_for(host("h1", "52:54:00:00:00:01", HostState::Provisioned), &m);
+        h.spec.provisioning = Some(Provisioning { image: image() });
+        let status = h.status.as_mut().unwrap();
+        status.installed = Some(Installed { image: image(), consumer: "ns/m".into() });
+        status.hardware = uuid.map(|uuid| Hardware {
+            system: Some(SystemInfo { uuid: uuid.into(), vendor: None, model: None, serial: None }),
+            ..Default::default()
+        });
+        let mut w = World::new(m, vec![h]);
+        w.nodes = nodes;
+        w
+    }
+
+    fn node_condition(plan: &Plan) -> (String, String, String) {
+        let c = condition(&plan.status.conditions, NODE_HAS_PROVIDER_ID).expect("the condition");
+        (c.status.clone(), c.reason.clone(), c.message.clone())
+    }
+
+    #[test]
+    fn the_node_with_the_machine_s_system_uuid_gets_its_provider_id() {
+        const UUID: &str = "8C1E4E2A-0000-4000-8000-00000000AB01";
+        let ours = "siteboot://ns/h1";
+        // Found by UUID (case aside), whatever its name: its providerID is set.
+        let w = provisioned_world(
+            Some(UUID),
+            Some(Ok(vec![
+                node("other", "11111111-0000-4000-8000-000000000000", None),
+                node("worker-7", &UUID.to_lowercase(), None),
+            ])),
+        );
+        let p = w.plan();
+        assert!(
+            matches!(&p.step, Step::SetNodeProviderId { node, provider_id } if node.name_any() == "worker-7" && provider_id == ours),
+            "{p:?}"
+        );
+        // Already set: reported, nothing written.
+        let w = provisioned_world(Some(UUID), Some(Ok(vec![node("worker-7", UUID, Some(ours))])));
+        let p = w.plan();
+        assert_eq!(p.step, Step::None);
+        assert_eq!(node_condition(&p).1, Reason::NodeFound.to_string());
+        // Another providerID, or two Nodes claiming the UUID, or none: left alone.
+        let w =
+            provisioned_world(Some(UUID), Some(Ok(vec![node("worker-7", UUID, Some("aws:///x"))])));
+        assert_eq!(w.plan().step, Step::None);
+        assert_eq!(node_condition(&w.plan()).1, Reason::NodeProviderIDConflict.to_string());
+        let w = provisioned_world(
+            Some(UUID),
+            Some(Ok(vec![node("a", UUID, None), node("b", UUID, None)])),
+        );
+        assert_eq!(w.plan().step, Step::None);
+        assert_eq!(node_condition(&w.plan()).1, Reason::WaitingForNode.to_string());
+        let w = provisioned_world(
+            Some(UUID),
+            Some(Ok(vec![node("x", "22222222-0000-4000-8000-000000000000", None)])),
+        );
+        assert_eq!(w.plan().step, Step::None);
+        assert_eq!(node_condition(&w.plan()).1, Reason::WaitingForNode.to_string());
+        // No UUID from inspection, or the workload cluster unreadable: waiting, with why.
+        let w = provisioned_world(None, Some(Ok(vec![node("worker-7", UUID, None)])));
+        assert!(node_condition(&w.plan()).2.contains("--provider-id"));
+        let w = provisioned_world(Some(UUID), Some(Err("connection refused".into())));
+        assert!(node_condition(&w.plan()).2.contains("connection refused"));
+        // Ready stays True throughout: the infrastructure is provisioned.
+        assert_eq!(ready(&w.plan()).0, "True");
+    }
+
+    #[test]
+    fn nodes_are_read_only_for_a_provisioned_host_whose_machine_has_no_node_ref() {
+        let provisioned = host("h1", "52:54:00:00:00:01", HostState::Provisioned);
+        let mut m = machine();
+        assert!(wants_nodes(Some(&m), Some(&provisioned)));
+        assert!(!wants_nodes(Some(&m), Some(&available(1))));
+        assert!(!wants_nodes(Some(&m), None));
+        m.status = Some(crate::crd::capi::MachineStatus {
+            node_ref: Some(crate::crd::capi::NodeRef { name: "worker-7".into() }),
+            ..Default::default()
+        });
+        assert!(!wants_nodes(Some(&m), Some(&provisioned)));
     }
 
     #[test]

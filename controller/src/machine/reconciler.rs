@@ -6,7 +6,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::api::{Api, Patch, PatchParams};
+use k8s_openapi::api::core::v1::{Node, Secret};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
@@ -21,6 +22,7 @@ use crate::conditions::{READY, Reason};
 use crate::context::{Ctx, Error, Reconciled, patch_unchanged};
 use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
 use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine, set_condition};
+use crate::workload::Workload;
 
 /// After losing a compare-and-swap: long enough for the watch to bring the winner's write.
 const LOST_RACE_RETRY: Duration = Duration::from_secs(1);
@@ -135,12 +137,28 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx) -> Result<Action, Error> {
         None => None,
     };
     let hosts = ctx.hosts.all();
+    let workload = match (&cluster_name, plan::wants_nodes(owner.as_ref(), bound.as_ref())) {
+        (Some(cluster), true) => Some(workload(ctx, &namespace, cluster).await?),
+        _ => None,
+    };
+    let nodes = match &workload {
+        Some(Ok(w)) => Some(
+            Api::<Node>::all(w.client.clone())
+                .list(&ListParams::default())
+                .await
+                .map(|list| list.items)
+                .map_err(|e| format!("listing Nodes: {e}")),
+        ),
+        Some(Err(why)) => Some(Err(why.clone())),
+        None => None,
+    };
     let seen = Observed {
         machine: sbm,
         owner: owner.as_ref(),
         cluster: cluster.as_ref(),
         bound: bound.as_ref(),
         hosts: &hosts,
+        nodes: nodes.as_ref().map(|n| n.as_deref().map_err(Clone::clone)),
         now: unix_now(),
     };
     let Plan { step, status, requeue } = plan::plan(&seen, &ctx.machine_policy);
@@ -150,7 +168,8 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx) -> Result<Action, Error> {
         tracing::info!(machine = %key(sbm), "{}", status_message(&status));
     }
     let api: Api<SitebootMachine> = Api::namespaced(ctx.client.clone(), &namespace);
-    let requeue = match perform(sbm, ctx, &api, step).await? {
+    let workload = workload.as_ref().and_then(|w| w.as_ref().ok());
+    let requeue = match perform(sbm, ctx, &api, workload, step).await? {
         Done::Yes => requeue,
         Done::LostRace => Requeue::After(LOST_RACE_RETRY),
     };
@@ -186,6 +205,21 @@ async fn gone(api: &Api<SitebootMachine>, sbm: &SitebootMachine) -> Result<bool,
     Ok(sbm.metadata.deletion_timestamp.is_some() && api.get_opt(&sbm.name_any()).await?.is_none())
 }
 
+/// The workload cluster of `cluster` through its kubeconfig Secret; `Err` says why it cannot be
+/// used (a finding, reported on the machine, not an error of this pass).
+async fn workload(
+    ctx: &Ctx,
+    namespace: &str,
+    cluster: &str,
+) -> Result<Result<Workload, String>, Error> {
+    let name = format!("{cluster}-kubeconfig");
+    let secret = Api::<Secret>::namespaced(ctx.client.clone(), namespace).get_opt(&name).await?;
+    Ok(match secret {
+        Some(secret) => Workload::connect(cluster, &secret).await,
+        None => Err(format!("the Secret {namespace}/{name} does not exist")),
+    })
+}
+
 /// Whether `sbm` is still the machine's latest version.
 async fn unchanged(api: &Api<SitebootMachine>, sbm: &SitebootMachine) -> Result<bool, Error> {
     let latest = api.get_opt(&sbm.name_any()).await?;
@@ -206,6 +240,7 @@ async fn perform(
     sbm: &SitebootMachine,
     ctx: &Ctx,
     api: &Api<SitebootMachine>,
+    workload: Option<&Workload>,
     step: Step<'_>,
 ) -> Result<Done, Error> {
     let hosts_api = |host: &Host| ctx.hosts_api(&host.namespace().unwrap_or_default());
@@ -265,6 +300,18 @@ async fn perform(
                 Err(kube::Error::Api(e)) if e.code == 422 => Done::LostRace,
                 Err(e) => return Err(e.into()),
             }
+        }
+        Step::SetNodeProviderId { node, provider_id } => {
+            let Some(w) = workload else {
+                return Ok(Done::LostRace); // the plan saw Nodes, so there is a workload
+            };
+            let patch = json!({ "spec": { "providerID": provider_id } });
+            let nodes = Api::<Node>::all(w.client.clone());
+            let written = patch_unchanged(&nodes, node, patch).await.map_err(|e| w.error(e))?;
+            if written.is_some() {
+                tracing::info!(machine = %key(sbm), node = %node.name_any(), provider_id, "set the providerID of the machine's Node (found by its system UUID)");
+            }
+            done(written)
         }
         Step::ForgetHostRef => {
             let host = sbm.spec.host_ref.as_ref().map(|r| format!("{}/{}", r.namespace, r.name));
