@@ -9,20 +9,21 @@ use siteboot_image::{Digest, Mismatch};
 
 use crate::fetch::MAX_REDIRECTS;
 
-/// What went wrong with an image. Clone (sources behind `Arc`) because every request waiting
+/// What went wrong with an image. The underlying errors are in the message, not chained as
+/// `source()`, so they are printed once. Clone (sources behind `Arc`) because every request waiting
 /// on one shared download gets its result.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CacheError {
-    #[error("{action} {}: {source}", path.display())]
-    Io { action: &'static str, path: PathBuf, source: Arc<io::Error> },
-    #[error("connecting to {url}: {source}")]
-    Connect { url: String, source: Arc<io::Error> },
+    #[error("{action} {}: {error}", path.display())]
+    Io { action: &'static str, path: PathBuf, error: Arc<io::Error> },
+    #[error("connecting to {url}: {error}")]
+    Connect { url: String, error: Arc<io::Error> },
     #[error("https needs trusted root certificates and this system has none: {0}")]
     NoRoots(String),
-    #[error("TLS handshake with {url}: {source}")]
-    Tls { url: String, source: Arc<io::Error> },
-    #[error("HTTP exchange with {url}: {source}")]
-    Http { url: String, source: Arc<hyper::Error> },
+    #[error("TLS handshake with {url}: {error}")]
+    Tls { url: String, error: Arc<io::Error> },
+    #[error("HTTP exchange with {url}: {error}")]
+    Http { url: String, error: Arc<hyper::Error> },
     #[error("{url} answered {status}")]
     Status { url: String, status: StatusCode },
     #[error("{url} redirects to {location:?}, which is not an absolute http(s) URL or path")]
@@ -39,7 +40,7 @@ pub enum CacheError {
     Dropped { url: String, bytes: u64, resumes: u32, cause: Interruption },
     /// The image was fetched whole, but it is not the one named: it was discarded.
     #[error("{0}; discarded")]
-    Mismatch(#[from] Mismatch),
+    Mismatch(Mismatch),
     #[error("the image is at least {size} bytes, more than the cache's max_bytes ({max})")]
     TooLarge { size: u64, max: u64 },
     #[error(
@@ -72,6 +73,6 @@ impl fmt::Display for Interruption {
 
 impl CacheError {
     pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
-        Self::Io { action, path: path.into(), source: Arc::new(source) }
+        Self::Io { action, path: path.into(), error: Arc::new(source) }
     }
 }

@@ -167,19 +167,19 @@ async fn request(
     let connect = async {
         let tcp = TcpStream::connect((host, port))
             .await
-            .map_err(|e| CacheError::Connect { url: url.clone(), source: Arc::new(e) })?;
+            .map_err(|e| CacheError::Connect { url: url.clone(), error: Arc::new(e) })?;
         let _ = tcp.set_nodelay(true);
         if !https {
             return Ok::<_, CacheError>(Box::new(tcp) as Box<dyn Stream>);
         }
         let name = ServerName::try_from(host.to_owned()).map_err(|e| CacheError::Tls {
             url: url.clone(),
-            source: Arc::new(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)),
+            error: Arc::new(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)),
         })?;
         let tls = tls_connector()?
             .connect(name, tcp)
             .await
-            .map_err(|e| CacheError::Tls { url: url.clone(), source: Arc::new(e) })?;
+            .map_err(|e| CacheError::Tls { url: url.clone(), error: Arc::new(e) })?;
         Ok(Box::new(tls) as Box<dyn Stream>)
     };
     let stream = timeout(CONNECT_TIMEOUT, connect).await.map_err(|_| CacheError::Timeout {
@@ -188,7 +188,7 @@ async fn request(
         timeout: CONNECT_TIMEOUT,
     })??;
 
-    let http = |e| CacheError::Http { url: url.clone(), source: Arc::new(e) };
+    let http = |e| CacheError::Http { url: url.clone(), error: Arc::new(e) };
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(http)?;
     tokio::spawn(connection);

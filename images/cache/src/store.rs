@@ -352,7 +352,7 @@ impl Shared {
         let digest = image.sha256;
         sink.file.flush().await.map_err(|e| CacheError::io("writing", tmp, e))?;
         let size = sink.verifier.bytes();
-        sink.verifier.check(&digest)?;
+        sink.verifier.check(&digest).map_err(CacheError::Mismatch)?;
         let file = sink.file.into_inner();
         file.sync_all().await.map_err(|e| CacheError::io("syncing", tmp, e))?;
         drop(file);

@@ -45,7 +45,7 @@ pub enum RefError {
     #[error("file:// path {0:?} has '.' or '..' components, percent-escapes or NUL")]
     FilePath(String),
     #[error("bad sha256: {0}")]
-    Digest(#[from] DigestError),
+    Digest(DigestError),
 }
 
 impl FromStr for ImageUrl {
@@ -109,7 +109,7 @@ impl fmt::Debug for ImageUrl {
 impl ImageRef {
     /// An image from its URL and its digest written `sha256:<hex>`.
     pub fn parse(url: &str, sha256: &str) -> Result<Self, RefError> {
-        Ok(Self { url: url.parse()?, sha256: sha256.parse()? })
+        Ok(Self { url: url.parse()?, sha256: sha256.parse().map_err(RefError::Digest)? })
     }
 }
 
