@@ -46,6 +46,8 @@ pub struct ConfigFile {
     #[serde(default)]
     pub http: HttpSettings,
     #[serde(default)]
+    pub images: ImagesSettings,
+    #[serde(default)]
     pub profiles: BTreeMap<String, ProfileFile>,
     #[serde(default)]
     pub hosts: Vec<HostFile>,
@@ -102,6 +104,26 @@ pub struct KubernetesConfig {
     pub host_namespaces: Vec<String>,
 }
 
+/// The `images:` section: the image cache in `<state_dir>/images`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImagesSettings {
+    /// The most bytes cached images may take; the least recently used are evicted to stay
+    /// under it.
+    #[serde(default = "default_images_max_bytes")]
+    pub max_bytes: u64,
+}
+
+impl Default for ImagesSettings {
+    fn default() -> Self {
+        Self { max_bytes: default_images_max_bytes() }
+    }
+}
+
+fn default_images_max_bytes() -> u64 {
+    50 << 30
+}
+
 fn default_drain_timeout() -> std::time::Duration {
     std::time::Duration::from_secs(10)
 }
@@ -151,6 +173,7 @@ pub struct Config {
     pub known_hosts_only: bool,
     pub tftp: TftpSettings,
     pub http: HttpSettings,
+    pub images: ImagesSettings,
     pub binaries: IpxeBinaries,
     pub inventory: StaticInventory,
     pub kubernetes: Option<KubernetesConfig>,
@@ -229,6 +252,9 @@ impl Config {
         let plan = NetworkPlan::new(&file.dhcp, file.address, "dhcp")?;
         check_tftp(&file.tftp)?;
         check_http(&file.http)?;
+        if file.images.max_bytes == 0 {
+            return Err(FieldError::new("images.max_bytes", "must be more than 0"));
+        }
         if file.drain_timeout.is_zero() {
             return Err(FieldError::new("drain_timeout", "must be longer than 0s"));
         }
@@ -329,6 +355,7 @@ impl Config {
             dhcp: file.dhcp,
             tftp: file.tftp,
             http: file.http,
+            images: file.images,
             binaries,
             inventory: StaticInventory::new(hosts, default),
         })

@@ -2,6 +2,7 @@
 
 mod config;
 mod fd_limit;
+mod image;
 #[cfg(test)]
 mod serde_keys;
 mod serve;
@@ -74,6 +75,34 @@ enum Command {
         /// The configuration file.
         file: PathBuf,
     },
+    /// The image cache in <state_dir>/images: images fetched once, verified by sha256, kept by
+    /// digest, the least recently used evicted beyond images.max_bytes.
+    Image {
+        /// The configuration file (for state_dir and images.max_bytes).
+        #[arg(long, short, global = true, default_value = "/etc/siteboot/siteboot.yaml")]
+        config: PathBuf,
+        #[command(subcommand)]
+        command: ImageCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ImageCommand {
+    /// Fetch an image into the cache (unless it is there) and verify it; progress on stderr.
+    Pull {
+        /// http://, https:// or file:///path.
+        url: String,
+        /// The digest the image must have: 64 hex digits, with or without `sha256:`.
+        #[arg(long)]
+        sha256: String,
+    },
+    /// List the cached images: digest, size, last use and source URL.
+    List,
+    /// Remove a cached image (refused while this process is downloading or serving it).
+    Rm {
+        /// `sha256:<hex>` or the bare hex.
+        digest: String,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -107,6 +136,23 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Image { config, command } => {
+            let run = || -> anyhow::Result<()> {
+                let config = Config::load(&config)?;
+                match command {
+                    ImageCommand::Pull { url, sha256 } => image::pull(&config, &url, &sha256),
+                    ImageCommand::List => image::list(&config),
+                    ImageCommand::Rm { digest } => image::rm(&config, &digest),
+                }
+            };
+            match run() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Manifests { output_dir, namespace, machine_namespaces, all_namespaces } => {
             let secrets = if all_namespaces {
                 SecretAccess::Cluster
