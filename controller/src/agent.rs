@@ -20,7 +20,7 @@ use serde::Deserialize;
 use serde_json::json;
 use siteboot_boot::inventory::{AgentRequest, AgentResponse};
 
-use crate::context::{Ctx, host_key, update_host_status};
+use crate::context::{Ctx, host_key, owner_machine_ref, update_host_status};
 use crate::crd::capi::Machine;
 use crate::crd::{
     Hardware, Host, MachineAddress, Operation, OperationKind, SitebootMachine, WipePolicy,
@@ -367,13 +367,7 @@ async fn bootstrap_secret(
     if !names_host {
         return not_bound("its SitebootMachine's hostRef does not name this Host");
     }
-    let Some(owner) = sbm
-        .metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
-    else {
+    let Some(owner) = owner_machine_ref(&sbm) else {
         return not_bound("its SitebootMachine has no owner Machine");
     };
     let machines: Api<Machine> = Api::namespaced(ctx.client.clone(), &consumer.namespace);

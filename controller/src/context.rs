@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -14,6 +15,7 @@ use siteboot_boot::inventory::LinuxBoot;
 
 use crate::cache::HostIndex;
 use crate::conditions::Reason;
+use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
 use crate::crd::{Host, HostStatus};
 use crate::machine::plan::Policy as MachinePolicy;
 
@@ -215,6 +217,71 @@ impl Backoff {
     pub fn succeeded(&self, key: &str) {
         self.failures.lock().expect("backoff lock").remove(key);
     }
+}
+
+/// When a reconciler looks at an object again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requeue {
+    Now,
+    After(Duration),
+    /// Only when something watched changes.
+    OnChange,
+}
+
+impl From<Requeue> for Action {
+    fn from(requeue: Requeue) -> Self {
+        match requeue {
+            Requeue::Now => Action::requeue(Duration::ZERO),
+            Requeue::After(d) => Action::requeue(d),
+            Requeue::OnChange => Action::await_change(),
+        }
+    }
+}
+
+/// `object`'s owner reference to a Cluster API Machine.
+pub fn owner_machine_ref<K: Resource>(object: &K) -> Option<&OwnerReference> {
+    object
+        .meta()
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
+}
+
+/// The Cluster API Machine that owns `object` (its ownerRef), and that Machine's Cluster (the
+/// object's cluster-name label, else the Machine's `spec.clusterName`), as they are now.
+pub async fn owner_machine_and_cluster<K: Resource>(
+    ctx: &Ctx,
+    object: &K,
+) -> Result<(Option<Machine>, Option<Cluster>), Error> {
+    let namespace = object.meta().namespace.clone().unwrap_or_default();
+    let owner = match owner_machine_ref(object) {
+        Some(owner) => {
+            Api::<Machine>::namespaced(ctx.client.clone(), &namespace).get_opt(&owner.name).await?
+        }
+        None => None,
+    };
+    let cluster_name =
+        object.labels().get(CLUSTER_NAME_LABEL).cloned().or_else(|| {
+            owner.as_ref().map(|m| m.spec.cluster_name.clone()).filter(|n| !n.is_empty())
+        });
+    let cluster = match &cluster_name {
+        Some(name) => {
+            Api::<Cluster>::namespaced(ctx.client.clone(), &namespace).get_opt(name).await?
+        }
+        None => None,
+    };
+    Ok((owner, cluster))
+}
+
+/// Whether `object` was deleted during this pass (its last finalizer removed): then there is no
+/// status left to write.
+pub async fn gone<K>(api: &Api<K>, object: &K) -> Result<bool, Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Ok(object.meta().deletion_timestamp.is_some()
+        && api.get_opt(&object.name_any()).await?.is_none())
 }
 
 /// A merge patch that the API server accepts only if `object` is unchanged since it was read

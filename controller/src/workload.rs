@@ -8,6 +8,7 @@ use std::time::Duration;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use k8s_openapi::api::core::v1::Secret;
+use kube::Api;
 
 use crate::context::Error;
 
@@ -30,6 +31,20 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// The workload cluster of Cluster `cluster` in `namespace`: `None` while its kubeconfig
+    /// Secret does not exist, `Err(why)` if that Secret cannot be used.
+    pub async fn of_cluster(
+        client: &kube::Client,
+        namespace: &str,
+        cluster: &str,
+    ) -> Result<Option<Result<Workload, String>>, kube::Error> {
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+        Ok(match secrets.get_opt(&format!("{cluster}-kubeconfig")).await? {
+            Some(secret) => Some(Self::connect(cluster, &secret).await),
+            None => None,
+        })
+    }
+
     pub fn error(&self, source: kube::Error) -> Error {
         Error::Workload { cluster: self.cluster.clone(), source }
     }

@@ -28,7 +28,7 @@ use super::plan::{
     self, BootstrapToken, DataSecret, FINALIZER, Kubeconfig, Plan, Requeue, Step, TokenRead,
 };
 use crate::conditions::{READY, Reason};
-use crate::context::{Ctx, Error, Reconciled, patch_unchanged};
+use crate::context::{Ctx, Error, Reconciled, gone, owner_machine_and_cluster, patch_unchanged};
 use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
 use crate::crd::{SitebootConfig, set_condition};
 use crate::workload::Workload;
@@ -121,22 +121,7 @@ fn tokens(w: &Workload) -> Api<Secret> {
 
 async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
     let namespace = config.namespace().unwrap_or_default();
-    let owner = match owner_machine(config) {
-        Some(name) => {
-            Api::<Machine>::namespaced(ctx.client.clone(), &namespace).get_opt(&name).await?
-        }
-        None => None,
-    };
-    let cluster_name =
-        config.labels().get(CLUSTER_NAME_LABEL).cloned().or_else(|| {
-            owner.as_ref().map(|m| m.spec.cluster_name.clone()).filter(|n| !n.is_empty())
-        });
-    let cluster = match &cluster_name {
-        Some(name) => {
-            Api::<Cluster>::namespaced(ctx.client.clone(), &namespace).get_opt(name).await?
-        }
-        None => None,
-    };
+    let (owner, cluster) = owner_machine_and_cluster(ctx, config).await?;
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
     let data_secret = match secrets.get_opt(&config.name_any()).await? {
         None => DataSecret::Absent,
@@ -144,13 +129,7 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
         Some(_) => DataSecret::Foreign,
     };
     let workload = match &cluster {
-        Some(cluster) => {
-            let name = format!("{}-kubeconfig", cluster.name_any());
-            match secrets.get_opt(&name).await? {
-                Some(secret) => Some(Workload::connect(&cluster.name_any(), &secret).await),
-                None => None,
-            }
-        }
+        Some(cluster) => Workload::of_cluster(&ctx.client, &namespace, &cluster.name_any()).await?,
         None => None,
     };
     let token_id = config.status.as_ref().and_then(|s| s.token_id.as_deref());
@@ -185,7 +164,7 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
     let done = perform(config, ctx, &api, workload, step, &status).await?;
     let requeue = match done {
         Done::Yes => requeue,
-        Done::StatusWritten => return Ok(action(requeue)),
+        Done::StatusWritten => return Ok(requeue.into()),
         Done::LostRace => Requeue::After(LOST_RACE_RETRY),
     };
     if config.status.as_ref() != Some(&status) && !gone(&api, config).await? {
@@ -193,15 +172,7 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
         api.patch_status(&config.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
             .await?;
     }
-    Ok(action(requeue))
-}
-
-fn action(requeue: Requeue) -> Action {
-    match requeue {
-        Requeue::Now => Action::requeue(Duration::ZERO),
-        Requeue::After(d) => Action::requeue(d),
-        Requeue::OnChange => Action::await_change(),
-    }
+    Ok(requeue.into())
 }
 
 fn configs_api(ctx: &Ctx, config: &SitebootConfig) -> Api<SitebootConfig> {
@@ -212,27 +183,12 @@ pub fn key(config: &SitebootConfig) -> String {
     format!("{}/{}", config.namespace().unwrap_or_default(), config.name_any())
 }
 
-/// The Machine that owns this config.
-fn owner_machine(config: &SitebootConfig) -> Option<String> {
-    config
-        .owner_references()
-        .iter()
-        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
-        .map(|o| o.name.clone())
-}
-
 fn controlled_by(secret: &Secret, config: &SitebootConfig) -> bool {
     let uid = config.uid();
     secret
         .owner_references()
         .iter()
         .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
-}
-
-/// Whether the object was deleted during this pass (the last finalizer removed).
-async fn gone(api: &Api<SitebootConfig>, config: &SitebootConfig) -> Result<bool, Error> {
-    Ok(config.metadata.deletion_timestamp.is_some()
-        && api.get_opt(&config.name_any()).await?.is_none())
 }
 
 /// What became of the token Secret `bootstrap-token-<id>`.

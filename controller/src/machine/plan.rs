@@ -109,14 +109,7 @@ pub enum Step<'a> {
     RemoveFinalizer,
 }
 
-/// When to look again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Requeue {
-    Now,
-    After(Duration),
-    /// Only when something watched changes.
-    OnChange,
-}
+pub use crate::context::Requeue;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan<'a> {

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Secret};
+use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -19,7 +19,7 @@ use super::plan::{
     self, BINDER_ANNOTATION, FINALIZER, Observed, Plan, Requeue, Step, consumed_by, key,
 };
 use crate::conditions::{READY, Reason};
-use crate::context::{Ctx, Error, Reconciled, patch_unchanged};
+use crate::context::{Ctx, Error, Reconciled, gone, owner_machine_and_cluster, patch_unchanged};
 use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
 use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine, set_condition};
 use crate::workload::Workload;
@@ -116,29 +116,20 @@ impl Reconciled for SitebootMachine {
 
 async fn pass(sbm: &SitebootMachine, ctx: &Ctx) -> Result<Action, Error> {
     let namespace = sbm.namespace().unwrap_or_default();
-    let owner = match owner_machine(sbm) {
-        Some(name) => {
-            Api::<Machine>::namespaced(ctx.client.clone(), &namespace).get_opt(&name).await?
-        }
-        None => None,
-    };
-    let cluster_name =
-        sbm.labels().get(CLUSTER_NAME_LABEL).cloned().or_else(|| {
-            owner.as_ref().map(|m| m.spec.cluster_name.clone()).filter(|n| !n.is_empty())
-        });
-    let cluster = match &cluster_name {
-        Some(name) => {
-            Api::<Cluster>::namespaced(ctx.client.clone(), &namespace).get_opt(name).await?
-        }
-        None => None,
-    };
+    let (owner, cluster) = owner_machine_and_cluster(ctx, sbm).await?;
     let bound = match &sbm.spec.host_ref {
         Some(r) => ctx.hosts_api(&r.namespace).get_opt(&r.name).await?,
         None => None,
     };
     let hosts = ctx.hosts.all();
-    let workload = match (&cluster_name, plan::wants_nodes(owner.as_ref(), bound.as_ref())) {
-        (Some(cluster), true) => Some(workload(ctx, &namespace, cluster).await?),
+    let workload = match (&cluster, plan::wants_nodes(owner.as_ref(), bound.as_ref())) {
+        (Some(cluster), true) => Some(
+            Workload::of_cluster(&ctx.client, &namespace, &cluster.name_any())
+                .await?
+                .unwrap_or_else(|| {
+                    Err(format!("{}-kubeconfig does not exist", cluster.name_any()))
+                }),
+        ),
         _ => None,
     };
     let nodes = match &workload {
@@ -177,11 +168,7 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx) -> Result<Action, Error> {
         let patch = json!({ "status": status });
         api.patch_status(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
     }
-    Ok(match requeue {
-        Requeue::Now => Action::requeue(Duration::ZERO),
-        Requeue::After(d) => Action::requeue(d),
-        Requeue::OnChange => Action::await_change(),
-    })
+    Ok(requeue.into())
 }
 
 fn status_reason(status: &crate::crd::SitebootMachineStatus) -> Option<String> {
@@ -190,34 +177,6 @@ fn status_reason(status: &crate::crd::SitebootMachineStatus) -> Option<String> {
 
 fn status_message(status: &crate::crd::SitebootMachineStatus) -> String {
     crate::crd::condition(&status.conditions, READY).map(|c| c.message.clone()).unwrap_or_default()
-}
-
-/// The Machine that owns this SitebootMachine.
-fn owner_machine(sbm: &SitebootMachine) -> Option<String> {
-    sbm.owner_references()
-        .iter()
-        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
-        .map(|o| o.name.clone())
-}
-
-/// Whether the object was deleted during this pass (the last finalizer removed).
-async fn gone(api: &Api<SitebootMachine>, sbm: &SitebootMachine) -> Result<bool, Error> {
-    Ok(sbm.metadata.deletion_timestamp.is_some() && api.get_opt(&sbm.name_any()).await?.is_none())
-}
-
-/// The workload cluster of `cluster` through its kubeconfig Secret; `Err` says why it cannot be
-/// used (a finding, reported on the machine, not an error of this pass).
-async fn workload(
-    ctx: &Ctx,
-    namespace: &str,
-    cluster: &str,
-) -> Result<Result<Workload, String>, Error> {
-    let name = format!("{cluster}-kubeconfig");
-    let secret = Api::<Secret>::namespaced(ctx.client.clone(), namespace).get_opt(&name).await?;
-    Ok(match secret {
-        Some(secret) => Workload::connect(cluster, &secret).await,
-        None => Err(format!("the Secret {namespace}/{name} does not exist")),
-    })
 }
 
 /// Whether `sbm` is still the machine's latest version.
