@@ -8,10 +8,21 @@ use sha2::{Digest, Sha256};
 /// The programs the script builds, by file name under `bin/`.
 pub const ETCD: &str = "etcd";
 pub const KUBE_APISERVER: &str = "kube-apiserver";
+pub const KUBE_CONTROLLER_MANAGER: &str = "kube-controller-manager";
+pub const KUBELET: &str = "kubelet";
 pub const CAPI_MANAGER: &str = "capi-manager";
 pub const KUBEADM_BOOTSTRAP_MANAGER: &str = "kubeadm-bootstrap-manager";
+pub const CLUSTERCTL: &str = "clusterctl";
 
-const ALL: [&str; 4] = [ETCD, KUBE_APISERVER, CAPI_MANAGER, KUBEADM_BOOTSTRAP_MANAGER];
+const ALL: [&str; 7] = [
+    ETCD,
+    KUBE_APISERVER,
+    KUBE_CONTROLLER_MANAGER,
+    KUBELET,
+    CAPI_MANAGER,
+    KUBEADM_BOOTSTRAP_MANAGER,
+    CLUSTERCTL,
+];
 
 /// A complete build folder: the binaries and the Cluster API module directory (CRDs, webhooks).
 #[derive(Debug, Clone)]
@@ -29,8 +40,8 @@ impl Peers {
             Some(dir) => PathBuf::from(dir),
             None => default_dir()?,
         };
-        let run = "run scripts/build-test-peers (it builds kube-apiserver, etcd and the Cluster \
-                   API managers from tests/go; the first build takes a few minutes)";
+        let run = "run scripts/build-test-peers (it builds kube-apiserver, etcd, the Cluster API \
+                   managers and the other peers from tests/go; the first build takes minutes)";
         if !dir.join(".complete").is_file() {
             bail!("no complete test-peer build in {}: {run}", dir.display());
         }
