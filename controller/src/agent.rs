@@ -20,6 +20,7 @@ use serde::Deserialize;
 use serde_json::json;
 use siteboot_boot::inventory::{AgentRequest, AgentResponse};
 
+use crate::conditions::paused_itself;
 use crate::context::{Ctx, host_key, owner_machine_ref, update_host_status};
 use crate::crd::capi::Machine;
 use crate::crd::{
@@ -71,6 +72,9 @@ pub enum Refusal {
     Replayed,
     /// The Host is not bound to a machine whose bootstrap data it may have (why, in words).
     NotBound(String),
+    /// The Host is paused: nothing about it changes until the annotation goes (the ramdisk
+    /// retries).
+    Paused,
     BadRequest(String),
 }
 
@@ -79,6 +83,7 @@ impl Refusal {
         match self {
             Refusal::NoToken => StatusCode::UNAUTHORIZED,
             Refusal::Replayed => StatusCode::CONFLICT,
+            Refusal::Paused => StatusCode::SERVICE_UNAVAILABLE,
             Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
             _ => StatusCode::FORBIDDEN,
         }
@@ -99,6 +104,7 @@ impl fmt::Display for Refusal {
             Refusal::Replayed => f.write_str("bootstrap data already delivered for this operation"),
             Refusal::NotBound(why) => write!(f, "not bound to a machine: {why}"),
             Refusal::BadRequest(m) => write!(f, "bad request: {m}"),
+            Refusal::Paused => f.write_str("the Host is paused; try again later"),
         }
     }
 }
@@ -127,6 +133,9 @@ async fn host_of(ctx: &Ctx, req: &AgentRequest) -> Result<(Api<Host>, Host), Fai
     let cached = ctx.hosts.get(mac).ok_or(Refusal::UnknownHost)?;
     let api = ctx.hosts_api(cached.metadata.namespace.as_deref().unwrap_or_default());
     let host = api.get(cached.metadata.name.as_deref().unwrap_or_default()).await?;
+    if paused_itself(&host) {
+        return Err(Refusal::Paused.into());
+    }
     Ok((api, host))
 }
 

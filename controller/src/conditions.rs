@@ -82,6 +82,12 @@ impl fmt::Display for Reason {
     }
 }
 
+/// Whether `object` has Cluster API's paused annotation (a Host has no Cluster: this is its
+/// pause).
+pub fn paused_itself(object: &impl Resource) -> bool {
+    object.annotations().contains_key(PAUSED_ANNOTATION)
+}
+
 /// Cluster API's pause contract: `object` is paused while its Cluster is, or while it has the
 /// paused annotation. Records it in `conditions` (the object's own) and returns it.
 pub fn check_paused(
@@ -89,8 +95,7 @@ pub fn check_paused(
     object: &impl Resource,
     conditions: &mut Conditions,
 ) -> bool {
-    let paused = cluster.is_some_and(|c| c.spec.paused == Some(true))
-        || object.annotations().contains_key(PAUSED_ANNOTATION);
+    let paused = cluster.is_some_and(|c| c.spec.paused == Some(true)) || paused_itself(object);
     let (reason, message) = if paused {
         (Reason::Paused, "the Cluster or this object is paused: no changes are made")
     } else {

@@ -3,6 +3,7 @@
 //! | Host state | boot |
 //! |---|---|
 //! | Inspecting, Provisioning, Deprovisioning | the ramdisk with a fresh token for the operation |
+//! | the same, paused (`cluster.x-k8s.io/paused`) | the ramdisk with no token: nothing is written |
 //! | Registering, Available, Quarantined | the ramdisk with no token: it waits for work |
 //! | Provisioned | the local disk |
 //! | `spec.online: false`, unknown MAC | nothing |
@@ -19,6 +20,7 @@ use siteboot_boot::inventory::{
 };
 use siteboot_ipxe::Word;
 
+use crate::conditions::paused_itself;
 use crate::context::{Ctx, host_key, update_host_status};
 use crate::crd::{Host, HostState, now};
 use crate::token;
@@ -40,6 +42,11 @@ impl KubeInventory {
         let state = host.status.as_ref().and_then(|s| s.state);
         match state {
             Some(HostState::Provisioned) => Some(BootAction::LocalDisk(LocalBoot::Exit)),
+            Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning)
+                if paused_itself(&*host) =>
+            {
+                Some(self.ramdisk(&[]))
+            }
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning) => {
                 if !request.remote_holds_mac {
                     tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host_key(&host), "boot script asked for by an address that does not hold this MAC; no token issued");

@@ -3,6 +3,7 @@
 use std::collections::HashSet;
 use std::fmt;
 
+use crate::conditions::paused_itself;
 use crate::crd::{HardwareSelector, Host, HostSelector, HostState, SITE_LABEL};
 
 /// Why a host is not a candidate (the first reason found), for the "no host" condition.
@@ -18,6 +19,8 @@ pub enum Excluded {
     Hardware,
     /// Another Host of the site has the same boot MAC: neither is given out until one is fixed.
     DuplicateBootMac,
+    /// The `cluster.x-k8s.io/paused` annotation: nothing writes to the Host, a claim included.
+    Paused,
 }
 
 impl fmt::Display for Excluded {
@@ -32,6 +35,7 @@ impl fmt::Display for Excluded {
             Excluded::Labels => "without the selector's labels",
             Excluded::Hardware => "without the required hardware",
             Excluded::DuplicateBootMac => "sharing a boot MAC with another Host",
+            Excluded::Paused => "paused",
         })
     }
 }
@@ -137,6 +141,9 @@ fn check(host: &Host, selector: Option<&HostSelector>, site: Option<&str>) -> Re
     if host.spec.consumer_ref.is_some() {
         return Err(Excluded::Claimed);
     }
+    if paused_itself(host) {
+        return Err(Excluded::Paused);
+    }
     suits(host, selector, site)
 }
 
@@ -231,6 +238,10 @@ mod tests {
         let mut cordoned = ok.clone();
         cordoned.spec.maintenance = true;
         assert_eq!(check(&cordoned, None, None), Err(Excluded::Maintenance));
+        let mut paused = ok.clone();
+        paused.metadata.annotations =
+            Some([(crate::crd::capi::PAUSED_ANNOTATION.to_owned(), String::new())].into());
+        assert_eq!(check(&paused, None, None), Err(Excluded::Paused));
 
         let labels = HostSelector {
             match_labels: BTreeMap::from([("rack".into(), "r2".into())]),

@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
 /// The annotation that pauses reconciliation of one object.
 pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
+/// Set by `clusterctl move` on each object it deletes from the source management cluster after
+/// copying it to the target: the deletion is not a release, nothing may be wiped or powered off.
+pub const DELETE_FOR_MOVE_ANNOTATION: &str = "clusterctl.cluster.x-k8s.io/delete-for-move";
 /// The label CAPI puts on control-plane Machines.
 pub const CONTROL_PLANE_LABEL: &str = "cluster.x-k8s.io/control-plane";
 

@@ -14,6 +14,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
+use crate::crd::capi::DELETE_FOR_MOVE_ANNOTATION;
 use crate::crd::{
     Hardware, Host, HostState, HostStatus, Installed, Operation, OperationKind, WipePolicy, now,
     set_condition,
@@ -243,6 +244,9 @@ pub fn completed(
 /// What a deleted Host needs before it may go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Deletion {
+    /// `clusterctl move` deletes the source's copy: drop the finalizer, touch nothing (the host
+    /// lives on, with its record, in the target management cluster).
+    Moved,
     /// Its consumer still holds it: deleting the Machine releases it.
     WaitForRelease,
     /// Wipe first.
@@ -255,7 +259,11 @@ pub enum Deletion {
 
 /// The step for a Host being deleted (`metadata.deletionTimestamp` set).
 pub fn on_delete(host: &Host) -> Deletion {
-    if host.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(FORCE_DELETE_ANNOTATION)) {
+    let annotations = host.metadata.annotations.as_ref();
+    if annotations.is_some_and(|a| a.contains_key(DELETE_FOR_MOVE_ANNOTATION)) {
+        return Deletion::Moved;
+    }
+    if annotations.is_some_and(|a| a.contains_key(FORCE_DELETE_ANNOTATION)) {
         return Deletion::Finish;
     }
     if host.spec.consumer_ref.is_some() {
@@ -448,5 +456,19 @@ mod tests {
         forced.metadata.annotations =
             Some([(FORCE_DELETE_ANNOTATION.to_owned(), "".to_owned())].into());
         assert_eq!(on_delete(&forced), Deletion::Finish);
+    }
+
+    #[test]
+    fn a_host_deleted_by_clusterctl_move_is_let_go_untouched() {
+        // Claimed and Provisioned: a real delete waits for release; a move's delete does not.
+        let mut h = provisioned();
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        h.metadata.annotations =
+            Some([(DELETE_FOR_MOVE_ANNOTATION.to_owned(), "".to_owned())].into());
+        assert_eq!(on_delete(&h), Deletion::Moved);
+        // Released with data on it: no wipe either.
+        h.spec.consumer_ref = None;
+        h.spec.provisioning = None;
+        assert_eq!(on_delete(&h), Deletion::Moved);
     }
 }

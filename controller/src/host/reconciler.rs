@@ -1,7 +1,9 @@
 //! The Host reconciler: reads a Host, computes its one next step (see [`lifecycle`]), writes it
 //! with the Host's resourceVersion and records an Event. Killed between any two lines, it
 //! recomputes the same step from what is stored. It also keeps a finalizer on every Host, so a
-//! deleted one is released and wiped before it goes, and reports boot MACs two Hosts share.
+//! deleted one is released and wiped before it goes, keeps its lifecycle [`record`] (what a
+//! `clusterctl move` or a restore must not lose) and restores from it, honours the paused
+//! annotation, and reports boot MACs two Hosts share.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -14,8 +16,9 @@ use kube::runtime::watcher;
 use serde_json::json;
 
 use super::lifecycle::{self, Deletion, FINALIZER, RETRY_ANNOTATION, Transition};
+use super::record::{self, RECORD_ANNOTATION};
 use crate::bmc;
-use crate::conditions::{BOOT_MAC_UNIQUE, Reason};
+use crate::conditions::{BOOT_MAC_UNIQUE, Reason, check_paused};
 use crate::context::{Ctx, Error, Reconciled, host_key, patch_unchanged, update_host_status};
 use crate::crd::{Host, HostState, SITE_LABEL, set_condition};
 
@@ -30,6 +33,9 @@ impl Reconciled for Host {}
 
 async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
     let api = ctx.hosts_api(&host.namespace().unwrap_or_default());
+    if report_paused(host, &api).await? {
+        return Ok(Action::await_change());
+    }
     if host.metadata.deletion_timestamp.is_some() {
         return delete(host, ctx, &api).await;
     }
@@ -37,6 +43,14 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
         let mut finalizers = host.finalizers().to_vec();
         finalizers.push(FINALIZER.to_owned());
         patch_unchanged(&api, host, json!({ "metadata": { "finalizers": finalizers } })).await?;
+        return Ok(Action::requeue(Duration::ZERO));
+    }
+    if let Some((status, reason, message)) = record::restore(host) {
+        return restore(host, ctx, &api, status, reason, message).await;
+    }
+    if let Some(value) = record::stale(host) {
+        let patch = json!({ "metadata": { "annotations": { RECORD_ANNOTATION: value } } });
+        patch_unchanged(&api, host, patch).await?;
         return Ok(Action::requeue(Duration::ZERO));
     }
     if report_shared_mac(host, ctx, &api).await? {
@@ -89,6 +103,45 @@ async fn transit(
     Ok(Action::requeue(Duration::from_secs(300)))
 }
 
+/// Records on the Host whether it is paused (the `cluster.x-k8s.io/paused` annotation, as
+/// `clusterctl move` and operators use it); returns it. A paused Host is not changed at all.
+async fn report_paused(host: &Host, api: &Api<Host>) -> Result<bool, Error> {
+    let mut conditions = host.status.clone().unwrap_or_default().conditions;
+    let before = conditions.clone();
+    let paused = check_paused(None, host, &mut conditions);
+    if conditions != before {
+        update_host_status(api, &host.name_any(), |current| {
+            let mut status = current.status.clone().unwrap_or_default();
+            check_paused(None, current, &mut status.conditions);
+            Ok::<_, ()>(Some(status))
+        })
+        .await?
+        .ok();
+    }
+    Ok(paused)
+}
+
+/// Writes the status rebuilt from the Host's lifecycle record, if it still has no state.
+async fn restore(
+    host: &Host,
+    ctx: &Ctx,
+    api: &Api<Host>,
+    status: crate::crd::HostStatus,
+    reason: &'static str,
+    message: String,
+) -> Result<Action, Error> {
+    let written = update_host_status(api, &host.name_any(), |current| {
+        let unset = current.status.as_ref().and_then(|s| s.state).is_none();
+        Ok::<_, ()>(unset.then(|| status.clone()))
+    })
+    .await?;
+    if let Ok(Some(written)) = written {
+        tracing::info!(host = %host_key(&written), state = ?status.state, "{message}");
+        ctx.event(&written, false, reason, message).await;
+    }
+    Ok(Action::requeue(Duration::ZERO))
+}
+
 /// A deleted Host goes once its consumer let go and its disks are wiped (see
 /// [`lifecycle::on_delete`]).
 async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error> {
@@ -108,19 +161,28 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error
             };
             transit(host, ctx, api, &t, still).await
         }
+        Deletion::Moved => {
+            drop_finalizer(api, host).await?;
+            tracing::info!(host = %host_key(host), "Host moved to another management cluster: let go untouched");
+            Ok(Action::await_change())
+        }
         Deletion::Finish => {
             if let Ok(driver) = bmc::driver_for(host)
                 && let Err(e) = driver.power_off().await
             {
                 tracing::warn!(host = %host_key(host), error = %e, "cannot power off the deleted host");
             }
-            let finalizers: Vec<&String> =
-                host.finalizers().iter().filter(|f| *f != FINALIZER).collect();
-            patch_unchanged(api, host, json!({ "metadata": { "finalizers": finalizers } })).await?;
+            drop_finalizer(api, host).await?;
             tracing::info!(host = %host_key(host), "Host deleted");
             Ok(Action::await_change())
         }
     }
+}
+
+async fn drop_finalizer(api: &Api<Host>, host: &Host) -> Result<(), Error> {
+    let finalizers: Vec<&String> = host.finalizers().iter().filter(|f| *f != FINALIZER).collect();
+    patch_unchanged(api, host, json!({ "metadata": { "finalizers": finalizers } })).await?;
+    Ok(())
 }
 
 /// Reports on the Host whether another Host of the site has its boot MAC (then neither boots

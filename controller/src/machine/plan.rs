@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 
 use crate::conditions::{NODE_HAS_PROVIDER_ID, READY, Reason, check_paused};
-use crate::crd::capi::{Cluster, Machine};
+use crate::crd::capi::{Cluster, DELETE_FOR_MOVE_ANNOTATION, Machine};
 use crate::crd::{
     Host, HostRef, HostState, Initialization, MachineAddress, Provisioning, SITE_LABEL,
     SitebootMachine, SitebootMachineStatus, condition, set_condition,
@@ -86,6 +86,10 @@ pub enum Step<'a> {
     Claim(&'a Host),
     /// Record the host claimed for this machine in `spec.hostRef`, dropping the mark.
     RecordHostRef(&'a Host),
+    /// Take over the claim of a Host and machine that `clusterctl move` (or a restore) recreated
+    /// with new uids: write this machine's uid into its `consumerRef`, if it is unchanged since
+    /// read.
+    Adopt(&'a Host),
     /// Clear `spec.hostRef`: the host it names no longer names this machine.
     ForgetHostRef,
     /// Give back a claim for this machine that it does not use.
@@ -248,6 +252,10 @@ fn decide<'a>(seen: &Observed<'a>, policy: &Policy, report: &mut Report) -> (Ste
                     return release_orphan(sbm, orphan);
                 }
                 bound(seen, host, report)
+            }
+            None if let Some(host) = seen.bound.filter(|h| moved_with(h, sbm)) => {
+                report.ready(false, Reason::Provisioning, "taking over the claim after a move");
+                (Step::Adopt(host), Requeue::Now)
             }
             // The host went, or its claim was given back. Before anything ran on it (no
             // providerID), the machine binds again; after, it stays failed for Cluster API to
@@ -519,6 +527,10 @@ fn delete<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
     if !sbm.finalizers().iter().any(|f| f == FINALIZER) {
         return (Step::None, Requeue::OnChange);
     }
+    // `clusterctl move` deletes the source's copy: the host stays claimed, for the target's.
+    if sbm.annotations().contains_key(DELETE_FOR_MOVE_ANNOTATION) {
+        return (Step::RemoveFinalizer, Requeue::OnChange);
+    }
     let mark = Mark::of(sbm);
     let host = seen.bound.filter(|h| consumed_by(h, sbm)).or_else(|| {
         // Claimed but not yet recorded: the host the mark names.
@@ -578,6 +590,19 @@ pub fn consumed_by(host: &Host, sbm: &SitebootMachine) -> bool {
         .consumer_ref
         .as_ref()
         .is_some_and(|c| c.kind == "SitebootMachine" && Some(&c.uid) == sbm.uid().as_ref())
+}
+
+/// Whether `host` and `sbm` name each other (its `consumerRef` by kind, namespace and name; the
+/// machine's `spec.hostRef` is how `host` was found) but the uids differ: `clusterctl move` and
+/// restores recreate both objects with new uids. A machine deleted and made again under the same
+/// name has no `hostRef` (the deletion released the host first), so it never gets here.
+fn moved_with(host: &Host, sbm: &SitebootMachine) -> bool {
+    host.spec.consumer_ref.as_ref().is_some_and(|c| {
+        c.kind == "SitebootMachine"
+            && Some(&c.namespace) == sbm.namespace().as_ref()
+            && c.name == sbm.name_any()
+            && Some(&c.uid) != sbm.uid().as_ref()
+    })
 }
 
 /// Where the machine's hosts are looked for.
@@ -955,6 +980,7 @@ mod tests {
         let m = bound_to(sbm(), "h1");
         let other = {
             let mut o = sbm();
+            o.metadata.name = Some("other".into());
             o.metadata.uid = Some("other-uid".into());
             o
         };
@@ -1095,5 +1121,46 @@ mod tests {
         unbound.metadata.deletion_timestamp = Some(now());
         let w = World::new(unbound.clone(), vec![claimed_for(available(1), &unbound)]);
         assert!(matches!(w.plan().step, Step::Release { .. }));
+    }
+
+    #[test]
+    fn after_a_move_the_machine_takes_over_its_host_s_claim_and_nothing_else() {
+        // `clusterctl move` recreated the machine (new uid, no status) and the Host, whose
+        // consumerRef still carries the old uid.
+        let mut w = provisioned_world(None, None);
+        w.sbm.metadata.uid = Some("new-uid".into());
+        w.sbm.status = None;
+        let p = w.plan();
+        assert!(matches!(p.step, Step::Adopt(h) if h.name_any() == "h1"), "{p:?}");
+        // Once the uid is written the machine is bound again, Provisioned and never reimaged.
+        let adopted = claimed_for((*w.hosts[0]).clone(), &w.sbm);
+        let w = World::new(w.sbm.clone(), vec![adopted]);
+        let p = w.plan();
+        assert!(!matches!(p.step, Step::RequestProvisioning { .. } | Step::Adopt(_)), "{p:?}");
+        assert_eq!(ready(&p).0, "True", "{p:?}");
+
+        // A Host naming another machine of the same name elsewhere, or a machine that does not
+        // name the Host in hostRef: no takeover.
+        let mut w = provisioned_world(None, None);
+        w.sbm.metadata.uid = Some("new-uid".into());
+        let mut other_ns = (*w.hosts[0]).clone();
+        other_ns.spec.consumer_ref.as_mut().unwrap().namespace = "elsewhere".into();
+        let w2 = World::new(w.sbm.clone(), vec![other_ns]);
+        waits(&w2.plan(), Reason::HostMissing);
+        let mut unbound = w.sbm.clone();
+        unbound.spec.host_ref = None;
+        unbound.spec.provider_id = None;
+        let w3 = World::new(unbound, vec![(*w.hosts[0]).clone()]);
+        assert!(!matches!(w3.plan().step, Step::Adopt(_)), "{:?}", w3.plan());
+    }
+
+    #[test]
+    fn a_machine_deleted_by_clusterctl_move_keeps_its_host() {
+        let mut w = provisioned_world(None, None);
+        w.sbm.metadata.deletion_timestamp = Some(now());
+        assert!(matches!(w.plan().step, Step::CancelProvisioning(_)), "a real delete wipes");
+        w.sbm.metadata.annotations =
+            Some(BTreeMap::from([(DELETE_FOR_MOVE_ANNOTATION.into(), String::new())]));
+        assert_eq!(w.plan().step, Step::RemoveFinalizer);
     }
 }

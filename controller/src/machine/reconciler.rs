@@ -226,7 +226,8 @@ async fn perform(
                 json!({ "metadata": { "annotations": { BINDER_ANNOTATION: mark.to_string() } } });
             done(patch_unchanged(api, sbm, patch).await?)
         }
-        Step::Claim(host) => {
+        Step::Claim(host) | Step::Adopt(host) => {
+            let adopting = matches!(step, Step::Adopt(_));
             let consumer = ConsumerRef {
                 api_version: SitebootMachine::api_version(&()).into_owned(),
                 kind: "SitebootMachine".into(),
@@ -236,6 +237,15 @@ async fn perform(
             };
             let patch = json!({ "spec": { "consumerRef": consumer } });
             match patch_unchanged(&hosts_api(host), host, patch).await? {
+                Some(claimed) if adopting => {
+                    tracing::info!(machine = %key(sbm), host = %claimed.name_any(), "took over the claim of a moved Host");
+                    let note = format!(
+                        "claim taken over by SitebootMachine {} after a move or restore",
+                        key(sbm)
+                    );
+                    ctx.event(&claimed, false, "Adopted", note).await;
+                    Done::Yes
+                }
                 Some(claimed) => {
                     tracing::info!(machine = %key(sbm), host = %claimed.name_any(), "claimed a Host");
                     let note = format!("claimed by SitebootMachine {}", key(sbm));
