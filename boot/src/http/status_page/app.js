@@ -185,8 +185,10 @@
     state.dataset.state = data.state;
     const stateCell = el('td', 'state-cell');
     stateCell.append(state);
+    const name = cell('name', data.name);
+    if (data.name) name.title = data.name;
     entry.row.replaceChildren(
-      cell('name', data.name),
+      name,
       cell('mac', data.mac),
       cell('address', data.address),
       stateCell,
@@ -404,14 +406,17 @@
     }
   }
 
-  document.getElementById('filter').addEventListener('input', (e) => {
+  function applyFilter(e) {
     filter = e.target.value.trim().toLowerCase();
     for (const entry of hosts.values()) {
       entry.row.hidden = !matches(entry.data);
       if (entry.details) entry.details.hidden = entry.row.hidden;
     }
     updateCount();
-  });
+  }
+  const filterBox = document.getElementById('filter');
+  filterBox.addEventListener('input', applyFilter);
+  filterBox.addEventListener('change', applyFilter);
   legend();
   connect();
 })();
