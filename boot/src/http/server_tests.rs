@@ -110,14 +110,19 @@ impl Running {
 
 /// One request on a new connection (blocking, so run it off the runtime): (status, body).
 fn get(addr: SocketAddrV4, path: &str) -> (u16, String) {
+    let (head, body) = get_with_head(addr, path);
+    (head.split_whitespace().nth(1).unwrap().parse().unwrap(), body)
+}
+
+/// One request on a new connection: the response head (lower-cased) and body.
+fn get_with_head(addr: SocketAddrV4, path: &str) -> (String, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream.set_read_timeout(Some(DEADLINE)).unwrap();
     write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
     let mut answer = String::new();
     stream.read_to_string(&mut answer).unwrap();
-    let status = answer.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = answer.split_once("\r\n\r\n").unwrap().1.to_owned();
-    (status, body)
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    (head.to_ascii_lowercase(), body.to_owned())
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -341,17 +346,6 @@ async fn file_bodies_by_sendfile_are_exact_across_chunks_ranges_and_keep_alive()
     })
     .await;
     server.shutdown.cancel();
-}
-
-/// One request on a new connection: the response head (lower-cased) and body.
-fn get_with_head(addr: SocketAddrV4, path: &str) -> (String, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream.set_read_timeout(Some(DEADLINE)).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).unwrap();
-    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
-    (head.to_ascii_lowercase(), body.to_owned())
 }
 
 #[tokio::test]

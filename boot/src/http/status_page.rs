@@ -41,7 +41,7 @@ use crate::admission::{Caps, Slots, Ticket};
 use crate::inventory::HostSummary;
 use crate::leadership::{Leadership, LeadershipWatch};
 use crate::metrics::{Headline, HttpRoute};
-use crate::timeline::{Recorded, Stage};
+use crate::timeline::{Event, Recorded, Stage};
 use crate::{BootPlane, MacAddr};
 use chart::{Segment, chart};
 
@@ -202,6 +202,8 @@ struct HostRow {
     /// In the inventory (not only seen in the timeline).
     listed: bool,
     chart: Vec<Segment>,
+    /// Its latest step.
+    last: Option<StepView>,
 }
 
 #[derive(Debug, Serialize)]
@@ -213,13 +215,28 @@ struct Snapshot<'a> {
     unlisted_omitted: usize,
 }
 
-/// A boot step as the stream sends it, with the host's chart after it.
+/// A boot step as the page shows it.
 #[derive(Debug, Serialize)]
-struct Step<'a> {
-    mac: MacAddr,
+struct StepView {
     stage: Stage,
     at_ms: u64,
-    detail: &'a str,
+    /// Shortened to [`MAX_DETAIL`] characters.
+    detail: String,
+}
+
+impl StepView {
+    fn of(event: &Event) -> Self {
+        let detail = event.detail.chars().take(MAX_DETAIL).collect();
+        Self { stage: event.stage, at_ms: event.at_ms, detail }
+    }
+}
+
+/// A boot step as the stream sends it, with the host's chart after it.
+#[derive(Debug, Serialize)]
+struct Step {
+    mac: MacAddr,
+    #[serde(flatten)]
+    step: StepView,
     chart: Vec<Segment>,
 }
 
@@ -258,42 +275,40 @@ impl View {
 
     fn snapshot(&self, listed: &Listed) -> Bytes {
         let timeline = &self.plane.timeline;
-        let chart_of = |mac| chart(&timeline.events(mac));
-        let mut hosts: Vec<HostRow> = listed
-            .values()
-            .map(|host| HostRow { host: host.clone(), listed: true, chart: chart_of(host.mac) })
-            .collect();
         let unlisted: Vec<MacAddr> =
             timeline.hosts().into_iter().filter(|mac| !listed.contains_key(mac)).collect();
         let unlisted_omitted = unlisted.len().saturating_sub(MAX_UNLISTED);
-        hosts.extend(unlisted.into_iter().take(MAX_UNLISTED).map(|mac| HostRow {
-            host: HostSummary {
-                mac,
-                name: None,
-                state: "not listed".to_owned(),
-                address: self.plane.neighbors.leased_address(mac),
-                consumer: None,
-                operation: None,
-            },
-            listed: false,
-            chart: chart_of(mac),
-        }));
+        let unlisted = unlisted.into_iter().take(MAX_UNLISTED).map(|mac| HostSummary {
+            mac,
+            name: None,
+            state: "not listed".to_owned(),
+            address: self.plane.neighbors.leased_address(mac),
+            consumer: None,
+            operation: None,
+        });
+        let rows = listed
+            .values()
+            .map(|host| (host.clone(), true))
+            .chain(unlisted.map(|host| (host, false)))
+            .map(|(host, listed)| {
+                let events = timeline.events(host.mac);
+                HostRow {
+                    listed,
+                    chart: chart(&events),
+                    last: events.last().map(StepView::of),
+                    host,
+                }
+            })
+            .collect();
         let snapshot =
-            Snapshot { site: &self.site, health: self.health(), hosts, unlisted_omitted };
+            Snapshot { site: &self.site, health: self.health(), hosts: rows, unlisted_omitted };
         frame(SNAPSHOT, &snapshot)
     }
 
     fn step(&self, recorded: &Recorded) -> Bytes {
-        let event = &recorded.event;
-        let detail = match event.detail.char_indices().nth(MAX_DETAIL) {
-            Some((end, _)) => &event.detail[..end],
-            None => &event.detail,
-        };
         let step = Step {
             mac: recorded.mac,
-            stage: event.stage,
-            at_ms: event.at_ms,
-            detail,
+            step: StepView::of(&recorded.event),
             chart: chart(&self.plane.timeline.events(recorded.mac)),
         };
         frame(STEP, &step)
@@ -465,11 +480,11 @@ mod tests {
     fn a_hostile_detail_stays_inside_its_event() {
         let detail =
             "x\n\nevent: snapshot\ndata: {\"site\":\"owned\"}\r\n\n<img src=x onerror=alert(1)>";
+        let event =
+            Event { at: String::new(), at_ms: 5, stage: Stage::HttpFile, detail: detail.into() };
         let step = Step {
             mac: "52:54:00:00:00:01".parse().unwrap(),
-            stage: Stage::HttpFile,
-            at_ms: 5,
-            detail,
+            step: StepView::of(&event),
             chart: vec![],
         };
         let text = String::from_utf8(frame(STEP, &step).to_vec()).unwrap();
@@ -491,7 +506,14 @@ mod tests {
             step: Some("writing image".into()),
             bytes: Some(ByteProgress { done: 5, total: 10 }),
         });
-        let row = HostRow { host: summary, listed: true, chart: vec![] };
+        let long = Event {
+            at: String::new(),
+            at_ms: 7,
+            stage: Stage::Report,
+            detail: "é".repeat(MAX_DETAIL + 1),
+        };
+        let row =
+            HostRow { host: summary, listed: true, chart: vec![], last: Some(StepView::of(&long)) };
         let json = serde_json::to_value(&row).unwrap();
         assert_eq!(
             json,
@@ -507,6 +529,7 @@ mod tests {
                 },
                 "listed": true,
                 "chart": [],
+                "last": { "stage": "report", "at_ms": 7, "detail": "é".repeat(MAX_DETAIL) },
             })
         );
     }

@@ -292,12 +292,6 @@
     open.delete(mac);
   }
 
-  function lastOf(chart) {
-    if (!chart || chart.length === 0) return null;
-    const segment = chart[chart.length - 1];
-    return { stage: phaseName(segment.phase), at_ms: segment.end_ms, detail: segment.detail };
-  }
-
   function updateCount() {
     let shown = 0;
     for (const entry of hosts.values()) if (!entry.row.hidden) shown += 1;
@@ -316,10 +310,7 @@
       if (entry.details) entry.details.remove();
     }
     hosts.clear();
-    const entries = snapshot.hosts.map((host) => {
-      host.last = lastOf(host.chart);
-      return newEntry(host);
-    });
+    const entries = snapshot.hosts.map(newEntry);
     entries.sort((a, b) => (sortKey(a.data) < sortKey(b.data) ? -1 : 1));
     const fragment = document.createDocumentFragment();
     for (const entry of entries) {
