@@ -22,7 +22,7 @@ use siteboot_boot::tftp::TftpSettings;
 use siteboot_ipxe::{IpxeBinaries, Word};
 
 use crate::fd_limit;
-use crate::standalone::StaticInventory;
+use crate::standalone::{ListedHost, StaticInventory};
 
 /// The file as written.
 #[derive(Debug, Deserialize)]
@@ -291,10 +291,16 @@ impl Config {
                 )
             })
         };
+        let reservations: HashMap<MacAddr, _> =
+            file.dhcp.reservations.iter().map(|r| (r.mac, r)).collect();
         let mut hosts = HashMap::new();
         for (i, host) in file.hosts.iter().enumerate() {
-            let action = profile(&host.profile, format!("hosts[{i}].profile"))?;
-            if hosts.insert(host.mac, action).is_some() {
+            let listed = ListedHost {
+                action: profile(&host.profile, format!("hosts[{i}].profile"))?,
+                profile: host.profile.clone(),
+                reservation: reservations.get(&host.mac).map(|r| (*r).clone()),
+            };
+            if hosts.insert(host.mac, listed).is_some() {
                 return Err(FieldError::new(
                     format!("hosts[{i}].mac"),
                     format!("{} is listed twice", host.mac),
@@ -556,6 +562,27 @@ unknown_hosts:
         assert_eq!(config.plan.subnets.len(), 1);
         assert_eq!(config.http.port, 8080);
         assert_eq!(config.tftp.max_transfers, 64);
+    }
+
+    #[test]
+    fn the_status_page_lists_hosts_with_their_profile_and_reservation() {
+        use siteboot_boot::Inventory;
+
+        let text = GOOD.replace(
+            "dhcp:\n",
+            "dhcp:\n  reservations:\n    - { mac: '52:54:00:12:34:56', address: 10.99.0.10, hostname: node-a }\n",
+        );
+        let (_dir, text) = with_ipxe(&text);
+        let config = Config::parse(&text).unwrap();
+        assert!(config.http.status_page, "on by default");
+        let hosts = config.inventory.hosts();
+        assert_eq!(hosts.len(), 1);
+        assert_eq!(hosts[0].mac, "52:54:00:12:34:56".parse().unwrap());
+        assert_eq!(hosts[0].name.as_deref(), Some("node-a"));
+        assert_eq!(hosts[0].address, Some("10.99.0.10".parse().unwrap()));
+        assert_eq!(hosts[0].state, "profile linux");
+        let (_dir, off) = with_ipxe(&format!("{GOOD}\nhttp:\n  status_page: false\n"));
+        assert!(!Config::parse(&off).unwrap().http.status_page);
     }
 
     #[test]

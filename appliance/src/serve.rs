@@ -18,7 +18,7 @@ use siteboot_boot::dhcp::journal::Journal;
 use siteboot_boot::dhcp::leases::LeaseTable;
 use siteboot_boot::dhcp::server::{self, DhcpServer, PXE_PORT, SERVER_PORT};
 use siteboot_boot::dhcp::{DhcpService, bind_socket};
-use siteboot_boot::http::{HttpServer, Listeners};
+use siteboot_boot::http::{HttpServer, Listeners, StatusPage};
 use siteboot_boot::leadership::Leadership;
 use siteboot_boot::metrics::Metrics;
 use siteboot_boot::neighbors::{KernelArp, Neighbors};
@@ -86,10 +86,12 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     let release = CancellationToken::new();
     let mut servers = JoinSet::new();
     let mut controller = None;
-    let (inventory, known_hosts): (Arc<dyn Inventory>, String) = match kube {
+    // `site`: what the status page calls this appliance's site.
+    let (inventory, known_hosts, site): (Arc<dyn Inventory>, String, String) = match kube {
         None => {
             let known = config.inventory.known_hosts().to_string();
-            (Arc::new(config.inventory), known)
+            let site = format!("standalone ({interface}, {})", config.address);
+            (Arc::new(config.inventory), known, site)
         }
         Some(kube) => {
             let k = config.kubernetes.as_ref().context("Kubernetes mode needs a kubernetes: section in the config (kubernetes.ramdisk_profile)")?;
@@ -121,7 +123,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             controller = Some(tokio::spawn(async move {
                 siteboot_controller::run::run(ctx, timeline, options, leadership_tx, release).await
             }));
-            (inventory, format!("Hosts of site {}", kube.site))
+            (inventory, format!("Hosts of site {}", kube.site), kube.site)
         }
     };
 
@@ -150,8 +152,11 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         metrics: metrics.clone(),
         neighbors: neighbors.clone(),
     };
-    let http =
+    let mut http =
         HttpServer::new(plane, &config.http, &identity).context("starting the HTTP server")?;
+    if config.http.status_page {
+        http = http.with_status_page(StatusPage::new(site, leadership.clone()));
+    }
     let (stop, drain) = (shutdown.clone(), config.drain_timeout);
     servers.spawn(async move {
         http.run(listeners, stop, drain).await;

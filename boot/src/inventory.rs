@@ -97,6 +97,44 @@ impl AgentResponse {
     }
 }
 
+/// One host as the status page lists it: what the operator watches, nothing secret (no tokens,
+/// bootstrap data, BMC addresses or credentials).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct HostSummary {
+    pub mac: MacAddr,
+    /// The operator's name for it: the Host object (`namespace/name`), or its DHCP
+    /// reservation's host name (standalone).
+    pub name: Option<String>,
+    /// Kubernetes mode: the Host's lifecycle state (`Provisioned`, ...); standalone: the boot
+    /// profile it gets (`profile <name>`).
+    pub state: String,
+    /// The address the inventory knows it by, if any (Kubernetes mode: its Host's). The
+    /// status page prefers the lease this appliance's DHCP gave it.
+    pub address: Option<Ipv4Addr>,
+    /// What it is claimed by (Kubernetes mode: `SitebootMachine <namespace>/<name>`).
+    pub consumer: Option<String>,
+    /// The ramdisk operation under way (Kubernetes mode).
+    pub operation: Option<OperationSummary>,
+}
+
+/// A ramdisk operation as far as it has reported.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct OperationSummary {
+    /// `Inspect`, `Provision` or `Deprovision`.
+    pub kind: String,
+    /// The ramdisk's last progress report, as it wrote it.
+    pub step: Option<String>,
+    /// Bytes written of the image, once the ramdisk reports them (it reports only a step
+    /// today, so this is `None` until the imaging work adds byte counts).
+    pub bytes: Option<ByteProgress>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ByteProgress {
+    pub done: u64,
+    pub total: u64,
+}
+
 pub trait Inventory: Send + Sync + 'static {
     /// Whether DHCP gives `mac` boot information at all. Called on the DHCP path, so it must
     /// answer from memory.
@@ -122,6 +160,13 @@ pub trait Inventory: Send + Sync + 'static {
     /// What `request.mac` boots now; asked when its iPXE fetches `/boot/<mac>.ipxe`. `None`
     /// answers 404.
     fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>>;
+
+    /// Every host this inventory knows, for the status page. Called while the page is open
+    /// (once a second or so per viewer), so it must answer from memory. The default lists
+    /// none: the page then shows only the MACs the timeline saw.
+    fn hosts(&self) -> Vec<HostSummary> {
+        Vec::new()
+    }
 
     /// Serves the deploy ramdisk's API under `/agent/`. The standalone inventory has none.
     fn agent(&self, _request: AgentRequest) -> BoxFuture<'_, AgentResponse> {

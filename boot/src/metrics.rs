@@ -4,6 +4,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dhcproto::v4::MessageType;
+use serde::Serialize;
 
 use crate::timeline::Timeline;
 
@@ -36,11 +37,15 @@ pub enum HttpRoute {
     Health,
     Ready,
     Metrics,
+    /// The status page and its assets.
+    StatusPage,
+    /// The status page's event stream.
+    StatusEvents,
     NotFound,
 }
 
 impl HttpRoute {
-    const ALL: [HttpRoute; 10] = [
+    const ALL: [HttpRoute; 12] = [
         HttpRoute::Script,
         HttpRoute::File,
         HttpRoute::IpxeBinary,
@@ -50,6 +55,8 @@ impl HttpRoute {
         HttpRoute::Health,
         HttpRoute::Ready,
         HttpRoute::Metrics,
+        HttpRoute::StatusPage,
+        HttpRoute::StatusEvents,
         HttpRoute::NotFound,
     ];
 
@@ -64,6 +71,8 @@ impl HttpRoute {
             HttpRoute::Health => "health",
             HttpRoute::Ready => "ready",
             HttpRoute::Metrics => "metrics",
+            HttpRoute::StatusPage => "status-page",
+            HttpRoute::StatusEvents => "status-events",
             HttpRoute::NotFound => "not-found",
         }
     }
@@ -107,6 +116,21 @@ impl HttpRefusal {
     fn index(self) -> usize {
         self as usize
     }
+}
+
+/// The counters the status page shows: those of `/metrics`, summed over their labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Headline {
+    pub dhcp_received: u64,
+    pub dhcp_sent: u64,
+    pub dhcp_leases: u64,
+    pub tftp_active: u64,
+    pub tftp_completed: u64,
+    pub tftp_failed: u64,
+    pub http_connections_active: u64,
+    pub http_requests: u64,
+    pub http_bytes: u64,
+    pub boot_steps: u64,
 }
 
 #[derive(Default)]
@@ -160,6 +184,24 @@ impl Metrics {
 
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// [`Headline`] now, with the boot steps counted by `timeline`.
+    pub fn headline(&self, timeline: &Timeline) -> Headline {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let sum = |cs: &[AtomicU64]| cs.iter().map(get).sum();
+        Headline {
+            dhcp_received: sum(&self.dhcp_received),
+            dhcp_sent: sum(&self.dhcp_sent),
+            dhcp_leases: get(&self.dhcp_leases),
+            tftp_active: get(&self.tftp_active),
+            tftp_completed: get(&self.tftp_completed),
+            tftp_failed: get(&self.tftp_failed),
+            http_connections_active: get(&self.http_connections_active),
+            http_requests: sum(&self.http_requests),
+            http_bytes: get(&self.http_bytes),
+            boot_steps: timeline.stage_counts().map(|(_, n)| n).sum(),
+        }
     }
 
     /// The Prometheus text exposition of every counter, plus boots by stage from `timeline`.
@@ -296,4 +338,32 @@ impl Metrics {
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::timeline::Stage;
+
+    #[test]
+    fn the_headline_sums_what_metrics_splits_by_label() {
+        let metrics = Metrics::new();
+        let timeline = Timeline::new();
+        metrics.dhcp_received(MessageType::Discover);
+        metrics.dhcp_received(MessageType::Request);
+        metrics.dhcp_sent(MessageType::Offer);
+        metrics.http_request(HttpRoute::Script);
+        metrics.http_request(HttpRoute::StatusEvents);
+        Metrics::add(&metrics.http_bytes, 1000);
+        Metrics::add(&metrics.tftp_failed, 2);
+        let mac = "52:54:00:00:00:01".parse().unwrap();
+        timeline.record(mac, Stage::DhcpDiscover, "");
+        timeline.record(mac, Stage::Report, "");
+        let headline = metrics.headline(&timeline);
+        assert_eq!((headline.dhcp_received, headline.dhcp_sent), (2, 1));
+        assert_eq!((headline.http_requests, headline.http_bytes), (2, 1000));
+        assert_eq!((headline.tftp_failed, headline.boot_steps), (2, 2));
+        let text = metrics.render(&timeline);
+        assert!(text.contains("siteboot_http_requests_total{route=\"status-events\"} 1"), "{text}");
+    }
 }

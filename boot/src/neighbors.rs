@@ -80,6 +80,17 @@ impl Neighbors {
         self.holder(addr).map(|h| h.mac)
     }
 
+    /// The address siteboot's DHCP leases to `mac` now; `None` when another server hands out
+    /// the addresses. For display only: identity is [`holder`](Self::holder)'s.
+    pub fn leased_address(&self, mac: MacAddr) -> Option<Ipv4Addr> {
+        self.leased_address_at(mac, unix_now())
+    }
+
+    fn leased_address_at(&self, mac: MacAddr, now: UnixTime) -> Option<Ipv4Addr> {
+        let table = self.leases.as_ref()?.lock().expect("lease table lock");
+        table.lease_of(mac).filter(|lease| lease.expires > now).map(|lease| lease.addr)
+    }
+
     pub(crate) fn holder_at(&self, addr: Ipv4Addr, now: UnixTime) -> Option<Holder> {
         let leased = match &self.leases {
             None => Leased::NotOurs,
@@ -211,6 +222,16 @@ mod tests {
             n.holder_at(ip("10.0.0.100"), NOW),
             Some(Holder { mac: mac(1), evidence: Evidence::LeaseAndArp })
         );
+    }
+
+    #[test]
+    fn leased_addresses_are_current_leases_only() {
+        let n = Neighbors::from_leases(leases(), vec![]);
+        assert_eq!(n.leased_address_at(mac(1), NOW), Some(ip("10.0.0.100")));
+        assert_eq!(n.leased_address_at(mac(2), NOW), None, "the lease ended");
+        assert_eq!(n.leased_address_at(mac(3), NOW), None, "never leased");
+        let proxy = Neighbors::from_arp(vec![(ip("10.0.0.150"), mac(1))]);
+        assert_eq!(proxy.leased_address_at(mac(1), NOW), None, "not our addresses");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Per-MAC boot timelines: every boot step is logged with the MAC and kept, bounded, for
-//! `GET /timeline/<mac>`, and counted for `/metrics`.
+//! `GET /timeline/<mac>`, counted for `/metrics`, and broadcast to live views (the status
+//! page's event stream).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Mutex;
@@ -7,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use serde::Serialize;
+use tokio::sync::broadcast;
 
 use crate::MacAddr;
 
@@ -85,9 +87,19 @@ pub struct Event {
     pub detail: String,
 }
 
+/// A step as it was recorded, for live views.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub mac: MacAddr,
+    pub event: Event,
+}
+
 /// Limits that keep memory bounded whatever clients do.
 const MAX_HOSTS: usize = 4096;
 const MAX_EVENTS_PER_HOST: usize = 128;
+/// Steps a live view may fall behind by before it misses some (and is told so, see
+/// [`broadcast::error::RecvError::Lagged`]): recording never waits for a viewer.
+const LIVE_BACKLOG: usize = 1024;
 
 #[derive(Default)]
 struct Inner {
@@ -102,15 +114,31 @@ struct Host {
     events: VecDeque<Event>,
 }
 
-#[derive(Default)]
 pub struct Timeline {
     inner: Mutex<Inner>,
     stage_counts: [AtomicU64; Stage::ALL.len()],
+    live: broadcast::Sender<Recorded>,
+}
+
+impl Default for Timeline {
+    fn default() -> Self {
+        Self {
+            inner: Mutex::default(),
+            stage_counts: Default::default(),
+            live: broadcast::Sender::new(LIVE_BACKLOG),
+        }
+    }
 }
 
 impl Timeline {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Every step recorded from now on. A receiver that falls more than [`LIVE_BACKLOG`]
+    /// steps behind loses the oldest and is told how many.
+    pub fn subscribe(&self) -> broadcast::Receiver<Recorded> {
+        self.live.subscribe()
     }
 
     /// Records a boot step: logs it, keeps it in the MAC's timeline and counts it.
@@ -122,6 +150,8 @@ impl Timeline {
         let at_ms =
             now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
         let event = Event { at: rfc3339(now), at_ms, stage, detail };
+        // Never blocks; with no one watching it only returns an error.
+        let _ = self.live.send(Recorded { mac, event: event.clone() });
 
         let mut inner = self.inner.lock().expect("timeline lock");
         let seq = inner.next_seq;
@@ -218,5 +248,24 @@ mod tests {
         assert!(tl.events(mac).is_empty(), "the least recently active host was evicted");
         let counts: HashMap<Stage, u64> = tl.stage_counts().collect();
         assert_eq!(counts[&Stage::DhcpDiscover], MAX_EVENTS_PER_HOST as u64 + 10);
+    }
+
+    #[test]
+    fn live_views_see_each_step_and_a_slow_one_never_holds_recording_up() {
+        let tl = Timeline::new();
+        let mac: MacAddr = "52:54:00:00:00:01".parse().unwrap();
+        tl.record(mac, Stage::DhcpDiscover, "before anyone watched");
+        let mut live = tl.subscribe();
+        tl.record(mac, Stage::IpxeScript, "kernel x");
+        let seen = live.try_recv().unwrap();
+        assert_eq!(
+            (seen.mac, seen.event.stage, seen.event.detail.as_str()),
+            (mac, Stage::IpxeScript, "kernel x")
+        );
+        for i in 0..LIVE_BACKLOG + 5 {
+            tl.record(mac, Stage::HttpFile, format!("{i}"));
+        }
+        assert_eq!(live.try_recv().unwrap_err(), broadcast::error::TryRecvError::Lagged(5));
+        assert_eq!(live.try_recv().unwrap().event.detail, "5", "the oldest steps were dropped");
     }
 }

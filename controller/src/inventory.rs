@@ -10,13 +10,18 @@
 //!
 //! A token is minted only for a request from the address that holds the MAC's lease; its hash
 //! is written to the Host before the script leaves, so the ramdisk can use it at once.
+//!
+//! The status page lists the Host cache: name, state, address, consumer and the ramdisk's
+//! progress, nothing from a Secret or the BMC.
 
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
 use std::sync::Arc;
 
 use siteboot_boot::MacAddr;
 use siteboot_boot::inventory::{
-    AgentRequest, AgentResponse, BootAction, BootRequest, BoxFuture, Inventory, LinuxBoot,
-    LocalBoot,
+    AgentRequest, AgentResponse, BootAction, BootRequest, BoxFuture, HostSummary, Inventory,
+    LinuxBoot, LocalBoot, OperationSummary,
 };
 use siteboot_ipxe::Word;
 
@@ -140,7 +145,133 @@ impl Inventory for KubeInventory {
         Box::pin(self.action(request))
     }
 
+    fn hosts(&self) -> Vec<HostSummary> {
+        let mut by_mac: HashMap<MacAddr, Vec<Arc<Host>>> = HashMap::new();
+        for host in self.ctx.hosts.all() {
+            if let Ok(mac) = host.spec.boot_mac_address.parse() {
+                by_mac.entry(mac).or_default().push(host);
+            }
+        }
+        by_mac.into_iter().map(|(mac, hosts)| summary(mac, &hosts)).collect()
+    }
+
     fn agent(&self, request: AgentRequest) -> BoxFuture<'_, AgentResponse> {
         Box::pin(crate::agent::handle(self.ctx.clone(), request))
+    }
+}
+
+/// What the status page shows of the Hosts with boot MAC `mac`: one, or the conflict of
+/// several (none of them boots until an operator fixes it).
+fn summary(mac: MacAddr, hosts: &[Arc<Host>]) -> HostSummary {
+    let [host] = hosts else {
+        let mut names: Vec<String> = hosts.iter().map(|h| host_key(h)).collect();
+        names.sort();
+        return HostSummary {
+            mac,
+            name: Some(names.join(", ")),
+            state: "two Hosts share this boot MAC".to_owned(),
+            address: None,
+            consumer: None,
+            operation: None,
+        };
+    };
+    let status = host.status.as_ref();
+    let mut state = match status.and_then(|s| s.state) {
+        Some(state) => format!("{state:?}"),
+        None => "New".to_owned(),
+    };
+    if host.spec.maintenance {
+        state.push_str(" (maintenance)");
+    }
+    if !host.spec.online {
+        state.push_str(" (offline)");
+    }
+    HostSummary {
+        mac,
+        name: Some(host_key(host)),
+        state,
+        address: status.into_iter().flat_map(|s| &s.addresses).find_map(|a| {
+            (a.kind == "InternalIP").then(|| a.address.parse::<Ipv4Addr>().ok()).flatten()
+        }),
+        consumer: host
+            .spec
+            .consumer_ref
+            .as_ref()
+            .map(|c| format!("{} {}/{}", c.kind, c.namespace, c.name)),
+        operation: status.and_then(|s| s.operation.as_ref()).map(|op| OperationSummary {
+            kind: format!("{:?}", op.kind),
+            step: op.step.clone(),
+            // The ramdisk reports steps, not bytes, today.
+            bytes: None,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::{ConsumerRef, HostSpec, HostStatus, MachineAddress, Operation, OperationKind};
+
+    fn host(name: &str) -> Host {
+        let mut host = Host::new(name, HostSpec::new("52:54:00:00:00:01"));
+        host.metadata.namespace = Some("site-a".into());
+        host
+    }
+
+    #[test]
+    fn a_summary_shows_state_address_consumer_and_progress_and_no_token() {
+        let mut claimed = host("node-1");
+        claimed.spec.consumer_ref = Some(ConsumerRef {
+            api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
+            kind: "SitebootMachine".into(),
+            namespace: "default".into(),
+            name: "worker-0".into(),
+            uid: "u".into(),
+        });
+        claimed.status = Some(HostStatus {
+            state: Some(HostState::Provisioning),
+            addresses: vec![
+                MachineAddress { kind: "Hostname".into(), address: "node-1".into() },
+                MachineAddress { kind: "InternalIP".into(), address: "10.99.0.100".into() },
+            ],
+            operation: Some(Operation {
+                kind: OperationKind::Provision,
+                id: "op-1".into(),
+                started: now(),
+                token_hash: Some("secret-hash".into()),
+                token_address: Some("10.99.0.100".into()),
+                token_issued: None,
+                bootstrap_delivered: false,
+                step: Some("writing image".into()),
+            }),
+            ..HostStatus::default()
+        });
+        let mac = "52:54:00:00:00:01".parse().unwrap();
+        let summary = summary(mac, &[Arc::new(claimed)]);
+        assert_eq!(summary.name.as_deref(), Some("site-a/node-1"));
+        assert_eq!(summary.state, "Provisioning");
+        assert_eq!(summary.address, Some("10.99.0.100".parse().unwrap()));
+        assert_eq!(summary.consumer.as_deref(), Some("SitebootMachine default/worker-0"));
+        let operation = summary.operation.clone().unwrap();
+        assert_eq!(
+            (operation.kind.as_str(), operation.step.as_deref()),
+            ("Provision", Some("writing image"))
+        );
+        let shown = serde_json::to_string(&summary).unwrap();
+        assert!(!shown.contains("secret-hash") && !shown.contains("op-1"), "{shown}");
+    }
+
+    #[test]
+    fn new_cordoned_offline_and_conflicting_hosts() {
+        let mac = "52:54:00:00:00:01".parse().unwrap();
+        let mut cordoned = host("node-2");
+        cordoned.spec.maintenance = true;
+        cordoned.spec.online = false;
+        let summary = summary(mac, &[Arc::new(cordoned.clone())]);
+        assert_eq!(summary.state, "New (maintenance) (offline)");
+        assert_eq!((summary.address, summary.consumer, summary.operation), (None, None, None));
+        let both = super::summary(mac, &[Arc::new(cordoned), Arc::new(host("node-1"))]);
+        assert_eq!(both.name.as_deref(), Some("site-a/node-1, site-a/node-2"));
+        assert_eq!(both.state, "two Hosts share this boot MAC");
     }
 }

@@ -99,7 +99,8 @@ fn build() -> Result<BootFiles> {
     Ok(files)
 }
 
-fn cache_dir() -> PathBuf {
+/// `${SITEBOOT_CACHE:-/var/cache/siteboot}`: where the harness keeps what it builds or downloads.
+pub fn cache_dir() -> PathBuf {
     std::env::var_os("SITEBOOT_CACHE")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/var/cache/siteboot"))

@@ -8,6 +8,7 @@
 pub mod appliance;
 pub mod attack;
 pub mod bench;
+pub mod browser;
 pub mod clients;
 pub mod forward;
 pub mod initramfs;

@@ -9,6 +9,8 @@
 //! - `POST /report/<mac>/<stage>`: a boot callback, accepted from the host holding that MAC
 //! - `GET /timeline` and `GET /timeline/<mac>`: boot timelines as JSON
 //! - `GET /healthz` (alive), `GET /readyz` (the inventory can answer), `GET /metrics`
+//! - `GET /` and `GET /status/...`: the status page and its event stream ([`status_page`]),
+//!   unless `http.status_page` is off
 //! - `/agent/...`: refused (403), with the HTTPS URL to use instead
 //!
 //! HTTPS routes (`http.https_port`, the certificate of [`crate::tls`]): `/agent/...` only.
@@ -25,6 +27,7 @@ mod sendfile;
 #[cfg(test)]
 mod server_tests;
 mod static_files;
+mod status_page;
 
 use std::convert::Infallible;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -60,6 +63,7 @@ use deadline::WriteDeadline;
 use rate::{Rate, RateLimiter};
 use sendfile::{FileChunks, SendfileStream};
 pub use static_files::{RangeRequest, parse_range};
+pub use status_page::StatusPage;
 
 pub type Body = BoxBody<Bytes, std::io::Error>;
 
@@ -124,6 +128,10 @@ pub struct HttpSettings {
     /// restarts whenever data goes through: a slow but live download is never cut.
     #[serde(with = "humantime_serde")]
     pub stall_timeout: Duration,
+    /// Serve the status page at `GET /` on `port`: the site's hosts (state, MAC, address,
+    /// consumer), their boot timelines and this appliance's health, read-only, to anyone who
+    /// can reach the port (see docs/security.md for what it shows).
+    pub status_page: bool,
 }
 
 impl Default for HttpSettings {
@@ -140,6 +148,7 @@ impl Default for HttpSettings {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(30),
+            status_page: true,
         }
     }
 }
@@ -197,6 +206,8 @@ pub struct HttpServer {
     header_timeout: Duration,
     body_timeout: Duration,
     stall_timeout: Duration,
+    /// `None`: the page is turned off and its paths answer 404.
+    status: Option<StatusPage>,
 }
 
 impl HttpServer {
@@ -222,7 +233,13 @@ impl HttpServer {
             header_timeout: settings.header_timeout,
             body_timeout: settings.body_timeout,
             stall_timeout: settings.stall_timeout,
+            status: None,
         })
+    }
+
+    /// Serves `page` at `GET /` and `/status/...`.
+    pub fn with_status_page(self, page: StatusPage) -> Self {
+        Self { status: Some(page), ..self }
     }
 
     /// Accepts and serves connections on both ports until `shutdown` is cancelled; then closes
@@ -235,6 +252,10 @@ impl HttpServer {
             server.clone().accept(listeners.http, Port::Http, &connections, &shutdown),
             server.clone().accept(listeners.https, Port::Https, &connections, &shutdown),
         );
+        // Event streams never end by themselves: end them, or they would hold the drain.
+        if let Some(page) = &server.status {
+            page.close();
+        }
         connections.close();
         let open = connections.len();
         if tokio::time::timeout(drain, connections.wait()).await.is_err() {
@@ -438,6 +459,13 @@ impl HttpServer {
             (Port::Http, &Method::GET, ["timeline", mac]) => {
                 (HttpRoute::Timeline, self.timeline(mac))
             }
+            (Port::Http, &Method::GET, [""] | ["status", _]) => match &self.status {
+                Some(page) => page.respond(&self.plane, &path, remote.ip()),
+                None => (
+                    HttpRoute::NotFound,
+                    text(StatusCode::NOT_FOUND, "the status page is off (http.status_page)\n"),
+                ),
+            },
             (Port::Http, _, _) => (HttpRoute::NotFound, text(StatusCode::NOT_FOUND, "not found\n")),
         };
         self.plane.metrics.http_request(route);

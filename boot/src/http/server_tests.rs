@@ -1,5 +1,5 @@
 //! The server on loopback, end to end: which port serves what, readiness, the TLS handshake
-//! deadline, graceful shutdown, and file bodies sent by sendfile.
+//! deadline, graceful shutdown, file bodies sent by sendfile, and the status page's stream.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
@@ -11,6 +11,7 @@ use siteboot_agent::{AgentClient, AgentUrl};
 
 use super::*;
 use crate::inventory::{AgentResponse, BootAction, BoxFuture, Inventory};
+use crate::leadership::Leadership;
 use crate::neighbors::Neighbors;
 use crate::timeline::Timeline;
 use crate::tls::ServerIdentity;
@@ -50,6 +51,7 @@ struct Running {
     https: SocketAddrV4,
     identity: ServerIdentity,
     inventory: Arc<TestInventory>,
+    timeline: Arc<Timeline>,
     shutdown: CancellationToken,
     server: tokio::task::JoinHandle<()>,
     _dir: tempfile::TempDir,
@@ -68,11 +70,12 @@ async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
     std::fs::File::create(dir.path().join("big.img")).unwrap().set_len(DOWNLOAD_LEN).unwrap();
     std::fs::write(dir.path().join("pattern.bin"), pattern()).unwrap();
     let inventory = Arc::new(TestInventory { ready: AtomicBool::new(false) });
+    let timeline = Arc::new(Timeline::new());
     let plane = BootPlane {
         endpoints: Endpoints { address: Ipv4Addr::LOCALHOST, http_port: 0 },
         inventory: inventory.clone(),
         binaries: Arc::new(siteboot_ipxe::IpxeBinaries::discover(dir.path())),
-        timeline: Arc::new(Timeline::new()),
+        timeline: timeline.clone(),
         metrics: Arc::new(Metrics::new()),
         neighbors: Arc::new(Neighbors::from_arp(Vec::<(Ipv4Addr, MacAddr)>::new())),
     };
@@ -87,10 +90,14 @@ async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
     let (http, https) = (address(&listeners.http), address(&listeners.https));
     let settings =
         HttpSettings { root: Some(dir.path().to_owned()), https_port: https.port(), ..settings };
-    let server = HttpServer::new(plane, &settings, &identity).unwrap();
+    let mut server = HttpServer::new(plane, &settings, &identity).unwrap();
+    if settings.status_page {
+        let (_, leadership) = tokio::sync::watch::channel(Leadership::Always);
+        server = server.with_status_page(StatusPage::new("test-site", leadership));
+    }
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(server.run(listeners, shutdown.clone(), drain));
-    Running { http, https, identity, inventory, shutdown, server, _dir: dir }
+    Running { http, https, identity, inventory, timeline, shutdown, server, _dir: dir }
 }
 
 impl Running {
@@ -103,14 +110,19 @@ impl Running {
 
 /// One request on a new connection (blocking, so run it off the runtime): (status, body).
 fn get(addr: SocketAddrV4, path: &str) -> (u16, String) {
+    let (head, body) = get_with_head(addr, path);
+    (head.split_whitespace().nth(1).unwrap().parse().unwrap(), body)
+}
+
+/// One request on a new connection: the response head (lower-cased) and body.
+fn get_with_head(addr: SocketAddrV4, path: &str) -> (String, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream.set_read_timeout(Some(DEADLINE)).unwrap();
     write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
     let mut answer = String::new();
     stream.read_to_string(&mut answer).unwrap();
-    let status = answer.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = answer.split_once("\r\n\r\n").unwrap().1.to_owned();
-    (status, body)
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    (head.to_ascii_lowercase(), body.to_owned())
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -334,4 +346,98 @@ async fn file_bodies_by_sendfile_are_exact_across_chunks_ranges_and_keep_alive()
     })
     .await;
     server.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn the_status_page_is_served_under_a_policy_that_runs_no_inline_script() {
+    let running = start(HttpSettings::default()).await;
+    let http = running.http;
+    let (head, body) = blocking(move || get_with_head(http, "/")).await;
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("content-type: text/html"), "{head}");
+    assert!(head.contains("content-security-policy: default-src 'none'; script-src 'self';"));
+    assert!(body.contains(r#"<script src="/status/app.js" defer></script>"#), "{body}");
+    for (path, kind) in [("/status/app.js", "text/javascript"), ("/status/style.css", "text/css")] {
+        let (head, body) = blocking(move || get_with_head(http, path)).await;
+        assert!(head.starts_with("http/1.1 200") && head.contains(kind), "{path}: {head}");
+        assert!(!body.is_empty());
+    }
+    assert_eq!(blocking(move || get(http, "/status/nothing")).await.0, 404);
+    running.shutdown.cancel();
+
+    let off = start(HttpSettings { status_page: false, ..Default::default() }).await;
+    let http = off.http;
+    for path in ["/", "/status/app.js", "/status/events"] {
+        let (status, body) = blocking(move || get(http, path)).await;
+        assert_eq!((status, body.as_str()), (404, "the status page is off (http.status_page)\n"));
+    }
+    off.shutdown.cancel();
+}
+
+/// Opens `/status/events` and reads until `want` has arrived; returns the connection and
+/// what it read.
+fn open_stream(addr: SocketAddrV4, want: &str) -> (TcpStream, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(DEADLINE)).unwrap();
+    write!(stream, "GET /status/events HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let text = read_until(&mut stream, String::new(), want);
+    (stream, text)
+}
+
+fn read_until(stream: &mut TcpStream, mut text: String, want: &str) -> String {
+    let mut chunk = [0u8; 64 * 1024];
+    while !text.contains(want) {
+        let n = stream.read(&mut chunk).unwrap();
+        assert!(n > 0, "the stream ended before {want:?}:\n{text}");
+        text.push_str(&String::from_utf8_lossy(&chunk[..n]));
+    }
+    text
+}
+
+#[tokio::test]
+async fn the_event_stream_sends_a_snapshot_then_each_step_and_ends_at_shutdown() {
+    let running = start(HttpSettings::default()).await;
+    let http = running.http;
+    let (mut stream, text) = blocking(move || open_stream(http, "event: snapshot\n")).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.to_ascii_lowercase().contains("content-type: text/event-stream"), "{text}");
+    let text = blocking(move || {
+        let text = read_until(&mut stream, text, "\n\n");
+        (stream, text)
+    });
+    let (mut stream, text) = text.await;
+    assert!(text.contains(r#""site":"test-site""#), "{text}");
+    assert!(text.contains(r#""role":"only-replica""#), "{text}");
+
+    let mac: MacAddr = "52:54:00:00:00:07".parse().unwrap();
+    let detail = "<img src=x onerror=alert(1)>\n\nevent: snapshot";
+    running.timeline.record(mac, crate::timeline::Stage::HttpFile, detail);
+    let text = blocking(move || read_until(&mut stream, text, r#""stage":"http-file""#)).await;
+    let step = text.split("event: step\ndata: ").nth(1).unwrap().split("\n\n").next().unwrap();
+    let step: serde_json::Value = serde_json::from_str(step).unwrap();
+    assert_eq!(step["mac"], "52:54:00:00:00:07");
+    assert_eq!(step["detail"], detail);
+    assert_eq!(step["chart"][0]["phase"], "download");
+
+    // An open stream does not hold the shutdown up to the drain deadline.
+    let started = tokio::time::Instant::now();
+    running.shutdown.cancel();
+    tokio::time::timeout(DEADLINE, running.server).await.expect("run returns").unwrap();
+    assert!(started.elapsed() < DRAIN / 2, "shutdown took {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn event_streams_are_capped_per_address() {
+    let running = start(HttpSettings::default()).await;
+    let http = running.http;
+    let refused = blocking(move || {
+        let open: Vec<_> = (0..4).map(|_| open_stream(http, "event: snapshot\n").0).collect();
+        let refused = get(http, "/status/events");
+        drop(open);
+        refused
+    })
+    .await;
+    assert_eq!(refused.0, 503, "{}", refused.1);
+    assert!(refused.1.contains("this address already holds 4 slots"), "{}", refused.1);
+    running.shutdown.cancel();
 }
