@@ -687,6 +687,9 @@ mod tests {
         for kind in ["CustomResourceDefinition", "ClusterRole", "ConfigMap", "Deployment"] {
             assert!(kinds.iter().any(|k| k == kind), "no {kind}");
         }
+        // No cert-manager objects or CA injection: clusterctl demands cert-manager, siteboot
+        // needs none of it.
+        assert!(!components.contains("cert-manager"));
         // Nothing per namespace but the provider's own (clusterctl moves namespaced objects).
         assert!(!components.contains("siteboot-bootstrap-data"));
         // `clusterctl init` needs nobody to set a variable: each has a default.

@@ -98,7 +98,8 @@ fn version_and_check_config_run_in_the_image() {
     let version = run(podman_run().args([name, "--version"]));
     assert!(version.status.success());
     assert_eq!(stdout(&version), format!("siteboot {}", env!("CARGO_PKG_VERSION")));
-    assert_eq!(name, format!("localhost/siteboot:{}", env!("CARGO_PKG_VERSION")));
+    // What `siteboot manifests` puts in its Deployments unless given --image.
+    assert_eq!(name, siteboot_controller::manifests::default_image());
 
     // The examples the image carries pass against the iPXE binaries the image carries.
     let checked = run(podman_run().args([
@@ -123,9 +124,20 @@ fn version_and_check_config_run_in_the_image() {
             .ends_with(": ok (full DHCP, 0 known hosts, iPXE binaries for bios, uefi-x64)")
     );
 
-    // A config from outside that the image cannot satisfy fails, naming the field.
+    // The config of the Deployment `siteboot manifests` writes passes in the image it names.
+    let site = siteboot_controller::manifests::ApplianceSite::example(name);
+    let objects = siteboot_controller::manifests::appliance(&site);
+    let (config_map, deployment) = (&objects[0], &objects[1]);
+    assert_eq!(deployment["spec"]["template"]["spec"]["containers"][0]["image"], name);
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("siteboot.yaml");
+    std::fs::write(&config, config_map["data"]["siteboot.yaml"].as_str().unwrap()).unwrap();
+    let checked = run(podman_run()
+        .arg(format!("--volume={}:/etc/siteboot/siteboot.yaml:ro", config.display()))
+        .args([name, "check-config", "/etc/siteboot/siteboot.yaml"]));
+    assert!(checked.status.success());
+
+    // A config from outside that the image cannot satisfy fails, naming the field.
     std::fs::write(
         &config,
         loopback_config().replace("profiles:", "tftp:\n  ipxe_dir: /nowhere\nprofiles:"),

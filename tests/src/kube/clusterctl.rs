@@ -92,11 +92,9 @@ impl KubeEnv {
             .await?;
             let endpoint =
                 manifests::WebhookEndpoint { port: webhook_port, ca_pem: ca_pem.clone() };
-            for mut configuration in manifests::provider_webhook_configurations(
-                capi_dir,
-                provider.component,
-                &endpoint,
-            )? {
+            for mut configuration in
+                manifests::provider_webhook_configurations(capi_dir, provider.component, &endpoint)?
+            {
                 let name = format!(
                     "{}{}",
                     provider.name_prefix,
