@@ -52,11 +52,20 @@ enum Command {
         #[arg(long, env = "POD_NAME")]
         identity: Option<String>,
     },
-    /// Print the CRDs and RBAC as YAML (or write crds.yaml and rbac.yaml into a directory).
+    /// Print the CRDs and RBAC as YAML, or write everything under deploy/ into a directory.
+    ///
+    /// --output-dir writes crds.yaml, rbac.yaml, kubernetes/appliance.yaml (an example site's
+    /// appliance) and the clusterctl release, a local provider repository:
+    /// clusterctl/infrastructure-siteboot/v<version>/{metadata.yaml,
+    /// infrastructure-components.yaml, cluster-template.yaml}.
     Manifests {
         /// Write the files here instead of printing them.
         #[arg(long)]
         output_dir: Option<PathBuf>,
+        /// The container image the appliance's Deployments run (the default is what
+        /// scripts/build-image builds and tags for this version).
+        #[arg(long, default_value_t = siteboot_controller::manifests::default_image())]
+        image: String,
         /// The namespace the appliance's ServiceAccount and leader Lease live in.
         #[arg(long, default_value = "siteboot-system")]
         namespace: String,
@@ -153,7 +162,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Manifests { output_dir, namespace, machine_namespaces, all_namespaces } => {
+        Command::Manifests { output_dir, image, namespace, machine_namespaces, all_namespaces } => {
             let secrets = if all_namespaces {
                 SecretAccess::Cluster
             } else if machine_namespaces.is_empty() {
@@ -161,7 +170,7 @@ fn main() -> ExitCode {
             } else {
                 SecretAccess::Namespaces(machine_namespaces)
             };
-            match manifests(output_dir, &namespace, &secrets) {
+            match manifests(output_dir, &namespace, &secrets, &image) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e:#}");
@@ -232,16 +241,22 @@ fn manifests(
     output_dir: Option<PathBuf>,
     namespace: &str,
     secrets: &SecretAccess,
+    image: &str,
 ) -> anyhow::Result<()> {
-    use siteboot_controller::manifests::{crds, rbac, to_yaml};
-    let crds = to_yaml(&crds());
-    let rbac = to_yaml(&rbac(namespace, secrets));
+    use anyhow::Context;
+    use siteboot_controller::manifests::{crds, deploy_files, rbac, to_yaml};
     match output_dir {
-        None => print!("{crds}---\n{rbac}"),
+        None => print!("{}---\n{}", to_yaml(&crds()), to_yaml(&rbac(namespace, secrets))),
         Some(dir) => {
-            std::fs::create_dir_all(&dir)?;
-            std::fs::write(dir.join("crds.yaml"), crds)?;
-            std::fs::write(dir.join("rbac.yaml"), rbac)?;
+            for (file, text) in deploy_files(namespace, secrets, image) {
+                let path = dir.join(file);
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent)
+                        .with_context(|| format!("creating {}", parent.display()))?;
+                }
+                std::fs::write(&path, text)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
         }
     }
     Ok(())

@@ -1,7 +1,11 @@
 //! The YAML this provider installs: its CRDs (generated from the Rust types, then given what
-//! derive cannot express: list-map conditions for server-side apply and CEL immutability rules)
-//! and least-privilege RBAC. `siteboot manifests` writes them; the committed copies under
-//! `deploy/` are checked against this code by a test.
+//! derive cannot express: list-map conditions for server-side apply and CEL immutability rules),
+//! least-privilege RBAC, a site's appliance (ConfigMap and Deployment of the container image
+//! `scripts/build-image` builds), and the clusterctl release folder that packages them all.
+//! `siteboot manifests` writes them; the committed copies under `deploy/` are checked against
+//! this code by a test.
+
+use std::path::{Path, PathBuf};
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
@@ -259,6 +263,334 @@ pub fn to_yaml<T: serde::Serialize>(docs: &[T]) -> String {
         .join("---\n")
 }
 
+/// What `scripts/build-image` tags its image as, without the tag.
+pub const IMAGE_REPOSITORY: &str = "localhost/siteboot";
+
+/// The image of this version, as `scripts/build-image` tags it: what the Deployments run unless
+/// `siteboot manifests --image` names another (e.g. after pushing it to a registry).
+pub fn default_image() -> String {
+    format!("{IMAGE_REPOSITORY}:{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// The user the image runs as (its /etc/passwd names it `siteboot`).
+const IMAGE_USER: i64 = 65532;
+
+/// Why the appliance's container needs what it asks for; an annotation on its Deployment, and
+/// a label of the image (`scripts/build-image`).
+const CAPABILITIES_WHY: &str = "NET_BIND_SERVICE only: DHCP binds UDP 67 and TFTP UDP 69, below \
+1024, as user 65532, through the binary's file capability (so allowPrivilegeEscalation must not \
+be false: no_new_privs would ignore it). The DHCP sockets are plain UDP with SO_BROADCAST and \
+SO_BINDTODEVICE (unprivileged since Linux 5.7; older kernels also need NET_RAW); no raw sockets, \
+no NET_ADMIN. hostNetwork: DHCP and TFTP serve the site's L2 segment.";
+
+/// One site's appliance: the values that differ between sites and installs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApplianceSite {
+    /// The site (a `Site`, a failure domain); also the label of the nodes the appliance runs on.
+    pub site: String,
+    /// The namespace of the appliance, its ServiceAccount and its leader Lease.
+    pub namespace: String,
+    pub image: String,
+    /// The node's interface on the site's segment, and its address there.
+    pub interface: String,
+    pub address: String,
+    /// The DHCP subnet, its pool (`first-last`) and router.
+    pub subnet: String,
+    pub pool: String,
+    pub router: String,
+}
+
+impl ApplianceSite {
+    /// The example site of `deploy/kubernetes/appliance.yaml`.
+    pub fn example(image: &str) -> Self {
+        Self {
+            site: "rack-1".to_owned(),
+            namespace: "siteboot-system".to_owned(),
+            image: image.to_owned(),
+            interface: "eth1".to_owned(),
+            address: "10.99.0.1".to_owned(),
+            subnet: "10.99.0.0/24".to_owned(),
+            pool: "10.99.0.100-10.99.0.199".to_owned(),
+            router: "10.99.0.1".to_owned(),
+        }
+    }
+
+    /// Every value that differs per install as a clusterctl variable with this value as its
+    /// default (`${SITEBOOT_SITE:=rack-1}`), for `clusterctl init` to fill in. The namespace
+    /// stays: clusterctl sets it on every object itself.
+    fn as_clusterctl_variables(&self) -> Self {
+        let var = |name: &str, default: &str| format!("${{SITEBOOT_{name}:={default}}}");
+        Self {
+            site: var("SITE", &self.site),
+            namespace: self.namespace.clone(),
+            image: var("IMAGE", &self.image),
+            interface: var("INTERFACE", &self.interface),
+            address: var("ADDRESS", &self.address),
+            subnet: var("DHCP_SUBNET", &self.subnet),
+            pool: var("DHCP_POOL", &self.pool),
+            router: var("DHCP_ROUTER", &self.router),
+        }
+    }
+}
+
+/// The appliance of one site: its config (a ConfigMap) and a Deployment of two replicas on the
+/// nodes labelled `siteboot.dev/site=<site>`, on the host network, as the image's non-root user.
+/// The agent API's certificate is the TLS Secret `siteboot-<site>-agent-tls`, which the
+/// operator creates (see `deploy/kubernetes/appliance.yaml`).
+pub fn appliance(s: &ApplianceSite) -> Vec<Value> {
+    let name = format!("siteboot-{}", s.site);
+    let labels = json!({ "app.kubernetes.io/name": "siteboot", "siteboot.dev/site": s.site });
+    let config = format!(
+        "\
+interface: {interface}
+address: {address}
+state_dir: /var/lib/siteboot
+# SIGTERM: DHCP stops, the leader Lease is given back, transfers get this long to finish
+# (keep terminationGracePeriodSeconds above it plus ~10s).
+drain_timeout: 10s
+dhcp:
+  mode: full
+  subnets:
+    - subnet: {subnet}
+      pools: [{pool}]
+      router: {router}
+tftp:
+  max_transfers: 64
+  max_transfers_per_address: 8
+  max_timeout: 10s
+http:
+  port: 8080
+  https_port: 8443
+  tls:
+    certificate: /etc/siteboot/tls/tls.crt
+    key: /etc/siteboot/tls/tls.key
+  root: /srv/siteboot
+  max_connections: 1024
+  max_connections_per_address: 16
+  header_timeout: 10s
+  body_timeout: 10s
+  stall_timeout: 30s
+profiles:
+  ramdisk:
+    kernel: ramdisk/vmlinuz
+    initrds: [ramdisk/initrd.img]
+    cmdline: console=ttyS0
+kubernetes:
+  site: {site}
+  ramdisk_profile: ramdisk
+  lease_namespace: {namespace}
+",
+        interface = s.interface,
+        address = s.address,
+        subnet = s.subnet,
+        pool = s.pool,
+        router = s.router,
+        site = s.site,
+        namespace = s.namespace,
+    );
+    let probe =
+        |path: &str| json!({ "httpGet": { "path": path, "port": 8080, "host": s.address } });
+    vec![
+        json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": { "name": name, "namespace": s.namespace, "labels": labels },
+            "data": { "siteboot.yaml": config },
+        }),
+        json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {
+                "name": name, "namespace": s.namespace, "labels": labels,
+                "annotations": { "siteboot.dev/capabilities": CAPABILITIES_WHY },
+            },
+            "spec": {
+                // The Lease elects the replica that reconciles and answers DHCP.
+                "replicas": 2,
+                "selector": { "matchLabels": labels },
+                "template": {
+                    "metadata": { "labels": labels },
+                    "spec": {
+                        "serviceAccountName": "siteboot",
+                        // drain_timeout (10s) plus DHCP's last batch and the Lease's release.
+                        "terminationGracePeriodSeconds": 25,
+                        "hostNetwork": true,
+                        "dnsPolicy": "ClusterFirstWithHostNet",
+                        "nodeSelector": { "siteboot.dev/site": s.site },
+                        "affinity": { "podAntiAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": [{
+                                "labelSelector": { "matchLabels": labels },
+                                "topologyKey": "kubernetes.io/hostname",
+                            }],
+                        } },
+                        // fsGroup: the state and the Secret's files are the image user's group.
+                        "securityContext": {
+                            "runAsNonRoot": true,
+                            "runAsUser": IMAGE_USER,
+                            "runAsGroup": IMAGE_USER,
+                            "fsGroup": IMAGE_USER,
+                        },
+                        "containers": [{
+                            "name": "siteboot",
+                            "image": s.image,
+                            "args": ["serve", "--config", "/etc/siteboot/siteboot.yaml"],
+                            "env": [{ "name": "POD_NAME",
+                                      "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } }],
+                            "securityContext": {
+                                "readOnlyRootFilesystem": true,
+                                "capabilities": { "drop": ["ALL"], "add": ["NET_BIND_SERVICE"] },
+                            },
+                            "ports": [
+                                { "name": "dhcp", "containerPort": 67, "protocol": "UDP" },
+                                { "name": "pxe", "containerPort": 4011, "protocol": "UDP" },
+                                { "name": "tftp", "containerPort": 69, "protocol": "UDP" },
+                                { "name": "http", "containerPort": 8080, "protocol": "TCP" },
+                                { "name": "agent", "containerPort": 8443, "protocol": "TCP" },
+                            ],
+                            // Ready once the Host cache has synced; alive while it answers at all.
+                            "readinessProbe": probe("/readyz"),
+                            "livenessProbe": probe("/healthz"),
+                            "volumeMounts": [
+                                { "name": "config", "mountPath": "/etc/siteboot" },
+                                { "name": "agent-tls", "mountPath": "/etc/siteboot/tls", "readOnly": true },
+                                { "name": "state", "mountPath": "/var/lib/siteboot" },
+                            ],
+                        }],
+                        "volumes": [
+                            { "name": "config", "configMap": { "name": name } },
+                            { "name": "agent-tls",
+                              "secret": { "secretName": format!("{name}-agent-tls"), "defaultMode": 0o440 } },
+                            // Per Pod: the leases come back from the site's checkpoint, images
+                            // are fetched again after a restart.
+                            { "name": "state", "emptyDir": {} },
+                        ],
+                    },
+                },
+            },
+        }),
+    ]
+}
+
+/// The header of `deploy/kubernetes/appliance.yaml`: what to do before applying it.
+const APPLIANCE_HEADER: &str = "\
+# The appliance for one site as a Deployment on the nodes labelled siteboot.dev/site=rack-1,
+# on the host network (DHCP and TFTP need the site's L2 network; TFTP's per-transfer ports do
+# not survive a Service). Apply crds.yaml and rbac.yaml first; adapt the config to the site.
+# Generated by `siteboot manifests --output-dir deploy` (--image names another image).
+#
+# The image is what scripts/build-image builds (localhost/siteboot:<version>; push it to your
+# registry and pass --image): the static siteboot binary, Debian's iPXE binaries under
+# /usr/lib/ipxe, CA certificates. Put the ramdisk files under /srv/siteboot (a volume of yours).
+# It runs as user 65532 with NET_BIND_SERVICE only (the siteboot.dev/capabilities annotation
+# says why). The state directory is per Pod: in Kubernetes mode the leases live on in the
+# site's checkpoint (a ConfigMap), and cached images are fetched again after a restart.
+#
+# The agent API (join secrets) is served over HTTPS on 8443 with the certificate in the TLS
+# Secret siteboot-rack-1-agent-tls, shared by both replicas (a ramdisk pins the certificate of
+# the replica that served its boot script, by the fingerprint on its command line, so no CA or
+# DNS name is needed). Create it before applying, e.g. with a self-signed certificate:
+#   openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 3650 \\
+#     -subj /CN=siteboot-rack-1 -addext subjectAltName=IP:10.99.0.1 -keyout tls.key -out tls.crt
+#   kubectl -n siteboot-system create secret tls siteboot-rack-1-agent-tls --cert tls.crt --key tls.key
+# Replacing the certificate changes the fingerprint: ramdisks booted before must boot again.
+#
+# File descriptors: a Pod cannot set RLIMIT_NOFILE; it inherits the container runtime's
+# (containerd 2 and Docker 25+: soft 1024, hard 524288; older: 1048576). siteboot raises its
+# soft limit to the hard one at start and refuses to start, naming http.max_connections, if
+# the hard limit cannot hold 2 x http.max_connections + 2 x tftp.max_transfers + 256 (2432 with
+# the defaults below). If yours is lower, raise it in the runtime (containerd: LimitNOFILE in
+# its systemd unit, or the default_ulimits of CRI-O) or lower http.max_connections.
+";
+
+fn namespace(name: &str) -> Value {
+    json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": name } })
+}
+
+/// `deploy/kubernetes/appliance.yaml`: the site's namespace and appliance.
+pub fn appliance_with_namespace(site: &ApplianceSite) -> String {
+    let mut objects = vec![namespace(&site.namespace)];
+    objects.extend(appliance(site));
+    format!("{APPLIANCE_HEADER}{}", to_yaml(&objects))
+}
+
+/// The provider's name in clusterctl (`clusterctl init --infrastructure siteboot`) with its type
+/// prefix: the value of the provider label and the folder of its local repository.
+pub const CLUSTERCTL_PROVIDER: &str = "infrastructure-siteboot";
+
+/// The workload cluster template of the clusterctl release: a kubeadm control plane
+/// (KubeadmControlPlane, the default control plane provider of `clusterctl init`) and a
+/// MachineDeployment of workers joined by siteboot's bootstrap provider, all on siteboot hosts.
+const CLUSTER_TEMPLATE: &str = include_str!("manifests/cluster-template.yaml");
+
+/// A clusterctl release: the files clusterctl reads from a provider repository, in the folder
+/// `<repository>/infrastructure-siteboot/<version>/` of a local one.
+pub struct ClusterctlRelease {
+    /// `v<crate version>`.
+    pub version: String,
+    /// (file name, contents).
+    pub files: Vec<(&'static str, String)>,
+}
+
+/// The clusterctl release of this version: `metadata.yaml` (the release series and the Cluster
+/// API contract it implements), `infrastructure-components.yaml` (the CRDs, the RBAC, and the
+/// example site's appliance with clusterctl variables for what differs per install, every
+/// object labelled `cluster.x-k8s.io/provider: infrastructure-siteboot`) and
+/// `cluster-template.yaml` (for `clusterctl generate cluster`).
+///
+/// clusterctl puts every namespaced object in one target namespace, so the per-namespace Roles
+/// for bootstrap data Secrets cannot be expressed: the appliance gets `get`/`create` on Secrets
+/// in every namespace here, as with `siteboot manifests --all-namespaces`.
+pub fn clusterctl_release(image: &str) -> ClusterctlRelease {
+    let site = ApplianceSite::example(image).as_clusterctl_variables();
+    let mut objects = vec![namespace(&site.namespace)];
+    objects.extend(crds().iter().map(|crd| serde_json::to_value(crd).expect("CRDs serialize")));
+    objects.extend(rbac(&site.namespace, &SecretAccess::Cluster));
+    objects.extend(appliance(&site));
+    for object in &mut objects {
+        object["metadata"]["labels"]["cluster.x-k8s.io/provider"] = json!(CLUSTERCTL_PROVIDER);
+    }
+    let metadata = format!(
+        "\
+# Which Cluster API contract each release series of siteboot implements.
+apiVersion: clusterctl.cluster.x-k8s.io/v1alpha3
+kind: Metadata
+releaseSeries:
+  - major: {}
+    minor: {}
+    contract: v1beta2
+",
+        env!("CARGO_PKG_VERSION_MAJOR"),
+        env!("CARGO_PKG_VERSION_MINOR"),
+    );
+    ClusterctlRelease {
+        version: format!("v{}", env!("CARGO_PKG_VERSION")),
+        files: vec![
+            ("metadata.yaml", metadata),
+            ("infrastructure-components.yaml", to_yaml(&objects)),
+            ("cluster-template.yaml", CLUSTER_TEMPLATE.to_owned()),
+        ],
+    }
+}
+
+/// Every file `siteboot manifests --output-dir DIR` writes, by its path under DIR: `crds.yaml`,
+/// `rbac.yaml` (for the appliance in `namespace`, reading bootstrap data Secrets as `secrets`
+/// says), `kubernetes/appliance.yaml` (the example site, in `namespace`, running `image`) and
+/// the clusterctl release under `clusterctl/infrastructure-siteboot/<version>/`.
+pub fn deploy_files(
+    namespace: &str,
+    secrets: &SecretAccess,
+    image: &str,
+) -> Vec<(PathBuf, String)> {
+    let release = clusterctl_release(image);
+    let release_dir = Path::new("clusterctl").join(CLUSTERCTL_PROVIDER).join(&release.version);
+    let site = ApplianceSite { namespace: namespace.to_owned(), ..ApplianceSite::example(image) };
+    let mut files = vec![
+        ("crds.yaml".into(), to_yaml(&crds())),
+        ("rbac.yaml".into(), to_yaml(&rbac(namespace, secrets))),
+        ("kubernetes/appliance.yaml".into(), appliance_with_namespace(&site)),
+    ];
+    files.extend(release.files.into_iter().map(|(name, text)| (release_dir.join(name), text)));
+    files
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,8 +630,6 @@ mod tests {
         assert_eq!(spec["x-kubernetes-validations"][0]["rule"], "self == oldSelf");
     }
 
-    /// The committed manifests are what this code generates: regenerate them with
-    /// `siteboot manifests --output-dir deploy` after changing a CRD type or the RBAC.
     #[test]
     fn secrets_are_readable_only_where_machines_are_served() {
         let grants = |access| {
@@ -316,18 +646,82 @@ mod tests {
         assert_eq!(grants(SecretAccess::Cluster), [r#""ClusterRole" null"#]);
     }
 
+    /// The committed manifests are what this code generates: regenerate them with
+    /// `siteboot manifests --output-dir deploy` after changing a CRD type, the RBAC, the
+    /// appliance, the cluster template or the version.
     #[test]
     fn committed_manifests_do_not_drift() {
-        let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
-        for (file, generated) in [
-            ("crds.yaml", to_yaml(&crds())),
-            ("rbac.yaml", to_yaml(&rbac("siteboot-system", &default_secret_access()))),
-        ] {
-            let committed = std::fs::read_to_string(deploy.join(file)).unwrap_or_default();
+        let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+        let files = deploy_files("siteboot-system", &default_secret_access(), &default_image());
+        for (file, generated) in files {
+            let committed = std::fs::read_to_string(deploy.join(&file)).unwrap_or_default();
             assert!(
                 committed == generated,
-                "deploy/{file} is out of date: run `siteboot manifests --output-dir deploy`"
+                "deploy/{} is out of date: run `siteboot manifests --output-dir deploy`",
+                file.display()
             );
         }
+    }
+
+    /// Every `${...}` of the clusterctl files, as clusterctl's variable syntax reads them.
+    fn variables(text: &str) -> Vec<&str> {
+        text.split("${").skip(1).map(|rest| &rest[..rest.find('}').unwrap()]).collect()
+    }
+
+    #[test]
+    fn clusterctl_components_label_every_object_and_default_every_variable() {
+        let release = clusterctl_release("registry.example/siteboot:1");
+        assert_eq!(release.version, format!("v{}", env!("CARGO_PKG_VERSION")));
+        let components = &release.files[1].1;
+        let mut kinds = Vec::new();
+        for document in serde_yaml::Deserializer::from_str(components) {
+            let object: Value = serde::Deserialize::deserialize(document).unwrap();
+            assert_eq!(
+                object["metadata"]["labels"]["cluster.x-k8s.io/provider"], CLUSTERCTL_PROVIDER,
+                "{} {}",
+                object["kind"], object["metadata"]["name"]
+            );
+            kinds.push(object["kind"].as_str().unwrap().to_owned());
+        }
+        assert_eq!(kinds.iter().filter(|k| *k == "Namespace").count(), 1, "clusterctl wants one");
+        for kind in ["CustomResourceDefinition", "ClusterRole", "ConfigMap", "Deployment"] {
+            assert!(kinds.iter().any(|k| k == kind), "no {kind}");
+        }
+        // No cert-manager objects or CA injection: clusterctl demands cert-manager, siteboot
+        // needs none of it.
+        assert!(!components.contains("cert-manager"));
+        // Nothing per namespace but the provider's own (clusterctl moves namespaced objects).
+        assert!(!components.contains("siteboot-bootstrap-data"));
+        // `clusterctl init` needs nobody to set a variable: each has a default.
+        let variables = variables(components);
+        assert!(variables.contains(&"SITEBOOT_IMAGE:=registry.example/siteboot:1"));
+        assert!(variables.contains(&"SITEBOOT_SITE:=rack-1"));
+        for variable in variables {
+            assert!(variable.starts_with("SITEBOOT_") && variable.contains(":="), "{variable}");
+        }
+        // No `$NAME`: clusterctl's envsubst would substitute it too (a regex's `$` is fine).
+        for (at, _) in components.match_indices('$') {
+            let next = components[at + 1..].chars().next().unwrap();
+            assert!(next == '{' || !(next.is_ascii_alphanumeric() || next == '_'), "at {at}");
+        }
+        let metadata: Value = serde_yaml::from_str(&release.files[0].1).unwrap();
+        assert_eq!(metadata["releaseSeries"][0]["contract"], "v1beta2");
+    }
+
+    #[test]
+    fn the_appliance_runs_unprivileged_but_for_binding_ports_below_1024() {
+        let objects = appliance(&ApplianceSite::example("img:1"));
+        let pod = &objects[1]["spec"]["template"]["spec"];
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+        assert_eq!(pod["securityContext"]["runAsUser"], IMAGE_USER);
+        let container = &pod["containers"][0];
+        assert_eq!(container["image"], "img:1");
+        assert_eq!(container["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
+        assert_eq!(
+            container["securityContext"]["capabilities"]["add"],
+            json!(["NET_BIND_SERVICE"])
+        );
+        // no_new_privs would drop the binary's file capability.
+        assert!(container["securityContext"].get("allowPrivilegeEscalation").is_none());
     }
 }

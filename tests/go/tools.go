@@ -15,5 +15,6 @@ import (
 	_ "k8s.io/kubernetes/cmd/kubelet"
 	_ "sigs.k8s.io/cluster-api/bootstrap/kubeadm"
 	_ "sigs.k8s.io/cluster-api/cmd/clusterctl"
+	_ "sigs.k8s.io/cluster-api/controlplane/kubeadm"
 	_ "sigs.k8s.io/cluster-api/core"
 )

@@ -21,6 +21,7 @@
 //! owner references and no namespace finalization), a scheduler and kubelets. Tests create Nodes.
 
 pub mod capi;
+pub mod clusterctl;
 mod manifests;
 pub mod peers;
 mod pki;

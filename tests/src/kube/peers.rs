@@ -12,15 +12,17 @@ pub const KUBE_CONTROLLER_MANAGER: &str = "kube-controller-manager";
 pub const KUBELET: &str = "kubelet";
 pub const CAPI_MANAGER: &str = "capi-manager";
 pub const KUBEADM_BOOTSTRAP_MANAGER: &str = "kubeadm-bootstrap-manager";
+pub const KUBEADM_CONTROL_PLANE_MANAGER: &str = "kubeadm-control-plane-manager";
 pub const CLUSTERCTL: &str = "clusterctl";
 
-const ALL: [&str; 7] = [
+const ALL: [&str; 8] = [
     ETCD,
     KUBE_APISERVER,
     KUBE_CONTROLLER_MANAGER,
     KUBELET,
     CAPI_MANAGER,
     KUBEADM_BOOTSTRAP_MANAGER,
+    KUBEADM_CONTROL_PLANE_MANAGER,
     CLUSTERCTL,
 ];
 
