@@ -620,6 +620,8 @@ mod tests {
             );
             assert_eq!(crd.spec.names.categories.as_deref(), Some(&["cluster-api".to_owned()][..]));
         }
+        let host_labels = crds[0].metadata.labels.as_ref().unwrap();
+        assert!(host_labels.contains_key("clusterctl.cluster.x-k8s.io/move-hierarchy"));
         let host = serde_json::to_value(&crds[0]).unwrap();
         let conditions = &host["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
             ["properties"]["conditions"];

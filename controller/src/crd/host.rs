@@ -18,6 +18,9 @@ use super::common::{Conditions, Image, MachineAddress};
     status = "HostStatus",
     shortname = "sbhost",
     derive = "PartialEq",
+    // `clusterctl move` moves Hosts (not part of any Cluster) with what they own, e.g. a BMC
+    // credentials Secret whose ownerReference names its Host.
+    label("clusterctl.cluster.x-k8s.io/move-hierarchy", ""),
     printcolumn = r#"{"name":"State","type":"string","jsonPath":".status.state"}"#,
     printcolumn = r#"{"name":"Power","type":"string","jsonPath":".status.power"}"#,
     printcolumn = r#"{"name":"Consumer","type":"string","jsonPath":".spec.consumerRef.name"}"#,
