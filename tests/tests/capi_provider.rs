@@ -664,13 +664,14 @@ async fn a_node_without_provider_id_gets_it_by_its_system_uuid() {
     );
     let decoy = nodes.get("host-0").await.unwrap();
     assert_eq!(decoy.spec.and_then(|s| s.provider_id), None, "the stranger is left alone");
-    let sbm =
-        lab.api("SitebootMachine").list(&ListParams::default()).await.unwrap().items.remove(0);
-    let linked = sbm.data["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "NodeHasProviderID")
-        .cloned();
-    assert_eq!(linked.as_ref().map(|c| &c["status"]), Some(&json!("True")), "{sbm:?}");
+    // The machine's next pass (woken by the nodeRef, or its requeue) reports the link.
+    let sbms = lab.api("SitebootMachine");
+    let linked = siteboot_tests::wait::for_async("NodeHasProviderID True", ROLLOUT, || async {
+        let sbm = sbms.list(&ListParams::default()).await.ok()?.items.pop()?;
+        (condition(&sbm, "NodeHasProviderID")["status"] == "True").then_some(())
+    })
+    .await;
+    if let Err(e) = linked {
+        panic!("{e:#}\n{}", lab.describe().await);
+    }
 }
