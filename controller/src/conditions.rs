@@ -54,6 +54,8 @@ pub enum Reason {
     DuplicateBootMAC,
     /// The Cluster's control plane cannot take joins yet.
     WaitingForControlPlaneInitialized,
+    /// The Cluster does not say yet where hosts reach its control plane.
+    WaitingForControlPlaneEndpoint,
     /// The workload cluster's `<cluster>-kubeconfig` Secret does not exist yet.
     WaitingForKubeconfig,
     /// The `<cluster>-kubeconfig` Secret cannot be used.

@@ -15,11 +15,10 @@ use crate::context::Error;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const READ_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// The workload cluster as described by its `<cluster>-kubeconfig` Secret: where hosts join.
+/// What hosts joining the workload cluster take from its `<cluster>-kubeconfig` Secret (the
+/// address they join at is the Cluster's `controlPlaneEndpoint`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JoinTarget {
-    /// The API server URL.
-    pub server: String,
     /// The cluster CA (PEM).
     pub ca_pem: String,
 }
@@ -70,7 +69,6 @@ impl Workload {
             .ok_or_else(|| {
                 format!("its context names cluster {:?}, which it lacks", context.cluster)
             })?;
-        let server = named.server.clone().ok_or("its cluster has no server")?;
         let ca_pem = named
             .certificate_authority_data
             .as_ref()
@@ -85,6 +83,6 @@ impl Workload {
         config.read_timeout = Some(READ_TIMEOUT);
         let client =
             kube::Client::try_from(config).map_err(|e| format!("unusable kubeconfig: {e}"))?;
-        Ok(Workload { cluster: cluster.to_owned(), target: JoinTarget { server, ca_pem }, client })
+        Ok(Workload { cluster: cluster.to_owned(), target: JoinTarget { ca_pem }, client })
     }
 }

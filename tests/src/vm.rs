@@ -1,6 +1,7 @@
 //! QEMU VMs that network-boot with real firmware: SeaBIOS + QEMU's iPXE option ROM (BIOS) or
-//! OVMF with EDK2's own PXE client (UEFI). Always TCG (`/dev/kvm` does not work here). The
-//! serial console goes to a file that tests wait on; it is printed if the test fails.
+//! OVMF with EDK2's own PXE client (UEFI) ([`Vm`]), and VMs that boot a kernel straight into
+//! disk images on QEMU's user-mode network ([`KernelVm`]). Always TCG (`/dev/kvm` does not work
+//! here). The serial console goes to a file that tests wait on; it is printed if the test fails.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Condvar, Mutex};
@@ -54,15 +55,10 @@ impl VmConfig {
     }
 }
 
-/// A running VM; killed on drop.
+/// A running network-booting VM; killed on drop.
 pub struct Vm {
     config: VmConfig,
-    console: PathBuf,
-    started: Instant,
-    // Drop order: the process (kill) before the directory it uses, the slot last.
-    process: Supervised,
-    _dir: tempfile::TempDir,
-    _slot: Slot,
+    qemu: Qemu,
 }
 
 impl Vm {
@@ -104,8 +100,8 @@ impl Vm {
         }
         qemu.arg("-device").arg(nic);
 
-        let process = Supervised::spawn(&format!("qemu-{}", config.name), &mut qemu, dir.path())?;
-        Ok(Self { config, console, started: Instant::now(), process, _dir: dir, _slot: slot })
+        let qemu = Qemu::spawn(&config.name, &mut qemu, console, None, dir, slot)?;
+        Ok(Self { config, qemu })
     }
 
     pub fn config(&self) -> &VmConfig {
@@ -114,17 +110,160 @@ impl Vm {
 
     /// The console so far (lossy UTF-8, terminal escapes removed).
     pub fn console(&self) -> String {
-        clean(&std::fs::read(&self.console).unwrap_or_default())
+        self.qemu.console()
     }
 
     pub fn console_tail(&self) -> String {
-        clean(tail(&self.console, CONSOLE_TAIL_BYTES).as_bytes())
+        self.qemu.console_tail()
     }
 
     /// Waits until a console line contains `pattern` and returns that line from the pattern on
     /// (firmware output may share the line). Fails at the deadline, at once if QEMU exits, and
     /// as soon as the console shows a boot dead end (see [`DEAD_ENDS`]).
     pub fn wait_for_console(&mut self, pattern: &str, timeout: Duration) -> Result<String> {
+        self.qemu.wait_for_console(pattern, timeout)
+    }
+
+    /// Waits for QEMU to exit (the guest powered off; `-no-reboot` turns resets into exits).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<()> {
+        self.qemu.wait_exit(timeout)
+    }
+
+    pub fn print_console(&self) {
+        self.qemu.print_console();
+    }
+}
+
+/// A disk for a [`KernelVm`]: virtio, in order (`/dev/vda`, `/dev/vdb`, ...).
+#[derive(Clone, Debug)]
+pub struct Drive {
+    pub path: PathBuf,
+    /// QEMU's format name: `raw`, `qcow2`.
+    pub format: &'static str,
+    pub read_only: bool,
+}
+
+/// What a [`KernelVm`] boots.
+#[derive(Clone, Debug)]
+pub struct KernelBoot {
+    pub name: String,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    /// The kernel command line; the console is `ttyS0`, the second serial port `ttyS1`.
+    pub append: String,
+    pub drives: Vec<Drive>,
+    pub memory_mb: u32,
+    pub cpus: u32,
+}
+
+/// A VM booted by QEMU's direct kernel boot (no firmware boot menu, no network boot) into its
+/// drives, with one NIC on QEMU's user-mode network: the guest gets 10.0.2.15 by DHCP and
+/// reaches the loopback of the namespace QEMU runs in at 10.0.2.2, and nothing else there is.
+/// Its second serial port (`ttyS1`) goes to a file of its own; both are printed if the test
+/// fails. Killed on drop.
+pub struct KernelVm {
+    qemu: Qemu,
+}
+
+impl KernelVm {
+    /// Starts the VM inside `ns`, after waiting for a free slot (see [`max_vms`]).
+    pub fn start(ns: &Netns, boot: &KernelBoot) -> Result<Self> {
+        let slot = Slot::acquire()?;
+        let dir = tempfile::Builder::new().prefix("siteboot-vm-").tempdir()?;
+        let console = dir.path().join("console.log");
+        let second = dir.path().join("ttyS1.log");
+        let mut qemu = ns.command("qemu-system-x86_64");
+        qemu.args(["-accel", "tcg", "-nographic", "-no-reboot", "-monitor", "none"])
+            .args(["-smp", &boot.cpus.to_string(), "-m", &boot.memory_mb.to_string()])
+            .arg("-serial")
+            .arg(format!("file:{}", console.display()))
+            .arg("-serial")
+            .arg(format!("file:{}", second.display()))
+            .arg("-kernel")
+            .arg(&boot.kernel)
+            .arg("-initrd")
+            .arg(&boot.initrd)
+            .args(["-append", &boot.append])
+            .args(["-netdev", "user,id=net0", "-device", "virtio-net-pci,netdev=net0"]);
+        for drive in &boot.drives {
+            let mut spec =
+                format!("file={},format={},if=virtio", drive.path.display(), drive.format);
+            if drive.read_only {
+                spec.push_str(",readonly=on");
+            }
+            qemu.arg("-drive").arg(spec);
+        }
+        let qemu = Qemu::spawn(&boot.name, &mut qemu, console, Some(second), dir, slot)?;
+        Ok(Self { qemu })
+    }
+
+    /// The console so far (lossy UTF-8, terminal escapes removed).
+    pub fn console(&self) -> String {
+        self.qemu.console()
+    }
+
+    /// What the guest wrote to its second serial port so far.
+    pub fn second_serial(&self) -> String {
+        self.qemu
+            .second
+            .as_ref()
+            .map(|path| clean(&std::fs::read(path).unwrap_or_default()))
+            .unwrap_or_default()
+    }
+
+    /// As [`Vm::wait_for_console`].
+    pub fn wait_for_console(&mut self, pattern: &str, timeout: Duration) -> Result<String> {
+        self.qemu.wait_for_console(pattern, timeout)
+    }
+
+    pub fn print_console(&self) {
+        self.qemu.print_console();
+    }
+}
+
+/// A QEMU process with its serial console in a file; what [`Vm`] and [`KernelVm`] share.
+struct Qemu {
+    name: String,
+    console: PathBuf,
+    /// The second serial port's file, if the VM has one.
+    second: Option<PathBuf>,
+    started: Instant,
+    // Drop order: the process (kill) before the directory it uses, the slot last.
+    process: Supervised,
+    _dir: tempfile::TempDir,
+    _slot: Slot,
+}
+
+impl Qemu {
+    fn spawn(
+        name: &str,
+        command: &mut std::process::Command,
+        console: PathBuf,
+        second: Option<PathBuf>,
+        dir: tempfile::TempDir,
+        slot: Slot,
+    ) -> Result<Self> {
+        let process = Supervised::spawn(&format!("qemu-{name}"), command, dir.path())?;
+        Ok(Self {
+            name: name.to_owned(),
+            console,
+            second,
+            started: Instant::now(),
+            process,
+            _dir: dir,
+            _slot: slot,
+        })
+    }
+
+    fn console(&self) -> String {
+        clean(&std::fs::read(&self.console).unwrap_or_default())
+    }
+
+    fn console_tail(&self) -> String {
+        clean(tail(&self.console, CONSOLE_TAIL_BYTES).as_bytes())
+    }
+
+    fn wait_for_console(&mut self, pattern: &str, timeout: Duration) -> Result<String> {
         let find = |console: &str, pattern: &str| {
             console.lines().find_map(|line| line.find(pattern).map(|i| line[i..].trim().to_owned()))
         };
@@ -137,7 +276,7 @@ impl Vm {
             if let Some(dead_end) = DEAD_ENDS.iter().find_map(|end| find(&console, end)) {
                 bail!(
                     "VM {} reached {dead_end:?} after {:?} without printing {pattern:?}; console tail:\n{}",
-                    self.config.name,
+                    self.name,
                     self.started.elapsed(),
                     last_lines(&console, 30)
                 );
@@ -149,7 +288,7 @@ impl Vm {
                 }
                 bail!(
                     "VM {} exited ({status}) after {:?} without printing {pattern:?}; console tail:\n{}",
-                    self.config.name,
+                    self.name,
                     self.started.elapsed(),
                     last_lines(&console, 30)
                 );
@@ -157,7 +296,7 @@ impl Vm {
             if Instant::now() >= deadline {
                 bail!(
                     "timed out after {timeout:?} waiting for {pattern:?} on the console of VM {}; console tail:\n{}",
-                    self.config.name,
+                    self.name,
                     last_lines(&console, 30)
                 );
             }
@@ -165,23 +304,31 @@ impl Vm {
         }
     }
 
-    /// Waits for QEMU to exit (the guest powered off; `-no-reboot` turns resets into exits).
-    pub fn wait_exit(&mut self, timeout: Duration) -> Result<()> {
+    fn wait_exit(&mut self, timeout: Duration) -> Result<()> {
         self.process.wait_timeout(timeout).map(drop)
     }
 
-    pub fn print_console(&self) {
+    fn print_console(&self) {
         eprintln!(
             "----- console of VM {} ({}) -----\n{}\n----- end of console of VM {} -----",
-            self.config.name,
+            self.name,
             self.console.display(),
             self.console_tail(),
-            self.config.name
+            self.name
         );
+        if let Some(second) = &self.second {
+            eprintln!(
+                "----- second serial port of VM {} ({}) -----\n{}\n----- end of second serial port of VM {} -----",
+                self.name,
+                second.display(),
+                clean(tail(second, CONSOLE_TAIL_BYTES).as_bytes()),
+                self.name
+            );
+        }
     }
 }
 
-impl Drop for Vm {
+impl Drop for Qemu {
     fn drop(&mut self) {
         // SITEBOOT_TEST_CONSOLE=1 shows consoles of passing tests too (to see what firmware did).
         if std::thread::panicking() || std::env::var_os("SITEBOOT_TEST_CONSOLE").is_some() {

@@ -3,7 +3,7 @@
 //! control plane (and workload cluster) is the test apiserver itself, and a MachineDeployment
 //! whose bootstrap template is a SitebootConfigTemplate and whose infrastructure is a minimal
 //! test kind the test plays the provider for. No host boots here: the data is checked as
-//! written; the kubelet join itself is a later VM test.
+//! written; a real kubelet joining from it is `bootstrap_join.rs`.
 //!
 //! Needs `scripts/build-test-peers` and root (the lab namespace), like the provider tests.
 
@@ -16,28 +16,15 @@ use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
+use siteboot_tests::kube::bootstrap::{
+    self, BOOTSTRAP, bootstrap_kubeconfig, condition, secret_text as data_of,
+};
 use siteboot_tests::kube::capi::{self, CAPI, CLUSTER_NAME_LABEL, wait_gone, wait_object};
 use siteboot_tests::provider::{NS, ProviderLab};
 
-const BOOTSTRAP: &str = "bootstrap.cluster.x-k8s.io/v1alpha1";
-const BOOTSTRAP_GROUP: &str = "bootstrap.cluster.x-k8s.io";
-const TEST_INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
 const CLUSTER: &str = "c";
 const TTL: u64 = 600;
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn data_of(secret: &Secret, key: &str) -> String {
-    let bytes = secret.data.as_ref().and_then(|d| d.get(key)).map(|b| b.0.clone());
-    String::from_utf8(bytes.unwrap_or_default()).unwrap()
-}
-
-fn condition(object: &DynamicObject, type_: &str) -> (Value, Value) {
-    let c = object.data["status"]["conditions"]
-        .as_array()
-        .and_then(|c| c.iter().find(|c| c["type"] == type_).cloned())
-        .unwrap_or_default();
-    (c["status"].clone(), c["reason"].clone())
-}
 
 fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
@@ -52,55 +39,19 @@ async fn sitebootconfig_data_token_lifecycle_and_pause() {
 
     let configs = env.api(BOOTSTRAP, "SitebootConfig", Some(NS));
     let machines = env.api(CAPI, "Machine", Some(NS));
-    let test_machines = env.api(TEST_INFRA, "TestMachine", Some(NS));
     let secrets: Api<Secret> = Api::namespaced(env.client(), NS);
     let tokens: Api<Secret> = Api::namespaced(env.client(), "kube-system");
-    let pp = PostParams::default();
 
-    let template: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": BOOTSTRAP, "kind": "SitebootConfigTemplate", "metadata": { "name": "workers" },
-        "spec": { "template": { "spec": {
-            "nodeLabels": { "example.com/pool": "workers" },
-            "nodeTaints": [{ "key": "dedicated", "value": "ml", "effect": "NoSchedule" }],
-            "preCommands": ["echo 'it''s' \"$HOME\""],
-            "tokenTTLSeconds": TTL,
-        } } },
-    }))
-    .unwrap();
-    env.api(BOOTSTRAP, "SitebootConfigTemplate", Some(NS)).create(&pp, &template).await.unwrap();
-    let infra_template: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": TEST_INFRA, "kind": "TestMachineTemplate", "metadata": { "name": "workers" },
-        "spec": { "template": { "spec": {} } },
-    }))
-    .unwrap();
-    env.api(TEST_INFRA, "TestMachineTemplate", Some(NS))
-        .create(&pp, &infra_template)
-        .await
-        .unwrap();
-    let md: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": CAPI, "kind": "MachineDeployment", "metadata": { "name": "workers" },
-        "spec": {
-            "clusterName": CLUSTER,
-            "replicas": 2,
-            "template": { "spec": {
-                "clusterName": CLUSTER,
-                "bootstrap": { "configRef": { "apiGroup": BOOTSTRAP_GROUP, "kind": "SitebootConfigTemplate", "name": "workers" } },
-                "infrastructureRef": { "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "TestMachineTemplate", "name": "workers" },
-            } },
-        },
-    }))
-    .unwrap();
-    env.api(CAPI, "MachineDeployment", Some(NS)).create(&pp, &md).await.unwrap();
+    let config_spec = json!({
+        "nodeLabels": { "example.com/pool": "workers" },
+        "nodeTaints": [{ "key": "dedicated", "value": "ml", "effect": "NoSchedule" }],
+        "preCommands": ["echo 'it''s' \"$HOME\""],
+        "tokenTTLSeconds": TTL,
+    });
+    bootstrap::create_workers(env, NS, CLUSTER, "workers", 2, config_spec).await.unwrap();
 
     // Both Machines get their SitebootConfig's data Secret through the contract.
-    let found =
-        siteboot_tests::wait::for_async("2 Machines with bootstrap data", TIMEOUT, || async {
-            let list = machines.list(&ListParams::default()).await.ok()?.items;
-            let named =
-                list.iter().all(|m| m.data["spec"]["bootstrap"]["dataSecretName"].is_string());
-            (list.len() == 2 && named).then_some(list)
-        })
-        .await;
+    let found = bootstrap::machines_with_data(env, NS, 2, TIMEOUT).await;
     let machine_list = match found {
         Ok(list) => list,
         Err(e) => panic!("{e:#}\n{}", describe(&lab).await),
@@ -160,7 +111,8 @@ async fn sitebootconfig_data_token_lifecycle_and_pause() {
         let secret_half = data_of(&token, "token-secret");
         assert_eq!(secret_half.len(), 16);
         // The data carries the token; the config's status does not.
-        let kubeconfig: Value = serde_yaml::from_str(&bootstrap_kubeconfig(&value)).unwrap();
+        let kubeconfig: Value =
+            serde_yaml::from_str(&bootstrap_kubeconfig(&value).unwrap()).unwrap();
         assert_eq!(kubeconfig["users"][0]["user"]["token"], json!(format!("{id}.{secret_half}")));
         assert!(!config.data["status"].to_string().contains(&secret_half));
         token_secrets.insert(config_name.clone(), (id, secret_half));
@@ -194,7 +146,7 @@ async fn sitebootconfig_data_token_lifecycle_and_pause() {
     let mut names = by_config.iter();
     let (config_a, machine_a) = names.next().unwrap();
     let (config_b, _) = names.next().unwrap();
-    join(env, &machines, &test_machines, machine_a).await;
+    join(env, &machines, machine_a).await;
     let (id_a, _) = &token_secrets[config_a];
     wait_gone(&tokens, &format!("bootstrap-token-{id_a}"), TIMEOUT).await.unwrap();
     assert_eq!(condition(&configs.get(config_a).await.unwrap(), "Ready").0, json!("True"));
@@ -235,51 +187,12 @@ async fn sitebootconfig_data_token_lifecycle_and_pause() {
     assert!(!lab.siteboot.log().contains(secret_b.as_str()));
 }
 
-/// The bootstrap kubeconfig inside the cloud-config, decoded.
-fn bootstrap_kubeconfig(value: &str) -> String {
-    use base64::Engine;
-    let yaml = value.lines().skip(2).collect::<Vec<_>>().join("\n");
-    let doc: Value = serde_yaml::from_str(&yaml).unwrap();
-    let file = doc["write_files"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|f| f["path"] == "/etc/kubernetes/bootstrap-kubelet.conf")
-        .expect("a bootstrap kubeconfig");
-    assert_eq!(file["permissions"], "0600");
-    let bytes = base64::engine::general_purpose::STANDARD.decode(file["content"].as_str().unwrap());
-    String::from_utf8(bytes.unwrap()).unwrap()
-}
-
 /// Plays the infrastructure provider and the kubelet for `machine`: providerID, provisioned,
 /// a Node with that providerID; waits for CAPI's nodeRef.
-async fn join(
-    env: &siteboot_tests::kube::KubeEnv,
-    machines: &Api<DynamicObject>,
-    test_machines: &Api<DynamicObject>,
-    machine: &str,
-) {
+async fn join(env: &siteboot_tests::kube::KubeEnv, machines: &Api<DynamicObject>, machine: &str) {
     let m = machines.get(machine).await.unwrap();
+    let provider_id = bootstrap::provision(env, NS, &m).await.unwrap();
     let infra = m.data["spec"]["infrastructureRef"]["name"].as_str().unwrap().to_owned();
-    let provider_id = format!("test://{NS}/{infra}");
-    wait_object(test_machines, &infra, "owned by its Machine", TIMEOUT, |t| {
-        t.owner_references().iter().any(|o| o.kind == "Machine")
-    })
-    .await
-    .unwrap();
-    let pp = PatchParams::default();
-    test_machines
-        .patch(&infra, &pp, &Patch::Merge(json!({ "spec": { "providerID": provider_id } })))
-        .await
-        .unwrap();
-    test_machines
-        .patch_status(
-            &infra,
-            &pp,
-            &Patch::Merge(json!({ "status": { "initialization": { "provisioned": true } } })),
-        )
-        .await
-        .unwrap();
     let node: Node = serde_json::from_value(json!({
         "metadata": { "name": infra }, "spec": { "providerID": provider_id },
     }))

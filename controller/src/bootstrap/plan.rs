@@ -15,7 +15,7 @@ use kube::ResourceExt;
 
 use super::cloud_config::{self, BootstrapData, JoinData};
 use crate::conditions::{DATA_SECRET_AVAILABLE, READY, Reason, check_paused};
-use crate::crd::capi::{CONTROL_PLANE_LABEL, Cluster, Machine};
+use crate::crd::capi::{ApiEndpoint, CONTROL_PLANE_LABEL, Cluster, Machine};
 use crate::crd::{BootstrapInitialization, SitebootConfig, SitebootConfigStatus, set_condition};
 
 pub const FINALIZER: &str = "sitebootconfig.bootstrap.cluster.x-k8s.io";
@@ -244,6 +244,18 @@ fn decide<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
             Requeue::OnChange,
         );
     }
+    // Hosts join where the Cluster says its control plane is (as CABPK's joins do), not where
+    // the management cluster reaches it through the kubeconfig Secret: a hosted control plane's
+    // kubeconfig may well name an address only the management cluster can reach.
+    let Some(server) =
+        cluster.spec.control_plane_endpoint.as_ref().and_then(ApiEndpoint::https_url)
+    else {
+        return report.wait(
+            Reason::WaitingForControlPlaneEndpoint,
+            "the Cluster's spec.controlPlaneEndpoint is not set yet",
+            Requeue::OnChange,
+        );
+    };
     let (target, token) = match &seen.kubeconfig {
         Kubeconfig::Missing => {
             return report.wait(
@@ -288,7 +300,7 @@ fn decide<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
         }
         TokenRead::Present(token) => {
             let join = JoinData {
-                server: &target.server,
+                server: &server,
                 ca_pem: &target.ca_pem,
                 token_id: &token.id,
                 token_secret: &token.secret,
@@ -409,7 +421,8 @@ mod tests {
     use super::*;
     use crate::conditions::PAUSED;
     use crate::crd::capi::{
-        ClusterInitialization, ClusterStatus, MachineStatus, NodeRef, PAUSED_ANNOTATION,
+        ClusterInitialization, ClusterSpec, ClusterStatus, MachineStatus, NodeRef,
+        PAUSED_ANNOTATION,
     };
     use crate::crd::{SitebootConfigSpec, condition};
 
@@ -437,8 +450,12 @@ mod tests {
         c
     }
 
+    const SERVER: &str = "https://10.0.0.1:6443";
+
     fn cluster() -> Cluster {
-        let mut c = Cluster::new("c", Default::default());
+        let endpoint = ApiEndpoint { host: "10.0.0.1".into(), port: 6443 };
+        let spec = ClusterSpec { control_plane_endpoint: Some(endpoint), ..Default::default() };
+        let mut c = Cluster::new("c", spec);
         c.status = Some(ClusterStatus {
             initialization: Some(ClusterInitialization {
                 infrastructure_provisioned: Some(true),
@@ -450,7 +467,6 @@ mod tests {
 
     fn target() -> JoinTarget {
         JoinTarget {
-            server: "https://10.0.0.1:6443".into(),
             ca_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
         }
     }
@@ -532,6 +548,29 @@ mod tests {
         }
     }
 
+    /// The API server the data's bootstrap kubeconfig names.
+    fn join_server(data: &BootstrapData) -> String {
+        use base64::Engine;
+        let doc: serde_json::Value = serde_yaml::from_str(&data.0).unwrap();
+        let files = doc["write_files"].as_array().unwrap();
+        let file = files.iter().find(|f| f["path"] == cloud_config::BOOTSTRAP_KUBECONFIG).unwrap();
+        let text = base64::engine::general_purpose::STANDARD
+            .decode(file["content"].as_str().unwrap())
+            .unwrap();
+        let kubeconfig: serde_json::Value = serde_yaml::from_slice(&text).unwrap();
+        kubeconfig["clusters"][0]["cluster"]["server"].as_str().unwrap().to_owned()
+    }
+
+    #[test]
+    fn the_endpoint_is_a_url_only_with_a_host_and_a_port() {
+        let url = |host: &str, port| ApiEndpoint { host: host.into(), port }.https_url();
+        assert_eq!(url("cp.example", 6443).as_deref(), Some("https://cp.example:6443"));
+        assert_eq!(url("fd00::1", 443).as_deref(), Some("https://[fd00::1]:443"));
+        assert_eq!(url("", 6443), None);
+        assert_eq!(url("cp.example", 0), None);
+        assert_eq!(url("cp.example", 70000), None);
+    }
+
     fn reason(plan: &Plan, type_: &str) -> (String, String) {
         let c = condition(&plan.status.conditions, type_).unwrap_or_else(|| panic!("no {type_}"));
         (c.status.clone(), c.reason.clone())
@@ -573,6 +612,12 @@ mod tests {
         w.cluster = Some(initializing);
         let p = w.plan();
         waits(&p, Reason::WaitingForControlPlaneInitialized);
+        assert_eq!(p.requeue, Requeue::OnChange, "the Cluster watch wakes it");
+        let mut no_endpoint = cluster();
+        no_endpoint.spec.control_plane_endpoint = Some(ApiEndpoint { host: "".into(), port: 6443 });
+        w.cluster = Some(no_endpoint);
+        let p = w.plan();
+        waits(&p, Reason::WaitingForControlPlaneEndpoint);
         assert_eq!(p.requeue, Requeue::OnChange, "the Cluster watch wakes it");
         w.cluster = Some(cluster());
         w.kubeconfig = KubeconfigState::Missing;
@@ -621,6 +666,7 @@ mod tests {
         w.token = TokenState::Present(token(NOW + 3600));
         let Step::WriteDataSecret(data) = w.plan().step else { panic!("{:?}", w.plan()) };
         assert!(data.0.contains("#cloud-config"));
+        assert_eq!(join_server(&data), SERVER, "the Cluster's endpoint, not the kubeconfig's");
         assert!(!format!("{:?}", w.plan()).contains("0123456789abcdef"), "Debug hides the token");
         // The token Secret as read carries the secret half; the status never does.
         assert!(!serde_json::to_string(&w.plan().status).unwrap().contains("0123456789abcdef"));

@@ -86,6 +86,33 @@ pub struct NodeRef {
 pub struct ClusterSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused: Option<bool>,
+    /// Where hosts reach the control plane (set by the user, or copied by CAPI from the control
+    /// plane or infrastructure provider); CAPI keeps it once set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane_endpoint: Option<ApiEndpoint>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ApiEndpoint {
+    #[serde(default)]
+    pub host: String,
+    #[serde(default)]
+    pub port: i32,
+}
+
+impl ApiEndpoint {
+    /// `https://host:port` (IPv6 hosts bracketed), or None while the endpoint is not valid yet
+    /// (CAPI's `IsValid`: a host and a port).
+    pub fn https_url(&self) -> Option<String> {
+        if self.host.is_empty() || !(1..=65535).contains(&self.port) {
+            return None;
+        }
+        Some(if self.host.contains(':') {
+            format!("https://[{}]:{}", self.host, self.port)
+        } else {
+            format!("https://{}:{}", self.host, self.port)
+        })
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]

@@ -121,12 +121,25 @@ pub async fn create_cluster(
     name: &str,
     infrastructure: Option<InfraRef<'_>>,
 ) -> Result<()> {
+    create_cluster_at(env, ns, name, infrastructure, "127.0.0.1").await
+}
+
+/// [`create_cluster`] whose control plane endpoint (where hosts join; CAPI copies it from the
+/// TestControlPlane into the Cluster) is `endpoint_host` and the apiserver's port, e.g.
+/// [`super::VM_HOST_ADDRESS`] for VMs on QEMU's user-mode network.
+pub async fn create_cluster_at(
+    env: &KubeEnv,
+    ns: &str,
+    name: &str,
+    infrastructure: Option<InfraRef<'_>>,
+    endpoint_host: &str,
+) -> Result<()> {
     env.install_crd_yaml(TEST_CONTROL_PLANE_CRD).await?;
     let port = env.apiserver_port();
     let control_plane: DynamicObject = serde_json::from_value(json!({
         "apiVersion": CONTROL_PLANE, "kind": "TestControlPlane",
         "metadata": { "name": name },
-        "spec": { "controlPlaneEndpoint": { "host": "127.0.0.1", "port": port } },
+        "spec": { "controlPlaneEndpoint": { "host": endpoint_host, "port": port } },
     }))?;
     let control_planes = env.api(CONTROL_PLANE, "TestControlPlane", Some(ns));
     control_planes.create(&PostParams::default(), &control_plane).await?;

@@ -17,12 +17,17 @@
 //! What is installed, as in a real management cluster: the 13 CRDs of CAPI's
 //! `core/config/crd/bases`, with conversion through the manager's `/convert`, and its mutating and
 //! validating webhook configurations, so CAPI's defaulting and validation apply to every write.
-//! Missing compared to a real cluster: kube-controller-manager (so no garbage collection of
-//! owner references and no namespace finalization), a scheduler and kubelets. Tests create Nodes.
+//! Missing compared to a real cluster: a scheduler and kubelets (tests create Nodes, or boot a
+//! VM whose kubelet joins), and kube-controller-manager unless a test starts it
+//! ([`KubeEnv::start_controller_manager`]: node bootstrap's controllers only, so no garbage
+//! collection of owner references and no namespace finalization).
 
+pub mod bootstrap;
 pub mod capi;
 pub mod clusterctl;
+mod controller_manager;
 mod manifests;
+pub mod node;
 pub mod peers;
 mod pki;
 
@@ -63,6 +68,9 @@ const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 const CRD_TIMEOUT: Duration = Duration::from_secs(30);
 /// One readiness probe (an HTTP GET on loopback).
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The host as a QEMU guest with user-mode networking sees it: the apiserver's serving
+/// certificate names it, so a VM's kubelet reaches the apiserver through QEMU at this address.
+pub const VM_HOST_ADDRESS: &str = "10.0.2.2";
 
 /// The running environment. Fields drop in order: processes stop before the directory goes.
 pub struct KubeEnv {
@@ -211,6 +219,23 @@ impl KubeEnv {
         Ok(())
     }
 
+    /// Starts kube-controller-manager with node bootstrap's controllers (CSR approving and
+    /// signing with this environment's CA, the CSR cleaner, the bootstrap token cleaner); it
+    /// stops first when the environment drops.
+    pub async fn start_controller_manager(&mut self) -> Result<()> {
+        let files = controller_manager::Files {
+            kubeconfig: &self.kubeconfig_path,
+            admin_kubeconfig: &self.admin_kubeconfig,
+            pki_dir: &self.dir.path().join("pki"),
+            logs: &self.dir.path().join("logs"),
+        };
+        let started = controller_manager::start(&self.peers, &files, &mut self.procs).await;
+        if started.is_err() {
+            self.procs.print_logs();
+        }
+        started
+    }
+
     /// Prints every component's log tail to stderr (also done automatically on panic).
     pub fn print_logs(&self) {
         self.procs.print_logs();
@@ -258,12 +283,17 @@ async fn boot(peers: &Peers, dir: &Path, procs: &mut Procs) -> Result<Booted> {
     let webhook_dir = dir.join("webhook");
     let (sa_key, sa_pub) = pki::service_account_key()?;
     write(&pki_dir.join("ca.crt"), pki.ca_pem())?;
+    write(&pki_dir.join("ca.key"), pki.ca_key_pem())?;
     write(&pki_dir.join("sa.key"), &sa_key)?;
     write(&pki_dir.join("sa.pub"), &sa_pub)?;
-    let apiserver_cert = pki.server("kube-apiserver")?;
+    let apiserver_cert = pki.server("kube-apiserver", &[VM_HOST_ADDRESS])?;
     write(&pki_dir.join("apiserver.crt"), &apiserver_cert.cert_pem)?;
     write(&pki_dir.join("apiserver.key"), &apiserver_cert.key_pem)?;
-    let webhook_cert = pki.server("capi-webhook")?;
+    // For kube-controller-manager, if a test starts it.
+    let controller_manager_cert = pki.server("kube-controller-manager", &[])?;
+    write(&pki_dir.join("controller-manager.crt"), &controller_manager_cert.cert_pem)?;
+    write(&pki_dir.join("controller-manager.key"), &controller_manager_cert.key_pem)?;
+    let webhook_cert = pki.server("capi-webhook", &[])?;
     write(&webhook_dir.join("tls.crt"), &webhook_cert.cert_pem)?;
     write(&webhook_dir.join("tls.key"), &webhook_cert.key_pem)?;
     let admin = pki.client("siteboot-test-admin", "system:masters")?;
@@ -309,7 +339,10 @@ async fn boot(peers: &Peers, dir: &Path, procs: &mut Procs) -> Result<Booted> {
                 format!("--tls-cert-file={}", pki_file("apiserver.crt")),
                 format!("--tls-private-key-file={}", pki_file("apiserver.key")),
                 format!("--client-ca-file={}", pki_file("ca.crt")),
-                "--authorization-mode=RBAC".to_owned(),
+                // Joining kubelets: bootstrap tokens authenticate, the Node authorizer lets
+                // each kubelet write its own Node.
+                "--enable-bootstrap-token-auth=true".to_owned(),
+                "--authorization-mode=Node,RBAC".to_owned(),
                 format!("--service-account-issuer={url}"),
                 format!("--service-account-key-file={}", pki_file("sa.pub")),
                 format!("--service-account-signing-key-file={}", pki_file("sa.key")),

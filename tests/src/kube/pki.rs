@@ -1,6 +1,8 @@
-//! Throwaway certificates for one environment: a CA, serving certificates for the apiserver and
-//! the Cluster API webhook server (valid for 127.0.0.1 and localhost), the admin client
-//! certificate (O=system:masters) and the service-account signing key.
+//! Throwaway certificates for one environment: a CA (whose key kube-controller-manager signs
+//! kubelet certificates with), serving certificates for the apiserver, kube-controller-manager
+//! and the Cluster API webhook server (valid for 127.0.0.1 and localhost; the apiserver's also
+//! for the address VMs reach it at), the admin client certificate (O=system:masters) and the
+//! service-account signing key.
 
 use anyhow::Result;
 use rcgen::{
@@ -16,6 +18,7 @@ pub struct CertKey {
 
 pub struct Pki {
     ca_pem: String,
+    ca_key_pem: String,
     issuer: Issuer<'static, KeyPair>,
 }
 
@@ -31,16 +34,23 @@ impl Pki {
         ];
         let key = KeyPair::generate()?;
         let ca_pem = params.self_signed(&key)?.pem();
-        Ok(Self { ca_pem, issuer: Issuer::new(params, key) })
+        let ca_key_pem = key.serialize_pem();
+        Ok(Self { ca_pem, ca_key_pem, issuer: Issuer::new(params, key) })
     }
 
     pub fn ca_pem(&self) -> &str {
         &self.ca_pem
     }
 
-    /// A serving certificate for loopback (`127.0.0.1`, `::1`, `localhost`).
-    pub fn server(&self, common_name: &str) -> Result<CertKey> {
-        let names = ["127.0.0.1", "::1", "localhost"].map(String::from).to_vec();
+    /// The CA's PKCS#8 key, for kube-controller-manager's CSR signer.
+    pub fn ca_key_pem(&self) -> &str {
+        &self.ca_key_pem
+    }
+
+    /// A serving certificate for loopback (`127.0.0.1`, `::1`, `localhost`) and `also`.
+    pub fn server(&self, common_name: &str, also: &[&str]) -> Result<CertKey> {
+        let names = ["127.0.0.1", "::1", "localhost"].iter().chain(also);
+        let names = names.map(|name| (*name).to_owned()).collect();
         self.leaf(common_name, None, names, ExtendedKeyUsagePurpose::ServerAuth)
     }
 

@@ -1,0 +1,169 @@
+//! Fixtures for the bootstrap provider's tests (`SitebootConfig`): workers made by a
+//! MachineDeployment whose bootstrap template is a SitebootConfigTemplate and whose
+//! infrastructure is the minimal TestMachine kind ([`super::capi::TEST_MACHINE_CRDS`]), for
+//! which the test plays the provider; and readers for what the provider writes.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use base64::Engine;
+use k8s_openapi::api::core::v1::Secret;
+use kube::ResourceExt;
+use kube::api::{DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+use super::KubeEnv;
+use super::capi::{CAPI, wait_object};
+use crate::wait;
+
+pub const BOOTSTRAP: &str = "bootstrap.cluster.x-k8s.io/v1alpha1";
+pub const BOOTSTRAP_GROUP: &str = "bootstrap.cluster.x-k8s.io";
+pub const TEST_INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
+/// Where the bootstrap data writes the kubeconfig that holds the token.
+pub const BOOTSTRAP_KUBECONFIG: &str = "/etc/kubernetes/bootstrap-kubelet.conf";
+
+/// The text under `key` in a Secret's data (empty if absent).
+pub fn secret_text(secret: &Secret, key: &str) -> String {
+    let bytes = secret.data.as_ref().and_then(|d| d.get(key)).map(|b| b.0.clone());
+    String::from_utf8(bytes.unwrap_or_default()).unwrap_or_default()
+}
+
+/// (status, reason) of an object's condition `type_` (nulls if it has none).
+pub fn condition(object: &DynamicObject, type_: &str) -> (Value, Value) {
+    let c = object.data["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == type_).cloned())
+        .unwrap_or_default();
+    (c["status"].clone(), c["reason"].clone())
+}
+
+/// A SitebootConfigTemplate with `config_spec`, a TestMachineTemplate, and a MachineDeployment
+/// of `replicas` Machines using both, all named `name`, in Cluster `cluster`.
+pub async fn create_workers(
+    env: &KubeEnv,
+    ns: &str,
+    cluster: &str,
+    name: &str,
+    replicas: u32,
+    config_spec: Value,
+) -> Result<()> {
+    let pp = PostParams::default();
+    let object = |value: Value| -> Result<DynamicObject> { Ok(serde_json::from_value(value)?) };
+    let template = object(json!({
+        "apiVersion": BOOTSTRAP, "kind": "SitebootConfigTemplate", "metadata": { "name": name },
+        "spec": { "template": { "spec": config_spec } },
+    }))?;
+    env.api(BOOTSTRAP, "SitebootConfigTemplate", Some(ns)).create(&pp, &template).await?;
+    let infra_template = object(json!({
+        "apiVersion": TEST_INFRA, "kind": "TestMachineTemplate", "metadata": { "name": name },
+        "spec": { "template": { "spec": {} } },
+    }))?;
+    env.api(TEST_INFRA, "TestMachineTemplate", Some(ns)).create(&pp, &infra_template).await?;
+    let md = object(json!({
+        "apiVersion": CAPI, "kind": "MachineDeployment", "metadata": { "name": name },
+        "spec": {
+            "clusterName": cluster,
+            "replicas": replicas,
+            "template": { "spec": {
+                "clusterName": cluster,
+                "bootstrap": { "configRef": { "apiGroup": BOOTSTRAP_GROUP, "kind": "SitebootConfigTemplate", "name": name } },
+                "infrastructureRef": { "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "TestMachineTemplate", "name": name },
+            } },
+        },
+    }))?;
+    env.api(CAPI, "MachineDeployment", Some(ns)).create(&pp, &md).await?;
+    Ok(())
+}
+
+/// Waits until `ns` has exactly `count` Machines, none being deleted, each with its bootstrap
+/// data Secret named (CAPI copies it from the config's status).
+pub async fn machines_with_data(
+    env: &KubeEnv,
+    ns: &str,
+    count: usize,
+    timeout: Duration,
+) -> Result<Vec<DynamicObject>> {
+    let machines = env.api(CAPI, "Machine", Some(ns));
+    let machines = &machines;
+    wait::for_async(&format!("{count} Machines with bootstrap data"), timeout, || async move {
+        let list = machines.list(&ListParams::default()).await.ok()?.items;
+        let live: Vec<DynamicObject> =
+            list.into_iter().filter(|m| m.metadata.deletion_timestamp.is_none()).collect();
+        let named = live.iter().all(|m| m.data["spec"]["bootstrap"]["dataSecretName"].is_string());
+        (live.len() == count && named).then_some(live)
+    })
+    .await
+}
+
+/// The bootstrap kubeconfig the cloud-config writes, decoded.
+pub fn bootstrap_kubeconfig(cloud_config: &str) -> Result<String> {
+    // The first two lines are `## template: jinja` and `#cloud-config`: YAML comments.
+    let doc: Value = serde_yaml::from_str(cloud_config)?;
+    let file = doc["write_files"]
+        .as_array()
+        .context("no write_files")?
+        .iter()
+        .find(|f| f["path"] == BOOTSTRAP_KUBECONFIG)
+        .context("no bootstrap kubeconfig")?;
+    anyhow::ensure!(file["permissions"] == "0600", "the bootstrap kubeconfig is not 0600");
+    let content = file["content"].as_str().context("no content")?;
+    Ok(String::from_utf8(base64::engine::general_purpose::STANDARD.decode(content)?)?)
+}
+
+/// The bootstrap token (`<id>.<secret>`) in a cloud-config's bootstrap kubeconfig.
+pub fn bootstrap_token(cloud_config: &str) -> Result<String> {
+    let kubeconfig: Value = serde_yaml::from_str(&bootstrap_kubeconfig(cloud_config)?)?;
+    Ok(kubeconfig["users"][0]["user"]["token"].as_str().context("no token")?.to_owned())
+}
+
+/// Plays the infrastructure provider for `machine`: once CAPI owns its TestMachine, gives it
+/// the providerID `test://<ns>/<TestMachine>` and reports it provisioned. Returns the providerID.
+pub async fn provision(env: &KubeEnv, ns: &str, machine: &DynamicObject) -> Result<String> {
+    let test_machines = env.api(TEST_INFRA, "TestMachine", Some(ns));
+    let infra = machine.data["spec"]["infrastructureRef"]["name"]
+        .as_str()
+        .with_context(|| format!("Machine {} has no infrastructureRef", machine.name_any()))?;
+    let provider_id = format!("test://{ns}/{infra}");
+    wait_object(&test_machines, infra, "owned by its Machine", Duration::from_secs(60), |t| {
+        t.owner_references().iter().any(|o| o.kind == "Machine")
+    })
+    .await?;
+    let pp = PatchParams::default();
+    let spec = json!({ "spec": { "providerID": provider_id } });
+    test_machines.patch(infra, &pp, &Patch::Merge(spec)).await?;
+    let status = json!({ "status": { "initialization": { "provisioned": true } } });
+    test_machines.patch_status(infra, &pp, &Patch::Merge(status)).await?;
+    Ok(provider_id)
+}
+
+/// Waits until the apiserver refuses `token` (401). The apiserver caches a token it accepted
+/// for 10 s (its authenticators' success cache), so a token deleted just after a use still
+/// works that long.
+pub async fn wait_token_refused(env: &KubeEnv, token: &str, timeout: Duration) -> Result<()> {
+    let last = std::sync::Mutex::new(None);
+    let refused =
+        wait::until_async("the token to get 401", timeout, Duration::from_secs(1), || async {
+            let status = token_status(env, token).await;
+            let refused = matches!(status, Ok(401));
+            *last.lock().unwrap() = Some(status.map_err(|e| format!("{e:#}")));
+            refused.then_some(())
+        })
+        .await;
+    refused.with_context(|| format!("last answer: {:?}", last.lock().unwrap()))
+}
+
+/// `GET /api` with `token` as the bearer token: 200 while the apiserver accepts it, 401 once
+/// it does not (deleted or expired).
+pub async fn token_status(env: &KubeEnv, token: &str) -> Result<u16> {
+    let mut kubeconfig: Value = serde_yaml::from_str(env.admin_kubeconfig())?;
+    kubeconfig["users"][0]["user"] = json!({ "token": token });
+    let kubeconfig: kube::config::Kubeconfig = serde_json::from_value(kubeconfig)?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+    let client = kube::Client::try_from(config)?;
+    let request = http::Request::get("/api").body(Vec::new())?;
+    match client.request_text(request).await {
+        Ok(_) => Ok(200),
+        Err(kube::Error::Api(status)) => Ok(status.code),
+        Err(e) => Err(e.into()),
+    }
+}
