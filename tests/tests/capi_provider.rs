@@ -674,3 +674,77 @@ async fn a_node_without_provider_id_gets_it_by_its_system_uuid() {
         .cloned();
     assert_eq!(linked.as_ref().map(|c| &c["status"]), Some(&json!("True")), "{sbm:?}");
 }
+
+/// A SitebootMachineTemplate tells the cluster autoscaler what its machines will have (to scale
+/// from zero): the fewest CPUs and least memory among the inspected Hosts its selector matches,
+/// kept current as Hosts are inspected and relabelled; nothing once none matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn machine_templates_report_the_capacity_of_the_hosts_they_select() {
+    let lab = ProviderLab::start_with(Sims { count: 2, manual: 1 }, |_| {}).await.unwrap();
+    let templates = lab.api("SitebootMachineTemplate");
+    for (name, selector) in
+        [("any", json!({})), ("small", json!({ "matchLabels": { "pool": "small" } }))]
+    {
+        let template = serde_json::from_value(json!({
+            "apiVersion": siteboot_tests::provider::INFRA, "kind": "SitebootMachineTemplate",
+            "metadata": { "name": name },
+            "spec": { "template": { "spec": { "image": image_spec("v1"), "hostSelector": selector } } },
+        }))
+        .unwrap();
+        templates.create(&Default::default(), &template).await.unwrap();
+    }
+    let wait_status = |name: &'static str, want: serde_json::Value| {
+        let templates = templates.clone();
+        async move {
+            let last = std::sync::Mutex::new(serde_json::Value::Null);
+            let found = siteboot_tests::wait::for_async(
+                &format!("template {name}'s status {want}"),
+                Duration::from_secs(60),
+                || async {
+                    let status = templates.get(name).await.ok()?.data["status"].clone();
+                    *last.lock().unwrap() = status.clone();
+                    (status == want).then_some(())
+                },
+            )
+            .await;
+            found.unwrap_or_else(|e| panic!("{e:#}; last status: {}", last.lock().unwrap()));
+        }
+    };
+    let capacity = |cpu: &str, memory: &str| {
+        json!({ "capacity": { "cpu": cpu, "memory": memory },
+                "nodeInfo": { "architecture": "amd64", "operatingSystem": "linux" } })
+    };
+
+    // The simulated host inspected by itself: 4 CPUs, 8 GiB, x86_64; the other is not yet.
+    lab.wait_hosts(HostState::Available, 1, Duration::from_secs(60)).await.unwrap();
+    wait_status("any", capacity("4", "8192Mi")).await;
+
+    // The other reports less: the template promises what the smaller one has.
+    let sim = lab.sims().remove(0);
+    let token = wait_token(&sim).await;
+    let small = json!({ "cpus": 2, "memoryMiB": 3072, "arch": "x86_64", "disks": [], "nics": [] });
+    let (status, body) =
+        sim.http("POST", "/agent/v1/inspection", Some(&token), Some(&small)).unwrap();
+    assert_eq!(status, 200, "{body}");
+    lab.wait_hosts(HostState::Available, 2, Duration::from_secs(60)).await.unwrap();
+    wait_status("any", capacity("2", "3072Mi")).await;
+
+    // A selector follows the labels: matched, then matched no more.
+    let label =
+        |value: Option<&str>| Patch::Merge(json!({ "metadata": { "labels": { "pool": value } } }));
+    let host = siteboot_tests::provider::host_name(0);
+    lab.hosts().patch(&host, &PatchParams::default(), &label(Some("small"))).await.unwrap();
+    wait_status("small", capacity("2", "3072Mi")).await;
+    lab.hosts().patch(&host, &PatchParams::default(), &label(None)).await.unwrap();
+    wait_status("small", json!({})).await;
+
+    // What `kubectl get sitebootmachinetemplates` shows.
+    let table = lab
+        .table("/apis/infrastructure.cluster.x-k8s.io/v1alpha1/namespaces/metal/sitebootmachinetemplates")
+        .await
+        .unwrap();
+    assert_eq!(columns(&table)[..3], ["Name", "CPU", "Memory"]);
+    let rows = cells(&table);
+    assert_eq!(rows[0][..3], ["any", "2", "3072Mi"]);
+    assert_eq!(rows[1][..3], ["small", "", ""]);
+}
