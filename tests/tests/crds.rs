@@ -2,19 +2,14 @@
 //! immutability) and the templates' admission policy refuse bad objects and changes, Cluster
 //! API's topology dry-runs get through, and conditions merge per type under server-side apply.
 
-use std::time::Duration;
-
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::json;
 use siteboot_controller::manifests::{self, TOPOLOGY_DRY_RUN_ANNOTATION};
+use siteboot_tests::admission::{self, IMMUTABLE};
 use siteboot_tests::kube::KubeEnv;
-use siteboot_tests::wait;
 
 const INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
 const BOOTSTRAP: &str = "bootstrap.cluster.x-k8s.io/v1alpha1";
-const IMMUTABLE: &str = "spec.template.spec is immutable: create a new template";
-/// How long the apiserver may take to start enforcing a new admission policy.
-const POLICY_ACTIVE: Duration = Duration::from_secs(30);
 
 async fn create(
     api: &Api<DynamicObject>,
@@ -111,43 +106,26 @@ async fn crd_validation_refuses_bad_objects_and_conditions_merge() {
 /// `dryRun` and the annotation), which compute a ClusterClass's diff.
 async fn templates_are_immutable_but_for_topology_dry_runs(env: &KubeEnv, checksum: &str) {
     let templates = env.api(INFRA, "SitebootMachineTemplate", Some("default"));
+    let annotations = |annotated: bool| {
+        if annotated { json!({ TOPOLOGY_DRY_RUN_ANNOTATION: "" }) } else { json!({}) }
+    };
     let template = |url: &str, annotated: bool| {
-        let annotations =
-            if annotated { json!({ TOPOLOGY_DRY_RUN_ANNOTATION: "" }) } else { json!({}) };
         json!({ "apiVersion": INFRA, "kind": "SitebootMachineTemplate",
-            "metadata": { "name": "t1", "annotations": annotations },
+            "metadata": { "name": "t1", "annotations": annotations(annotated) },
             "spec": { "template": { "spec": { "image": image(url, checksum) } } } })
     };
+    admission::install(env, "default").await.unwrap();
     create(&templates, template("http://x/img", false)).await.unwrap();
-    for policy in manifests::admission_policy() {
-        let kind = policy["kind"].as_str().unwrap();
-        let name = policy["metadata"]["name"].as_str().unwrap();
-        env.api("admissionregistration.k8s.io/v1", kind, None)
-            .patch(name, &PatchParams::apply("crds-test"), &Patch::Apply(&policy))
-            .await
-            .unwrap();
-    }
     let new_image = |annotated: bool| {
-        let annotations =
-            if annotated { json!({ TOPOLOGY_DRY_RUN_ANNOTATION: "" }) } else { json!({}) };
-        Patch::Merge(json!({ "metadata": { "annotations": annotations },
+        Patch::Merge(json!({ "metadata": { "annotations": annotations(annotated) },
             "spec": { "template": { "spec": { "image": image("http://x/other", checksum) } } } }))
     };
-    // A dry-run without the annotation is a user's: refused once the policy is enforced (a
-    // dry-run, so nothing changes while the apiserver has not loaded the policy yet).
-    let dry_run = PatchParams { dry_run: true, ..Default::default() };
-    wait::for_async("the admission policy to refuse a template change", POLICY_ACTIVE, || async {
-        match templates.patch("t1", &dry_run, &new_image(false)).await {
-            Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains(IMMUTABLE) => Some(()),
-            _ => None,
-        }
-    })
-    .await
-    .unwrap();
     let patch = |params, annotated| {
         let templates = templates.clone();
         async move { templates.patch("t1", &params, &new_image(annotated)).await }
     };
+    // A user's change, dry-run or not, and one with the annotation but no dryRun.
+    refused(patch(PatchParams { dry_run: true, ..Default::default() }, false).await, IMMUTABLE);
     refused(patch(PatchParams::default(), false).await, IMMUTABLE);
     refused(patch(PatchParams::default(), true).await, IMMUTABLE);
 
