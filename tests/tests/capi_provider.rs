@@ -12,6 +12,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 use siteboot_controller::crd::HostState;
+use siteboot_tests::kube::capi::wait_object;
 use siteboot_tests::provider::{ProviderLab, Sims, image_spec};
 
 const ROLLOUT: Duration = Duration::from_secs(300);
@@ -696,18 +697,11 @@ async fn machine_templates_report_the_capacity_of_the_hosts_they_select() {
     let wait_status = |name: &'static str, want: serde_json::Value| {
         let templates = templates.clone();
         async move {
-            let last = std::sync::Mutex::new(serde_json::Value::Null);
-            let found = siteboot_tests::wait::for_async(
-                &format!("template {name}'s status {want}"),
-                Duration::from_secs(60),
-                || async {
-                    let status = templates.get(name).await.ok()?.data["status"].clone();
-                    *last.lock().unwrap() = status.clone();
-                    (status == want).then_some(())
-                },
-            )
-            .await;
-            found.unwrap_or_else(|e| panic!("{e:#}; last status: {}", last.lock().unwrap()));
+            let what = format!("status {want}");
+            let timeout = Duration::from_secs(60);
+            wait_object(&templates, name, &what, timeout, |t| t.data["status"] == want)
+                .await
+                .unwrap();
         }
     };
     let capacity = |cpu: &str, memory: &str| {
