@@ -52,7 +52,8 @@ enum Command {
         #[arg(long, env = "POD_NAME")]
         identity: Option<String>,
     },
-    /// Print the CRDs and RBAC as YAML, or write everything under deploy/ into a directory.
+    /// Print the CRDs (with the admission policy that keeps templates immutable) and RBAC as
+    /// YAML, or write everything under deploy/ into a directory.
     ///
     /// --output-dir writes crds.yaml, rbac.yaml, kubernetes/appliance.yaml (an example site's
     /// appliance) and the clusterctl release, a local provider repository:
@@ -244,9 +245,9 @@ fn manifests(
     image: &str,
 ) -> anyhow::Result<()> {
     use anyhow::Context;
-    use siteboot_controller::manifests::{crds, deploy_files, rbac, to_yaml};
+    use siteboot_controller::manifests::{crds_yaml, deploy_files, rbac, to_yaml};
     match output_dir {
-        None => print!("{}---\n{}", to_yaml(&crds()), to_yaml(&rbac(namespace, secrets))),
+        None => print!("{}---\n{}", crds_yaml(), to_yaml(&rbac(namespace, secrets))),
         Some(dir) => {
             for (file, text) in deploy_files(namespace, secrets, image) {
                 let path = dir.join(file);

@@ -18,5 +18,6 @@ pub mod manifests;
 pub mod run;
 pub mod selection;
 pub mod site;
+pub mod template;
 pub mod token;
 pub mod workload;

@@ -1,5 +1,6 @@
 //! The YAML this provider installs: its CRDs (generated from the Rust types, then given what
 //! derive cannot express: list-map conditions for server-side apply and CEL immutability rules),
+//! the admission policy that keeps templates immutable but for Cluster API's dry-runs,
 //! least-privilege RBAC, a site's appliance (ConfigMap and Deployment of the container image
 //! `scripts/build-image` builds), and the clusterctl release folder that packages them all.
 //! `siteboot manifests` writes them; the committed copies under `deploy/` are checked against
@@ -71,13 +72,74 @@ fn validations(kind: &str) -> Vec<(&'static [&'static str], &'static str, &'stat
                 "spec.image is immutable: roll out a new template",
             ),
         ],
-        "SitebootMachineTemplate" | "SitebootClusterTemplate" | "SitebootConfigTemplate" => vec![(
-            &["spec", "template", "spec"],
-            "self == oldSelf",
-            "spec.template.spec is immutable: create a new template",
-        )],
+        // The templates' immutability is the admission policy's ([`admission_policy`]): a
+        // CRD rule cannot tell Cluster API's dry-runs from users' updates.
         _ => vec![],
     }
+}
+
+/// The annotation Cluster API's topology controller puts on the objects of its server-side
+/// apply dry-runs, to tell admission that a change is only being computed.
+pub const TOPOLOGY_DRY_RUN_ANNOTATION: &str = "topology.cluster.x-k8s.io/dry-run";
+
+/// The name of the templates' immutability policy and of its binding.
+const TEMPLATE_POLICY: &str = "siteboot-templates-immutable";
+
+/// Templates are immutable (a change is a new template, and a rollout), except in the
+/// dry-runs of Cluster API's topology controller: it server-side applies a ClusterClass's
+/// template with `dryRun` to find out whether it differs, and rotates to a new template when it
+/// does. A ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1, Kubernetes 1.30+) sees
+/// what a CRD validation rule cannot, the request's `dryRun` and the object's annotations, and
+/// runs in the API server: no webhook server, no certificate, and it holds while no appliance
+/// runs. A request is a topology dry-run as Cluster API's own webhooks judge it
+/// (`util/topology.IsDryRunRequest`): `dryRun` set and the annotation present on the object.
+pub fn admission_policy() -> Vec<Value> {
+    let templates = |group: &str, resources: &[&str]| {
+        json!({
+            "apiGroups": [group], "apiVersions": ["*"], "operations": ["UPDATE"],
+            "resources": resources,
+        })
+    };
+    vec![
+        json!({
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+            "metadata": { "name": TEMPLATE_POLICY },
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": { "resourceRules": [
+                    templates(
+                        "infrastructure.cluster.x-k8s.io",
+                        &["sitebootmachinetemplates", "sitebootclustertemplates"],
+                    ),
+                    templates("bootstrap.cluster.x-k8s.io", &["sitebootconfigtemplates"]),
+                ] },
+                "matchConditions": [{
+                    "name": "not-a-topology-dry-run",
+                    "expression": format!(
+                        "!(request.dryRun == true && has(object.metadata.annotations) \
+                         && '{TOPOLOGY_DRY_RUN_ANNOTATION}' in object.metadata.annotations)"
+                    ),
+                }],
+                "validations": [{
+                    // Optional selection: a SitebootConfigTemplate's spec may be absent.
+                    "expression": "object.spec.template.?spec == oldObject.spec.template.?spec",
+                    "message": "spec.template.spec is immutable: create a new template",
+                    "reason": "Invalid",
+                }],
+            },
+        }),
+        json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": { "name": TEMPLATE_POLICY },
+            "spec": { "policyName": TEMPLATE_POLICY, "validationActions": ["Deny"] },
+        }),
+    ]
+}
+
+/// `crds.yaml`: the CRDs, then the policy that keeps their templates immutable.
+pub fn crds_yaml() -> String {
+    format!("{}---\n{}", to_yaml(&crds()), to_yaml(&admission_policy()))
 }
 
 /// Every `conditions` array becomes `x-kubernetes-list-type: map` keyed by `type`, so
@@ -139,7 +201,8 @@ pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
           "resources": ["sitebootmachines", "sitebootclusters"],
           "verbs": ["get", "list", "watch", "update", "patch"] },
         { "apiGroups": ["infrastructure.cluster.x-k8s.io"],
-          "resources": ["sitebootmachines/status", "sitebootclusters/status"],
+          "resources": ["sitebootmachines/status", "sitebootmachinetemplates/status",
+                        "sitebootclusters/status"],
           "verbs": ["get", "update", "patch"] },
         { "apiGroups": ["infrastructure.cluster.x-k8s.io"],
           "resources": ["sitebootmachinetemplates", "sitebootclustertemplates"],
@@ -542,6 +605,7 @@ pub fn clusterctl_release(image: &str) -> ClusterctlRelease {
     let site = ApplianceSite::example(image).as_clusterctl_variables();
     let mut objects = vec![namespace(&site.namespace)];
     objects.extend(crds().iter().map(|crd| serde_json::to_value(crd).expect("CRDs serialize")));
+    objects.extend(admission_policy());
     objects.extend(rbac(&site.namespace, &SecretAccess::Cluster));
     objects.extend(appliance(&site));
     for object in &mut objects {
@@ -583,7 +647,7 @@ pub fn deploy_files(
     let release_dir = Path::new("clusterctl").join(CLUSTERCTL_PROVIDER).join(&release.version);
     let site = ApplianceSite { namespace: namespace.to_owned(), ..ApplianceSite::example(image) };
     let mut files = vec![
-        ("crds.yaml".into(), to_yaml(&crds())),
+        ("crds.yaml".into(), crds_yaml()),
         ("rbac.yaml".into(), to_yaml(&rbac(namespace, secrets))),
         ("kubernetes/appliance.yaml".into(), appliance_with_namespace(&site)),
     ];
@@ -629,7 +693,8 @@ mod tests {
         let template = serde_json::to_value(&crds[3]).unwrap();
         let spec = &template["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
             ["properties"]["template"]["properties"]["spec"];
-        assert_eq!(spec["x-kubernetes-validations"][0]["rule"], "self == oldSelf");
+        // Left to the admission policy, which lets ClusterClass dry-runs through.
+        assert!(spec.get("x-kubernetes-validations").is_none(), "{spec}");
     }
 
     #[test]

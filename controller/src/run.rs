@@ -13,9 +13,12 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Ctx;
-use crate::crd::{Host, SITE_LABEL, Site, SitebootCluster, SitebootConfig, SitebootMachine};
+use crate::crd::{
+    Host, SITE_LABEL, Site, SitebootCluster, SitebootConfig, SitebootMachine,
+    SitebootMachineTemplate,
+};
 use crate::leader::LeaderElection;
-use crate::{bootstrap, cluster, host, machine, site};
+use crate::{bootstrap, cluster, host, machine, site, template};
 
 pub struct Options {
     /// Namespace of the leader Lease.
@@ -52,6 +55,7 @@ pub async fn check_crds(client: &kube::Client) -> anyhow::Result<()> {
     probe::<Host>(client).await?;
     probe::<Site>(client).await?;
     probe::<SitebootMachine>(client).await?;
+    probe::<SitebootMachineTemplate>(client).await?;
     probe::<SitebootCluster>(client).await?;
     Ok(())
 }
@@ -113,6 +117,7 @@ pub async fn run(
         tasks.spawn(host::reconciler::run(ctx.clone(), stop()));
         tasks.spawn(machine::run(ctx.clone(), stop()));
         tasks.spawn(cluster::run(ctx.clone(), stop()));
+        tasks.spawn(template::run(ctx.clone(), stop()));
         if bootstrap_provider {
             tasks.spawn(bootstrap::run(ctx.clone(), stop()));
         }

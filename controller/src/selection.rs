@@ -172,7 +172,16 @@ fn suits(host: &Host, selector: Option<&HostSelector>, site: Option<&str>) -> Re
     {
         return Err(Excluded::OtherSite);
     }
-    let Some(selector) = selector else { return Ok(()) };
+    match selector {
+        Some(selector) => selected(host, selector),
+        None => Ok(()),
+    }
+}
+
+/// Whether `host` has the labels and the hardware `selector` asks for (whatever its state,
+/// site or claim: also what a machine template's capacity is worked out from).
+pub fn selected(host: &Host, selector: &HostSelector) -> Result<(), Excluded> {
+    let labels = host.metadata.labels.as_ref();
     for (k, v) in &selector.match_labels {
         if labels.and_then(|l| l.get(k)) != Some(v) {
             return Err(Excluded::Labels);

@@ -5,6 +5,7 @@
 //! Every wait has a deadline, every process and namespace is cleaned up on drop (also when a test
 //! panics), and the logs of every process are printed when a test fails.
 
+pub mod admission;
 pub mod appliance;
 pub mod attack;
 pub mod bench;

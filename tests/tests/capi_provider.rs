@@ -12,6 +12,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 use siteboot_controller::crd::HostState;
+use siteboot_tests::kube::capi::wait_object;
 use siteboot_tests::provider::{ProviderLab, Sims, image_spec};
 
 const ROLLOUT: Duration = Duration::from_secs(300);
@@ -674,4 +675,71 @@ async fn a_node_without_provider_id_gets_it_by_its_system_uuid() {
     if let Err(e) = linked {
         panic!("{e:#}\n{}", lab.describe().await);
     }
+}
+
+/// A SitebootMachineTemplate tells the cluster autoscaler what its machines will have (to scale
+/// from zero): the fewest CPUs and least memory among the inspected Hosts its selector matches,
+/// kept current as Hosts are inspected and relabelled; nothing once none matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn machine_templates_report_the_capacity_of_the_hosts_they_select() {
+    let lab = ProviderLab::start_with(Sims { count: 2, manual: 1 }, |_| {}).await.unwrap();
+    let templates = lab.api("SitebootMachineTemplate");
+    for (name, selector) in
+        [("any", json!({})), ("small", json!({ "matchLabels": { "pool": "small" } }))]
+    {
+        let template = serde_json::from_value(json!({
+            "apiVersion": siteboot_tests::provider::INFRA, "kind": "SitebootMachineTemplate",
+            "metadata": { "name": name },
+            "spec": { "template": { "spec": { "image": image_spec("v1"), "hostSelector": selector } } },
+        }))
+        .unwrap();
+        templates.create(&Default::default(), &template).await.unwrap();
+    }
+    let wait_status = |name: &'static str, want: serde_json::Value| {
+        let templates = templates.clone();
+        async move {
+            let what = format!("status {want}");
+            let timeout = Duration::from_secs(60);
+            wait_object(&templates, name, &what, timeout, |t| t.data["status"] == want)
+                .await
+                .unwrap();
+        }
+    };
+    let capacity = |cpu: &str, memory: &str| {
+        json!({ "capacity": { "cpu": cpu, "memory": memory },
+                "nodeInfo": { "architecture": "amd64", "operatingSystem": "linux" } })
+    };
+
+    // The simulated host inspected by itself: 4 CPUs, 8 GiB, x86_64; the other is not yet.
+    lab.wait_hosts(HostState::Available, 1, Duration::from_secs(60)).await.unwrap();
+    wait_status("any", capacity("4", "8192Mi")).await;
+
+    // The other reports less: the template promises what the smaller one has.
+    let sim = lab.sims().remove(0);
+    let token = wait_token(&sim).await;
+    let small = json!({ "cpus": 2, "memoryMiB": 3072, "arch": "x86_64", "disks": [], "nics": [] });
+    let (status, body) =
+        sim.http("POST", "/agent/v1/inspection", Some(&token), Some(&small)).unwrap();
+    assert_eq!(status, 200, "{body}");
+    lab.wait_hosts(HostState::Available, 2, Duration::from_secs(60)).await.unwrap();
+    wait_status("any", capacity("2", "3072Mi")).await;
+
+    // A selector follows the labels: matched, then matched no more.
+    let label =
+        |value: Option<&str>| Patch::Merge(json!({ "metadata": { "labels": { "pool": value } } }));
+    let host = siteboot_tests::provider::host_name(0);
+    lab.hosts().patch(&host, &PatchParams::default(), &label(Some("small"))).await.unwrap();
+    wait_status("small", capacity("2", "3072Mi")).await;
+    lab.hosts().patch(&host, &PatchParams::default(), &label(None)).await.unwrap();
+    wait_status("small", json!({})).await;
+
+    // What `kubectl get sitebootmachinetemplates` shows.
+    let table = lab
+        .table("/apis/infrastructure.cluster.x-k8s.io/v1alpha1/namespaces/metal/sitebootmachinetemplates")
+        .await
+        .unwrap();
+    assert_eq!(columns(&table)[..3], ["Name", "CPU", "Memory"]);
+    let rows = cells(&table);
+    assert_eq!(rows[0][..3], ["any", "2", "3072Mi"]);
+    assert_eq!(rows[1][..3], ["small", "", ""]);
 }

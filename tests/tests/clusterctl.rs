@@ -183,6 +183,7 @@ fn patterns(schema: &Value) -> Vec<String> {
 /// filled in, the inventory entry, and the CRDs' regular expressions untouched by clusterctl's
 /// variable substitution.
 async fn check_installed_components(env: &KubeEnv) -> Result<()> {
+    const ADMISSION: &str = "admissionregistration.k8s.io/v1";
     let ns = Some("siteboot-system");
     let mut checked_patterns = 0;
     for crd in crds() {
@@ -205,6 +206,9 @@ async fn check_installed_components(env: &KubeEnv) -> Result<()> {
         ("rbac.authorization.k8s.io/v1", "RoleBinding", ns, "siteboot-leader-election"),
         ("v1", "ConfigMap", ns, "siteboot-rack-7"),
         ("apps/v1", "Deployment", ns, "siteboot-rack-7"),
+        // Cluster-scoped, though clusterctl takes any kind it does not know for namespaced.
+        (ADMISSION, "ValidatingAdmissionPolicy", None, "siteboot-templates-immutable"),
+        (ADMISSION, "ValidatingAdmissionPolicyBinding", None, "siteboot-templates-immutable"),
     ] {
         let object = env
             .api(api_version, kind, namespace)

@@ -1,12 +1,15 @@
 //! siteboot's CRDs in the real apiserver: the validation they declare (patterns, CEL
-//! immutability) refuses bad objects, and conditions merge per type under server-side apply.
+//! immutability) and the templates' admission policy refuse bad objects and changes, Cluster
+//! API's topology dry-runs get through, and conditions merge per type under server-side apply.
 
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::json;
-use siteboot_controller::manifests;
+use siteboot_controller::manifests::{self, TOPOLOGY_DRY_RUN_ANNOTATION};
+use siteboot_tests::admission::{self, IMMUTABLE};
 use siteboot_tests::kube::KubeEnv;
 
 const INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
+const BOOTSTRAP: &str = "bootstrap.cluster.x-k8s.io/v1alpha1";
 
 async fn create(
     api: &Api<DynamicObject>,
@@ -77,16 +80,7 @@ async fn crd_validation_refuses_bad_objects_and_conditions_merge() {
         other => panic!("re-pointing hostRef should be refused: {other:?}"),
     }
 
-    let templates = env.api(INFRA, "SitebootMachineTemplate", Some("default"));
-    let template = json!({ "apiVersion": INFRA, "kind": "SitebootMachineTemplate", "metadata": { "name": "t1" },
-        "spec": { "template": { "spec": { "image": image("http://x/img", &good) } } } });
-    create(&templates, template).await.unwrap();
-    let new_image =
-        json!({ "spec": { "template": { "spec": { "image": image("http://x/other", &good) } } } });
-    match templates.patch("t1", &PatchParams::default(), &Patch::Merge(new_image)).await {
-        Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("immutable") => {}
-        other => panic!("a template spec change should be refused: {other:?}"),
-    }
+    templates_are_immutable_but_for_topology_dry_runs(&env, &good).await;
 
     // Two field managers applying different condition types: both stay (a list-map by type).
     let condition = |type_: &str| json!({ "type": type_, "status": "True", "reason": "Test", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z" });
@@ -105,4 +99,81 @@ async fn crd_validation_refuses_bad_objects_and_conditions_merge() {
         .map(|c| c["type"].as_str().unwrap())
         .collect();
     assert_eq!(types, ["Ready", "Claimed"]);
+}
+
+/// What the policy of `manifests::admission_policy` lets through: nothing that changes a
+/// template's spec, but Cluster API's topology dry-runs (server-side apply or update with
+/// `dryRun` and the annotation), which compute a ClusterClass's diff.
+async fn templates_are_immutable_but_for_topology_dry_runs(env: &KubeEnv, checksum: &str) {
+    let templates = env.api(INFRA, "SitebootMachineTemplate", Some("default"));
+    let annotations = |annotated: bool| {
+        if annotated { json!({ TOPOLOGY_DRY_RUN_ANNOTATION: "" }) } else { json!({}) }
+    };
+    let template = |url: &str, annotated: bool| {
+        json!({ "apiVersion": INFRA, "kind": "SitebootMachineTemplate",
+            "metadata": { "name": "t1", "annotations": annotations(annotated) },
+            "spec": { "template": { "spec": { "image": image(url, checksum) } } } })
+    };
+    admission::install(env, "default").await.unwrap();
+    create(&templates, template("http://x/img", false)).await.unwrap();
+    let new_image = |annotated: bool| {
+        Patch::Merge(json!({ "metadata": { "annotations": annotations(annotated) },
+            "spec": { "template": { "spec": { "image": image("http://x/other", checksum) } } } }))
+    };
+    let patch = |params, annotated| {
+        let templates = templates.clone();
+        async move { templates.patch("t1", &params, &new_image(annotated)).await }
+    };
+    // A user's change, dry-run or not, and one with the annotation but no dryRun.
+    refused(patch(PatchParams { dry_run: true, ..Default::default() }, false).await, IMMUTABLE);
+    refused(patch(PatchParams::default(), false).await, IMMUTABLE);
+    refused(patch(PatchParams::default(), true).await, IMMUTABLE);
+
+    // The topology controller's two dry-runs: server-side apply, forced, and an update.
+    let apply = PatchParams { dry_run: true, ..PatchParams::apply("capi-topology").force() };
+    let applied = templates
+        .patch("t1", &apply, &Patch::Apply(template("http://x/other", true)))
+        .await
+        .expect("a topology dry-run apply is accepted");
+    assert_eq!(applied.data["spec"]["template"]["spec"]["image"]["url"], "http://x/other");
+    let mut replaced: DynamicObject =
+        serde_json::from_value(template("http://x/third", true)).unwrap();
+    replaced.metadata.resource_version = applied.metadata.resource_version.clone();
+    let replace = PostParams { dry_run: true, ..Default::default() };
+    let replaced = templates
+        .replace("t1", &replace, &replaced)
+        .await
+        .expect("a topology dry-run update is accepted");
+    assert_eq!(replaced.data["spec"]["template"]["spec"]["image"]["url"], "http://x/third");
+    let stored = templates.get("t1").await.unwrap();
+    assert_eq!(stored.data["spec"]["template"]["spec"]["image"]["url"], "http://x/img");
+    // Metadata stays writable (Cluster API sets owner references and labels on templates).
+    let label = Patch::Merge(
+        json!({ "metadata": { "labels": { "cluster.x-k8s.io/cluster-name": "c1" } } }),
+    );
+    templates.patch("t1", &PatchParams::default(), &label).await.unwrap();
+
+    // The other two templates, the bootstrap one with no spec at all at first.
+    let cluster_templates = env.api(INFRA, "SitebootClusterTemplate", Some("default"));
+    create(
+        &cluster_templates,
+        json!({ "apiVersion": INFRA, "kind": "SitebootClusterTemplate",
+        "metadata": { "name": "ct1" }, "spec": { "template": { "spec": { "sites": ["a"] } } } }),
+    )
+    .await
+    .unwrap();
+    let sites = Patch::Merge(json!({ "spec": { "template": { "spec": { "sites": ["b"] } } } }));
+    refused(cluster_templates.patch("ct1", &PatchParams::default(), &sites).await, IMMUTABLE);
+    let config_templates = env.api(BOOTSTRAP, "SitebootConfigTemplate", Some("default"));
+    create(
+        &config_templates,
+        json!({ "apiVersion": BOOTSTRAP, "kind": "SitebootConfigTemplate",
+        "metadata": { "name": "cfg1" }, "spec": { "template": {} } }),
+    )
+    .await
+    .unwrap();
+    config_templates.patch("cfg1", &PatchParams::default(), &label).await.unwrap();
+    let commands =
+        Patch::Merge(json!({ "spec": { "template": { "spec": { "preCommands": ["true"] } } } }));
+    refused(config_templates.patch("cfg1", &PatchParams::default(), &commands).await, IMMUTABLE);
 }

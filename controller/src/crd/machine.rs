@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -109,10 +110,14 @@ pub struct SitebootMachineStatus {
     version = "v1alpha1",
     kind = "SitebootMachineTemplate",
     namespaced,
+    status = "SitebootMachineTemplateStatus",
     shortname = "sbmt",
     category = "cluster-api",
     derive = "PartialEq",
     label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn = r#"{"name":"CPU","type":"string","jsonPath":".status.capacity.cpu"}"#,
+    printcolumn = r#"{"name":"Memory","type":"string","jsonPath":".status.capacity.memory"}"#,
+    printcolumn = r#"{"name":"Arch","type":"string","jsonPath":".status.nodeInfo.architecture","priority":1}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -136,4 +141,51 @@ pub struct TemplateMetadata {
     pub labels: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub annotations: BTreeMap<String, String>,
+}
+
+/// What a machine made from the template will have, for the cluster autoscaler to scale a
+/// MachineDeployment up from zero (Cluster API's "opt-in autoscaling from zero"): worked out
+/// from the inspected Hosts the template's `hostSelector` matches. Empty while none matches.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SitebootMachineTemplateStatus {
+    /// `cpu` and `memory`: the least any matching Host has, so no promise is too big.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub capacity: BTreeMap<String, Quantity>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_info: Option<NodeInfo>,
+}
+
+/// The architecture and operating system of the template's machines.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeInfo {
+    /// Set when every matching Host has the same architecture.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<Architecture>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operating_system: Option<String>,
+}
+
+/// The CPU architectures of the Cluster API contract, named as Go and the kubelet name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Architecture {
+    Amd64,
+    Arm64,
+    S390x,
+    Ppc64le,
+}
+
+impl Architecture {
+    /// From what inspection reports (the kernel's name, `uname -m`); `None` for the others.
+    pub fn from_kernel_name(name: &str) -> Option<Self> {
+        match name {
+            "x86_64" => Some(Self::Amd64),
+            "aarch64" => Some(Self::Arm64),
+            "s390x" => Some(Self::S390x),
+            "ppc64le" => Some(Self::Ppc64le),
+            _ => None,
+        }
+    }
 }

@@ -391,6 +391,8 @@ async fn boot(peers: &Peers, dir: &Path, procs: &mut Procs) -> Result<Booted> {
             format!("--health-addr=127.0.0.1:{health}"),
             format!("--diagnostics-address=127.0.0.1:{diagnostics}"),
             "--insecure-diagnostics=true".to_owned(),
+            // ClusterClass and managed topologies (alpha, off by default).
+            "--feature-gates=ClusterTopology=true".to_owned(),
         ]);
         // Out of a Pod: ClusterCache then reaches the management cluster like any other.
         command.env_remove("POD_NAMESPACE").env_remove("POD_NAME").env_remove("POD_UID");
