@@ -70,10 +70,7 @@ pub fn status<'a>(
 
 /// Where the template's machines look for Hosts, as a SitebootMachine made from it would.
 fn host_namespace(template: &SitebootMachineTemplate) -> String {
-    let selector = template.spec.template.spec.host_selector.as_ref();
-    selector
-        .and_then(|s| s.namespace.clone())
-        .unwrap_or_else(|| template.namespace().unwrap_or_default())
+    template.spec.template.spec.host_namespace(template.namespace())
 }
 
 pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {

@@ -46,6 +46,17 @@ pub struct SitebootMachineSpec {
     pub host_ref: Option<HostRef>,
 }
 
+impl SitebootMachineSpec {
+    /// Where this machine's hosts are looked for: `hostSelector.namespace`, else the namespace of
+    /// the object holding this spec (`own`).
+    pub fn host_namespace(&self, own: Option<String>) -> String {
+        self.host_selector
+            .as_ref()
+            .and_then(|s| s.namespace.clone())
+            .unwrap_or_else(|| own.unwrap_or_default())
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct HostSelector {

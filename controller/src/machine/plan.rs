@@ -607,11 +607,7 @@ fn moved_with(host: &Host, sbm: &SitebootMachine) -> bool {
 
 /// Where the machine's hosts are looked for.
 pub fn host_namespace(sbm: &SitebootMachine) -> String {
-    sbm.spec
-        .host_selector
-        .as_ref()
-        .and_then(|s| s.namespace.clone())
-        .unwrap_or_else(|| sbm.namespace().unwrap_or_default())
+    sbm.spec.host_namespace(sbm.namespace())
 }
 
 pub fn key(sbm: &SitebootMachine) -> String {
