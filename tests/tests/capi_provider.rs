@@ -509,11 +509,20 @@ fn step_of(host: &siteboot_controller::crd::Host) -> Option<&str> {
     host.status.as_ref()?.operation.as_ref()?.step.as_deref()
 }
 
+/// The token of the manual host's ramdisk. A host that booted before its Host was Inspecting
+/// sits in the ramdisk without one, waiting for work: it is power-cycled, as a BMC would.
 async fn wait_token(sim: &siteboot_tests::sim::SimHost) -> String {
     siteboot_tests::wait::for_async(
         "the host to boot the ramdisk with a token",
-        Duration::from_secs(60),
-        || async { sim.token() },
+        Duration::from_secs(120),
+        || async {
+            let token = sim.token();
+            if token.is_none() && sim.phase() == siteboot_tests::sim::Phase::Ramdisk {
+                sim.reboot();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            token
+        },
     )
     .await
     .unwrap()
