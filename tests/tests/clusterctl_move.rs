@@ -122,6 +122,10 @@ async fn steps(lab: &mut ProviderLab, target: KubeEnv, source_ctl: &Clusterctl) 
         scripts.insert(machine.host.clone(), script);
     }
 
+    // One claimed host is paused before the move (what an operator may do to be safe).
+    let paused = &before[1].host;
+    hosts.patch(paused, &PatchParams::default(), &pause(json!(""))).await?;
+
     let source_watch = HostWatch::start(lab.hosts()).await?;
     let target_watch = HostWatch::start(Api::namespaced(target.client(), NS)).await?;
 
@@ -176,6 +180,16 @@ async fn steps(lab: &mut ProviderLab, target: KubeEnv, source_ctl: &Clusterctl) 
     control_planes.patch_status(CLUSTER, &PatchParams::default(), &Patch::Merge(status)).await?;
     lab.move_to(target).await?;
 
+    // The paused host arrives paused and without status: it is not rebuilt while paused, yet it
+    // boots its disk, not the ramdisk (which would stop its workload).
+    let hosts = lab.hosts();
+    wait_object(&hosts, paused, "Paused=True and no state", ROLLOUT, |h: &Host| {
+        is_paused(h) && h.status.as_ref().and_then(|s| s.state).is_none()
+    })
+    .await?;
+    reboots_to_its_disk(paused, &sims[paused]).await?;
+    hosts.patch(paused, &PatchParams::default(), &pause(Value::Null)).await?;
+
     let sbms = lab.api("SitebootMachine");
     let claimed: Vec<&String> = installed.keys().collect();
     let after =
@@ -220,17 +234,11 @@ async fn steps(lab: &mut ProviderLab, target: KubeEnv, source_ctl: &Clusterctl) 
         ensure!(boot_script(&sims[host])? == *script, "{host}'s boot script changed");
     }
     let rebooted = &before[0].host;
-    let sim = &sims[rebooted];
-    sim.reboot();
-    let boots = counts_before[rebooted].boots + 1;
-    wait::for_async(&format!("{rebooted} to boot its disk again"), ROLLOUT, || async {
-        (sim.boots() == boots && sim.phase() == Phase::Os).then_some(())
-    })
-    .await?;
+    reboots_to_its_disk(rebooted, &sims[rebooted]).await?;
     stayed_provisioned(&target_watch, &claimed)?;
     for (host, sim) in &sims {
         let mut expected = counts_before[host];
-        if host == rebooted {
+        if host == rebooted || host == paused {
             expected.boots += 1;
         }
         if host != &spare {
@@ -249,14 +257,8 @@ async fn pause_stops_a_claim(lab: &ProviderLab, spare: &str, sim: &SimHost) -> R
     // cannot prove the disk is clean.
     lab.wait_hosts(HostState::Available, 1, ROLLOUT).await?;
     let hosts = lab.hosts();
-    let annotate =
-        |value: Value| Patch::Merge(json!({ "metadata": { "annotations": { PAUSED: value } } }));
-    hosts.patch(spare, &PatchParams::default(), &annotate(json!(""))).await?;
-    wait_object(&hosts, spare, "Paused=True", ROLLOUT, |h: &Host| {
-        let conditions = h.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
-        conditions.iter().any(|c| c.type_ == "Paused" && c.status == "True")
-    })
-    .await?;
+    hosts.patch(spare, &PatchParams::default(), &pause(json!(""))).await?;
+    wait_object(&hosts, spare, "Paused=True", ROLLOUT, is_paused).await?;
 
     lab.scale(DEPLOYMENT, MACHINES as u32 + 1).await?;
     let sbms = lab.api("SitebootMachine");
@@ -271,7 +273,7 @@ async fn pause_stops_a_claim(lab: &ProviderLab, spare: &str, sim: &SimHost) -> R
     ensure!(host.spec.consumer_ref.is_none(), "the paused host was claimed: {:?}", host.spec);
     ensure!(sim.bootstrap_data().is_empty(), "the paused host got bootstrap data");
 
-    hosts.patch(spare, &PatchParams::default(), &annotate(Value::Null)).await?;
+    hosts.patch(spare, &PatchParams::default(), &pause(Value::Null)).await?;
     lab.wait_running(DEPLOYMENT, MACHINES + 1, ROLLOUT).await?;
     let host = hosts.get(spare).await?;
     let consumer = host.spec.consumer_ref.context("claimed once unpaused")?;
@@ -292,6 +294,30 @@ async fn own_bootstrap_secret(lab: &ProviderLab) -> Result<()> {
     Api::<Secret>::namespaced(lab.env.client(), NS)
         .patch(&format!("{CLUSTER}-bootstrap"), &PatchParams::default(), &Patch::Merge(patch))
         .await?;
+    Ok(())
+}
+
+/// A merge patch setting the paused annotation to `value` (null removes it).
+fn pause(value: Value) -> Patch<Value> {
+    Patch::Merge(json!({ "metadata": { "annotations": { PAUSED: value } } }))
+}
+
+/// Whether the appliance reports the Host paused.
+fn is_paused(host: &Host) -> bool {
+    let conditions = host.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
+    conditions.iter().any(|c| c.type_ == "Paused" && c.status == "True")
+}
+
+/// Power-cycles `host`'s machine and checks that it boots its disk again, not the ramdisk.
+async fn reboots_to_its_disk(host: &str, sim: &SimHost) -> Result<()> {
+    let boots = sim.boots() + 1;
+    sim.reboot();
+    let phase = wait::for_async(&format!("{host} to boot again"), ROLLOUT, || async {
+        let phase = sim.phase();
+        (sim.boots() == boots && phase != Phase::Booting).then_some(phase)
+    })
+    .await?;
+    ensure!(phase == Phase::Os, "{host} booted into {phase:?}, not its disk");
     Ok(())
 }
 
