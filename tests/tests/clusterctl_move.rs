@@ -182,16 +182,20 @@ async fn steps(lab: &mut ProviderLab, target: KubeEnv, source_ctl: &Clusterctl) 
 
     // The paused host arrives paused and without status: it is not rebuilt while paused, yet it
     // boots its disk, not the ramdisk (which would stop its workload).
+    let claimed: Vec<&String> = installed.keys().collect();
     let hosts = lab.hosts();
-    wait_object(&hosts, paused, "Paused=True and no state", ROLLOUT, |h: &Host| {
-        is_paused(h) && h.status.as_ref().and_then(|s| s.state).is_none()
+    wait::for_async("the paused Host to report Paused=True, with no state", ROLLOUT, || async {
+        if let Err(e) = stayed_provisioned(&target_watch, &claimed) {
+            return Some(Err(e));
+        }
+        let host = hosts.get(paused).await.ok()?;
+        (is_paused(&host) && host.status.as_ref().and_then(|s| s.state).is_none()).then_some(Ok(()))
     })
-    .await?;
+    .await??;
     reboots_to_its_disk(paused, &sims[paused]).await?;
     hosts.patch(paused, &PatchParams::default(), &pause(Value::Null)).await?;
 
     let sbms = lab.api("SitebootMachine");
-    let claimed: Vec<&String> = installed.keys().collect();
     let after =
         wait::for_async("every SitebootMachine Ready again on the target", ROLLOUT, || async {
             if let Err(e) = stayed_provisioned(&target_watch, &claimed) {
