@@ -6,6 +6,7 @@
 //! | the same, paused (`cluster.x-k8s.io/paused`) | the ramdisk with no token: nothing is written |
 //! | Registering, Available, Quarantined | the ramdisk with no token: it waits for work |
 //! | Provisioned | the local disk |
+//! | none yet, recreated by a move or restore | as its lifecycle record restores it ([`record::state`]) |
 //! | `spec.online: false`, unknown MAC | nothing |
 //!
 //! A token is minted only for a request from the address that holds the MAC's lease; its hash
@@ -28,6 +29,7 @@ use siteboot_ipxe::Word;
 use crate::conditions::paused_itself;
 use crate::context::{Ctx, host_key, update_host_status};
 use crate::crd::{Host, HostState, now};
+use crate::host::record;
 use crate::token;
 
 pub struct KubeInventory {
@@ -44,8 +46,7 @@ impl KubeInventory {
         if !host.spec.online {
             return None;
         }
-        let state = host.status.as_ref().and_then(|s| s.state);
-        match state {
+        match record::state(&host) {
             Some(HostState::Provisioned) => Some(BootAction::LocalDisk(LocalBoot::Exit)),
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning)
                 if paused_itself(&*host) =>

@@ -6,8 +6,13 @@
 //! Host object needs the ramdisk while the host runs its OS (the BMC driver comes later), and
 //! runs the kubelet of every provisioned host (a Node with the host's providerID, Ready unless
 //! the test says otherwise).
+//!
+//! The lab's environment is the management cluster and also the workload cluster (the Nodes).
+//! After `clusterctl move`, [`ProviderLab::move_to`] points the appliance at the management
+//! cluster the objects went to; the Nodes stay where they are, as a workload cluster's do.
 
 use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -56,13 +61,22 @@ pub struct ProviderLab {
     /// Whether the simulated kubelets register with `--provider-id` (as a bootstrap template
     /// that passes it from the meta-data does); if not, siteboot must set it on the Node.
     kubelet_provider_id: Arc<AtomicBool>,
+    /// The management cluster's client, where the operator reads the Hosts.
+    management: Arc<Mutex<kube::Client>>,
     operator: tokio::task::JoinHandle<()>,
-    _forward: LoopbackForward,
+    /// The management cluster's apiserver inside the lab namespace, for siteboot.
+    forward: LoopbackForward,
+    /// siteboot's kubeconfig file.
+    kubeconfig: PathBuf,
     /// The apiserver's own port inside the lab namespace: the `<cluster>-kubeconfig` Secrets
     /// (`KubeEnv::create_workload_kubeconfig_secret`) then work for siteboot too.
     _workload_forward: LoopbackForward,
     pub lab: Netns,
     // Last: the apiserver outlives everything that talks to it.
+    /// The management cluster the lab's objects were moved to ([`ProviderLab::move_to`]).
+    moved_to: Option<KubeEnv>,
+    /// The environment the lab started on: the management cluster until a move, and the
+    /// workload cluster (its Nodes) throughout.
     pub env: KubeEnv,
     /// The siteboot ServiceAccount's token, for more appliances.
     token: String,
@@ -105,8 +119,29 @@ impl ProviderLab {
         for crd in manifests::crds() {
             env.install_crd(&serde_json::to_value(crd)?).await?;
         }
-        capi::create_namespace(&env, NS).await?;
         capi::create_namespace(&env, SYSTEM_NS).await?;
+        install_rbac(&env).await?;
+        Self::start_in(slot, env, sims, config).await
+    }
+
+    /// [`ProviderLab::start_with`] on `env`, where siteboot's CRDs, namespace and RBAC are
+    /// already installed (by `clusterctl init`, for example).
+    pub async fn start_on(
+        env: KubeEnv,
+        sims: Sims,
+        config: impl FnOnce(&mut Value),
+    ) -> Result<Self> {
+        let slot = LABS.acquire().await.expect("never closed");
+        Self::start_in(slot, env, sims, config).await
+    }
+
+    async fn start_in(
+        slot: tokio::sync::SemaphorePermit<'static>,
+        env: KubeEnv,
+        sims: Sims,
+        config: impl FnOnce(&mut Value),
+    ) -> Result<Self> {
+        capi::create_namespace(&env, NS).await?;
         let token = service_account_token(&env).await?;
 
         let lab = appliance::lab_network("prov")?;
@@ -123,7 +158,9 @@ impl ProviderLab {
         let not_ready = Arc::new(Mutex::new(HashSet::new()));
         let all: Arc<Mutex<Vec<Arc<SimHost>>>> = Arc::default();
         let kubelet_provider_id = Arc::new(AtomicBool::new(true));
+        let management = Arc::new(Mutex::new(env.client()));
         let operator = tokio::spawn(operate(
+            management.clone(),
             env.client(),
             all.clone(),
             not_ready.clone(),
@@ -134,10 +171,13 @@ impl ProviderLab {
             siteboot,
             not_ready,
             kubelet_provider_id,
+            management,
             operator,
-            _forward: forward,
+            forward,
+            kubeconfig: appliance_kubeconfig(&env, &lab),
             _workload_forward: workload_forward,
             lab,
+            moved_to: None,
             env,
             token,
             _slot: slot,
@@ -191,6 +231,30 @@ impl ProviderLab {
         Ok(OtherAppliance { siteboot, _forward: forward, ns })
     }
 
+    /// Points the appliance at `target`, the management cluster the lab's objects were moved to
+    /// (`clusterctl move`), where siteboot is installed: siteboot restarts with the same
+    /// configuration, state directory and simulated hosts, as its ServiceAccount there. From
+    /// then on the lab's Hosts and Cluster API objects are `target`'s; the Nodes stay in
+    /// [`ProviderLab::env`].
+    pub async fn move_to(&mut self, target: KubeEnv) -> Result<()> {
+        let token = service_account_token(&target).await?;
+        let forward = LoopbackForward::start(&self.lab, target.apiserver_port())?;
+        std::fs::write(
+            &self.kubeconfig,
+            service_account_kubeconfig(&target, forward.port(), &token)?,
+        )?;
+        self.siteboot.restart()?;
+        self.forward = forward;
+        *self.management.lock().unwrap() = target.client();
+        self.moved_to = Some(target);
+        Ok(())
+    }
+
+    /// The management cluster: where the Hosts and the Cluster API objects are.
+    pub fn management(&self) -> &KubeEnv {
+        self.moved_to.as_ref().unwrap_or(&self.env)
+    }
+
     /// A client that acts as siteboot's ServiceAccount, with exactly the RBAC siteboot ships.
     pub async fn siteboot_client(&self) -> Result<kube::Client> {
         let yaml = service_account_kubeconfig(&self.env, self.env.apiserver_port(), &self.token)?;
@@ -204,12 +268,12 @@ impl ProviderLab {
     }
 
     pub fn hosts(&self) -> Api<Host> {
-        Api::namespaced(self.env.client(), NS)
+        Api::namespaced(self.management().client(), NS)
     }
 
     pub fn api(&self, kind: &str) -> Api<DynamicObject> {
         let version = if kind.starts_with("Siteboot") { INFRA } else { CAPI };
-        self.env.api(version, kind, Some(NS))
+        self.management().api(version, kind, Some(NS))
     }
 
     /// Hosts by state.
@@ -301,7 +365,7 @@ impl ProviderLab {
         let request = http::Request::get(path)
             .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
             .body(Vec::new())?;
-        Ok(serde_json::from_str(&self.env.client().request_text(request).await?)?)
+        Ok(serde_json::from_str(&self.management().client().request_text(request).await?)?)
     }
 
     /// The Node of a provisioned host reports NotReady (or Ready again).
@@ -320,7 +384,8 @@ impl ProviderLab {
         }
     }
 
-    /// A SitebootCluster and a Cluster using it, and the bootstrap Secret its Machines use.
+    /// A SitebootCluster and a Cluster using it, and the bootstrap Secret its Machines use
+    /// (before a move: the Cluster's workload is [`ProviderLab::env`]).
     pub async fn create_cluster(&self, name: &str, bootstrap: &str) -> Result<()> {
         let sbc: DynamicObject = serde_json::from_value(json!({
             "apiVersion": INFRA, "kind": "SitebootCluster", "metadata": { "name": name }, "spec": {},
@@ -455,12 +520,17 @@ fn start_appliance_with(
     args: &[&str],
 ) -> Result<(LoopbackForward, Appliance)> {
     let forward = LoopbackForward::start(ns, env.apiserver_port())?;
-    let kubeconfig = env.dir().join(format!("siteboot-{}.kubeconfig", ns.name()));
+    let kubeconfig = appliance_kubeconfig(env, ns);
     std::fs::write(&kubeconfig, service_account_kubeconfig(env, forward.port(), token)?)?;
     let mut all = vec!["--kubeconfig", kubeconfig.to_str().unwrap()];
     all.extend_from_slice(args);
     let siteboot = Appliance::start_with_args(ns, config, &all)?;
     Ok((forward, siteboot))
+}
+
+/// Where the kubeconfig of the appliance in `ns` is written.
+fn appliance_kubeconfig(env: &KubeEnv, ns: &Netns) -> PathBuf {
+    env.dir().join(format!("siteboot-{}.kubeconfig", ns.name()))
 }
 
 async fn create_host(api: &Api<Host>, i: usize) -> Result<()> {
@@ -474,8 +544,8 @@ fn object_namespace(object: &Value) -> &str {
     object["metadata"]["namespace"].as_str().unwrap_or(SYSTEM_NS)
 }
 
-/// The ServiceAccount siteboot ships with, its RBAC, and a token for it.
-async fn service_account_token(env: &KubeEnv) -> Result<String> {
+/// The ServiceAccount siteboot ships with and its RBAC.
+async fn install_rbac(env: &KubeEnv) -> Result<()> {
     let client = env.client();
     for object in
         manifests::rbac(SYSTEM_NS, &manifests::SecretAccess::Namespaces(vec![NS.to_owned()]))
@@ -510,9 +580,14 @@ async fn service_account_token(env: &KubeEnv) -> Result<String> {
             other => bail!("unexpected RBAC kind {other:?}"),
         }
     }
+    Ok(())
+}
+
+/// A token for siteboot's ServiceAccount.
+async fn service_account_token(env: &KubeEnv) -> Result<String> {
     let request: TokenRequest =
         serde_json::from_value(json!({ "spec": { "audiences": [], "expirationSeconds": 86400 } }))?;
-    let api = Api::<ServiceAccount>::namespaced(client, SYSTEM_NS);
+    let api = Api::<ServiceAccount>::namespaced(env.client(), SYSTEM_NS);
     let response: TokenRequest =
         api.create_subresource("token", "siteboot", &PostParams::default(), &request).await?;
     response.status.and_then(|s| s.token).context("TokenRequest returned no token")
@@ -533,17 +608,19 @@ fn service_account_kubeconfig(env: &KubeEnv, port: u16, token: &str) -> Result<S
     }))?)
 }
 
-/// The operator's loop: power buttons and kubelets (see the module comment).
+/// The operator's loop: power buttons (for the Hosts of the `management` cluster) and kubelets
+/// (in the `workload` cluster); see the module comment.
 async fn operate(
-    client: kube::Client,
+    management: Arc<Mutex<kube::Client>>,
+    workload: kube::Client,
     sims: Arc<Mutex<Vec<Arc<SimHost>>>>,
     not_ready: Arc<Mutex<HashSet<String>>>,
     kubelet_provider_id: Arc<AtomicBool>,
 ) {
-    let hosts: Api<Host> = Api::namespaced(client.clone(), NS);
-    let nodes: Api<Node> = Api::all(client);
+    let nodes: Api<Node> = Api::all(workload);
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
+        let hosts: Api<Host> = Api::namespaced(management.lock().unwrap().clone(), NS);
         let Ok(list) = hosts.list(&ListParams::default()).await else { continue };
         let sims = sims.lock().unwrap().clone();
         for host in &list.items {

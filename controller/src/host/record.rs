@@ -104,6 +104,14 @@ pub fn restore(host: &Host) -> Option<(HostStatus, &'static str, String)> {
     Some((status, reason, message))
 }
 
+/// The state `host` is in for what the appliance does with it: its own, or for a Host recreated
+/// without one and not rebuilt yet (the reconciler has not run, or the Host is paused) the state
+/// [`restore`] will give it. A moved Provisioned host that reboots meanwhile then boots its disk,
+/// not the ramdisk, which would stop its workload.
+pub fn state(host: &Host) -> Option<HostState> {
+    host.status.as_ref().and_then(|s| s.state).or_else(|| restore(host)?.0.state)
+}
+
 /// Whether `installed` is what the Host's own spec asks for, for the consumer it names.
 fn claim_matches(host: &Host, installed: Option<&Installed>) -> bool {
     let (Some(installed), Some(consumer), Some(provisioning)) =
@@ -232,6 +240,25 @@ mod tests {
             let next = super::super::lifecycle::next(&restored).unwrap();
             assert_eq!(next.to, HostState::Deprovisioning, "{what}: wiped, never Available");
         }
+    }
+
+    #[test]
+    fn before_it_is_rebuilt_a_moved_host_is_taken_for_what_its_record_restores() {
+        let h = moved(provisioned());
+        assert_eq!(state(&h), Some(HostState::Provisioned));
+        // Paused: the status is not rebuilt, but the state to boot by is the same.
+        let mut paused = h.clone();
+        let annotations = paused.metadata.annotations.as_mut().unwrap();
+        annotations.insert(crate::crd::capi::PAUSED_ANNOTATION.into(), String::new());
+        assert_eq!(state(&paused), Some(HostState::Provisioned));
+        let mut released = provisioned();
+        released.spec.consumer_ref = None;
+        assert_eq!(state(&moved(released)), Some(HostState::Registering));
+        assert_eq!(state(&Host::new("new", HostSpec::new("52:54:00:00:00:02"))), None);
+        let mut live = provisioned();
+        live.status.as_mut().unwrap().state = Some(HostState::Deprovisioning);
+        live.metadata.annotations = h.metadata.annotations.clone();
+        assert_eq!(state(&live), Some(HostState::Deprovisioning));
     }
 
     #[test]

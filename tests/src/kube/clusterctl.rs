@@ -20,6 +20,7 @@ use std::process::{Command, Output};
 use ::kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+use siteboot_controller::manifests::CLUSTERCTL_PROVIDER;
 
 use super::{
     FIELD_MANAGER, KubeEnv, free_port, http_status, install_crds, manifests, peer_command, peers,
@@ -231,12 +232,53 @@ impl Clusterctl {
         Ok(output)
     }
 
+    /// siteboot installed on `env` as a site operator installs it: the release folder the binary
+    /// under test writes (`siteboot manifests --output-dir`) as a local provider repository, the
+    /// core provider recorded, cert-manager's CRDs, then `clusterctl init --infrastructure
+    /// siteboot`. `dir` holds the release folder and clusterctl's config.
+    pub async fn install_siteboot(env: &KubeEnv, dir: &Path) -> Result<Self> {
+        let deploy = dir.join("deploy");
+        let status = Command::new(crate::appliance::binary()?)
+            .args(["manifests", "--output-dir"])
+            .arg(&deploy)
+            .status()?;
+        if !status.success() {
+            bail!("siteboot manifests --output-dir failed ({status})");
+        }
+        let components = deploy
+            .join("clusterctl")
+            .join(CLUSTERCTL_PROVIDER)
+            .join(format!("v{}", env!("CARGO_PKG_VERSION")))
+            .join("infrastructure-components.yaml");
+        let clusterctl = Self::new(env, dir, &components)?;
+        clusterctl.record_core_provider(env).await?;
+        clusterctl.install_cert_manager_crds(env).await?;
+        let init =
+            clusterctl.run(&mut clusterctl.command(&["init", "--infrastructure", "siteboot"]))?;
+        if !init.status.success() {
+            bail!("clusterctl init --infrastructure siteboot failed ({})", init.status);
+        }
+        Ok(clusterctl)
+    }
+
     /// Records the core provider the environment runs in clusterctl's inventory: clusterctl's
-    /// `Provider` CRD (from the module, as `clusterctl init` installs it) and the object
-    /// `clusterctl init` would have written after installing the core provider itself.
+    /// `Provider` CRD (from the module, as `clusterctl init` installs it), the object
+    /// `clusterctl init` would have written after installing the core provider itself, and the
+    /// labels it puts on every object it installs on the core's CRDs (`clusterctl move` moves
+    /// only the kinds of CRDs with clusterctl's label).
     pub async fn record_core_provider(&self, env: &KubeEnv) -> Result<()> {
         let crd = self.capi_module_dir.join("cmd/clusterctl/config/manifest/clusterctl-api.yaml");
         env.install_crd_yaml(&std::fs::read_to_string(&crd)?).await?;
+        let labels = json!({ "metadata": { "labels": {
+            "clusterctl.cluster.x-k8s.io": "",
+            "cluster.x-k8s.io/provider": "cluster-api",
+        } } });
+        let crds = env.api("apiextensions.k8s.io/v1", "CustomResourceDefinition", None);
+        for name in core_crd_names(&self.capi_module_dir)? {
+            crds.patch(&name, &PatchParams::default(), &Patch::Merge(&labels))
+                .await
+                .with_context(|| format!("labelling CRD {name}"))?;
+        }
         super::capi::create_namespace(env, CORE_PROVIDER_NAMESPACE).await?;
         let provider: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "clusterctl.cluster.x-k8s.io/v1alpha3",
@@ -285,15 +327,28 @@ impl Clusterctl {
             bail!("go mod download {module}: {error}");
         }
         let crds_dir = Path::new(download["Dir"].as_str().context("no Dir")?).join("deploy/crds");
-        let mut crds = Vec::new();
-        for entry in std::fs::read_dir(&crds_dir)? {
-            let path = entry?.path();
-            if path.extension().is_some_and(|e| e == "yaml") {
-                crds.extend(manifests::yaml_documents(&std::fs::read_to_string(&path)?)?);
-            }
-        }
-        install_crds(&env.client, &crds).await
+        install_crds(&env.client, &yaml_documents_in(&crds_dir)?).await
     }
+}
+
+/// The names of the core provider's CRDs (`core/config/crd/bases` of the module).
+fn core_crd_names(capi_module_dir: &Path) -> Result<Vec<String>> {
+    yaml_documents_in(&capi_module_dir.join("core/config/crd/bases"))?
+        .iter()
+        .map(|crd| Ok(crd["metadata"]["name"].as_str().context("a CRD without a name")?.to_owned()))
+        .collect()
+}
+
+/// Every document of every `*.yaml` file in `dir`.
+fn yaml_documents_in(dir: &Path) -> Result<Vec<Value>> {
+    let mut documents = Vec::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            documents.extend(manifests::yaml_documents(&std::fs::read_to_string(&path)?)?);
+        }
+    }
+    Ok(documents)
 }
 
 /// The version of the Cluster API module (`v1.14.2`), from its directory name in the module
