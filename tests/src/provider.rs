@@ -119,19 +119,21 @@ impl ProviderLab {
         for crd in manifests::crds() {
             env.install_crd(&serde_json::to_value(crd)?).await?;
         }
+        capi::create_namespace(&env, NS).await?;
         capi::create_namespace(&env, SYSTEM_NS).await?;
         install_rbac(&env).await?;
         Self::start_in(slot, env, sims, config).await
     }
 
-    /// [`ProviderLab::start_with`] on `env`, where siteboot's CRDs, namespace and RBAC are
-    /// already installed (by `clusterctl init`, for example).
+    /// [`ProviderLab::start_with`] on `env`, where siteboot's CRDs, its namespace and RBAC are
+    /// already installed (by `clusterctl init`, for example); the lab's namespace is made here.
     pub async fn start_on(
         env: KubeEnv,
         sims: Sims,
         config: impl FnOnce(&mut Value),
     ) -> Result<Self> {
         let slot = LABS.acquire().await.expect("never closed");
+        capi::create_namespace(&env, NS).await?;
         Self::start_in(slot, env, sims, config).await
     }
 
@@ -141,7 +143,6 @@ impl ProviderLab {
         sims: Sims,
         config: impl FnOnce(&mut Value),
     ) -> Result<Self> {
-        capi::create_namespace(&env, NS).await?;
         let token = service_account_token(&env).await?;
 
         let lab = appliance::lab_network("prov")?;
