@@ -330,8 +330,21 @@ pub fn agent_http(
 
 /// The deploy ramdisk's loop: ask for a task, do it, report.
 fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&str>) -> Result<()> {
+    // A call the appliance never answered (it restarted, say) is sent again, as a real agent
+    // does: the token stays good, and rebooting would end the operation for good once its
+    // bootstrap data was delivered.
     let call = |method: &str, path: &str, body: Option<&Value>| {
-        agent_http(&host.ns, agent, method, &format!("/agent/v1/{path}"), token, body)
+        let path = format!("/agent/v1/{path}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match agent_http(&host.ns, agent, method, &path, token, body) {
+                Err(e) if std::time::Instant::now() < deadline && !s.interrupted() => {
+                    s.note(format!("{method} {path}: {e:#}; again in 1 s"));
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+                result => return result,
+            }
+        }
     };
     while !s.interrupted() {
         let (status, body) = call("GET", "task", None)?;
