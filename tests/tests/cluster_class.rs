@@ -145,8 +145,11 @@ async fn a_cluster_class_cluster_provisions_hosts_and_rotates_its_machine_templa
     env.create_workload_kubeconfig_secret(NS, CLUSTER).await.unwrap();
     create(
         &lab,
+        // Where hosts join (siteboot's bootstrap data waits for it): the test apiserver.
         json!({ "apiVersion": CAPI, "kind": "Cluster", "metadata": { "name": CLUSTER },
-            "spec": { "topology": {
+            "spec": {
+              "controlPlaneEndpoint": { "host": "127.0.0.1", "port": env.apiserver_port() },
+              "topology": {
                 "classRef": { "name": "siteboot" },
                 "version": VERSION,
                 "workers": { "machineDeployments": [{ "class": "workers", "name": "md-0", "replicas": 1 }] },
