@@ -9,7 +9,7 @@ use siteboot_image_cache::{Cache, Progress};
 
 use crate::config::Config;
 
-fn open(config: &Config) -> anyhow::Result<Cache> {
+pub fn open(config: &Config) -> anyhow::Result<Cache> {
     let dir = config.state_dir.join("images");
     Cache::open(&dir, config.images.max_bytes)
         .with_context(|| format!("opening the image cache in {}", dir.display()))

@@ -52,6 +52,9 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     // The config was checked against the hard limit; make it the one in force.
     let fd_limit = crate::fd_limit::raise().context("raising the file-descriptor limit")?;
     let endpoints = Endpoints { address: config.address, http_port: config.http.port };
+    // Images the ramdisk writes: fetched once into <state_dir>/images, served by digest.
+    let images = crate::image::open(&config)?;
+    let images_dir = images.images_dir();
     let binaries = Arc::new(config.binaries);
     for platform in binaries.platforms() {
         tracing::info!(%platform, file = binaries.file_for(platform), dir = %binaries.dir().display(), "iPXE binary");
@@ -105,6 +108,10 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             );
             ctx.token_max_age = k.token_max_age;
             ctx.machine_policy.host_namespaces = k.host_namespaces.clone();
+            ctx.images = Some(Arc::new(siteboot_controller::images::ImageService::new(
+                images.clone(),
+                endpoints.clone(),
+            )));
             let ctx = Arc::new(ctx);
             let options = siteboot_controller::run::Options {
                 lease_namespace: k.lease_namespace.clone(),
@@ -152,8 +159,9 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         metrics: metrics.clone(),
         neighbors: neighbors.clone(),
     };
-    let mut http =
-        HttpServer::new(plane, &config.http, &identity).context("starting the HTTP server")?;
+    let mut http = HttpServer::new(plane, &config.http, &identity)
+        .and_then(|http| http.with_images(&images_dir))
+        .context("starting the HTTP server")?;
     if config.http.status_page {
         http = http.with_status_page(StatusPage::new(site, leadership.clone()));
     }

@@ -28,6 +28,11 @@ impl Endpoints {
         format!("{}/files/{}", self.http_base(), path.trim_start_matches('/'))
     }
 
+    /// An image of the image cache, by its SHA-256 (hex).
+    pub fn image_url(&self, sha256_hex: &str) -> String {
+        format!("{}/images/sha256/{}", self.http_base(), sha256_hex)
+    }
+
     /// An iPXE binary, for UEFI HTTP boot clients.
     pub fn ipxe_binary_url(&self, name: &str) -> String {
         format!("{}/ipxe/{}", self.http_base(), name)

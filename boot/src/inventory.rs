@@ -124,8 +124,7 @@ pub struct OperationSummary {
     pub kind: String,
     /// The ramdisk's last progress report, as it wrote it.
     pub step: Option<String>,
-    /// Bytes written of the image, once the ramdisk reports them (it reports only a step
-    /// today, so this is `None` until the imaging work adds byte counts).
+    /// Bytes of the image written, as the ramdisk last reported them.
     pub bytes: Option<ByteProgress>,
 }
 

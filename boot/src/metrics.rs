@@ -30,6 +30,8 @@ fn dhcp_type_index(t: MessageType) -> usize {
 pub enum HttpRoute {
     Script,
     File,
+    /// An image of the image cache.
+    Image,
     IpxeBinary,
     Report,
     Agent,
@@ -45,9 +47,10 @@ pub enum HttpRoute {
 }
 
 impl HttpRoute {
-    const ALL: [HttpRoute; 12] = [
+    const ALL: [HttpRoute; 13] = [
         HttpRoute::Script,
         HttpRoute::File,
+        HttpRoute::Image,
         HttpRoute::IpxeBinary,
         HttpRoute::Report,
         HttpRoute::Agent,
@@ -64,6 +67,7 @@ impl HttpRoute {
         match self {
             HttpRoute::Script => "script",
             HttpRoute::File => "file",
+            HttpRoute::Image => "image",
             HttpRoute::IpxeBinary => "ipxe-binary",
             HttpRoute::Report => "report",
             HttpRoute::Agent => "agent",

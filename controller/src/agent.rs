@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use http::{Method, StatusCode};
 use k8s_openapi::api::core::v1::Secret;
-use kube::Api;
+use kube::{Api, ResourceExt};
 use serde::Deserialize;
 use serde_json::json;
 use siteboot_boot::inventory::{AgentRequest, AgentResponse};
@@ -24,9 +24,12 @@ use crate::conditions::paused_itself;
 use crate::context::{Ctx, host_key, owner_machine_ref, update_host_status};
 use crate::crd::capi::Machine;
 use crate::crd::{
-    Hardware, Host, MachineAddress, Operation, OperationKind, SitebootMachine, WipePolicy,
+    ByteCount, Hardware, Host, Image, MachineAddress, Operation, OperationKind, SitebootMachine,
+    WipePolicy,
 };
 use crate::host::lifecycle::{completed, older_than};
+use crate::images::Readiness;
+use crate::machine::plan::provider_id;
 use crate::token;
 
 pub async fn handle(ctx: Arc<Ctx>, req: AgentRequest) -> AgentResponse {
@@ -176,7 +179,23 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
         OperationKind::Inspect => json!({ "action": "inspect", "operation": op.id }),
         OperationKind::Provision => {
             let Some(p) = &host.spec.provisioning else { return Err(Refusal::NoOperation.into()) };
-            json!({ "action": "provision", "operation": op.id, "image": p.image })
+            let readiness = match &ctx.images {
+                Some(images) => images.prepare(&op.id, &p.image).await,
+                None => Readiness::Ready { url: p.image.url.clone() },
+            };
+            let url = match readiness {
+                Readiness::Ready { url } => url,
+                Readiness::Fetching { why } => {
+                    tracing::info!(host = %host_key(&host), operation = %op.id, %why, "the ramdisk waits for its image");
+                    return Ok(AgentResponse::json(&json!({ "action": "wait", "seconds": 5 })));
+                }
+                Readiness::Failed { why } => {
+                    finish(ctx, req, OperationKind::Provision, false, &why, None).await?;
+                    return Ok(AgentResponse::json(&json!({ "action": "wait", "seconds": 10 })));
+                }
+            };
+            let hostname = machine_name(ctx, &host).await?;
+            provision_task(&op.id, &host, &p.image, &url, &hostname)
         }
         OperationKind::Deprovision => json!({
             "action": "deprovision",
@@ -185,6 +204,40 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
         }),
     };
     Ok(AgentResponse::json(&answer))
+}
+
+/// The provision task (docs/agent-api.md): the image at `url` (the appliance's copy, or its
+/// source), how to pick the disk, and the NoCloud meta-data that goes beside the bootstrap data.
+fn provision_task(
+    operation: &str,
+    host: &Host,
+    image: &Image,
+    url: &str,
+    hostname: &str,
+) -> serde_json::Value {
+    json!({
+        "action": "provision",
+        "operation": operation,
+        "image": { "url": url, "checksum": image.checksum },
+        "rootDeviceHints": host.spec.root_device_hints,
+        "growLastPartition": image.grow_last_partition,
+        "metaData": {
+            // New with each provisioning: cloud-init runs the user-data of a new instance.
+            "instance-id": operation,
+            "local-hostname": hostname,
+            "provider-id": provider_id(host),
+        },
+    })
+}
+
+/// The host name a provisioned host gets: its Machine's name (what CAPI expects the Node to be
+/// called), else its consumer's, else the Host's.
+async fn machine_name(ctx: &Ctx, host: &Host) -> Result<String, Failure> {
+    let Some(consumer) = &host.spec.consumer_ref else { return Ok(host.name_any()) };
+    let machines: Api<SitebootMachine> = Api::namespaced(ctx.client.clone(), &consumer.namespace);
+    let sbm = machines.get_opt(&consumer.name).await?;
+    let owner = sbm.as_ref().and_then(owner_machine_ref);
+    Ok(owner.map(|o| o.name.clone()).unwrap_or_else(|| consumer.name.clone()))
 }
 
 async fn inspection(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
@@ -229,6 +282,9 @@ async fn finish(
             return Err(Refusal::WrongOperation(op.kind));
         }
         let mut status = completed(current, kind, ok, &message, hardware.clone());
+        if let Some(images) = &ctx.images {
+            images.release(&op.id);
+        }
         if kind == OperationKind::Provision && ok {
             status.addresses =
                 vec![MachineAddress { kind: "InternalIP".into(), address: req.remote.to_string() }];
@@ -263,6 +319,8 @@ async fn finish(
 #[derive(Deserialize)]
 struct Progress {
     step: String,
+    #[serde(default)]
+    bytes: Option<ByteCount>,
 }
 
 async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
@@ -275,6 +333,7 @@ async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failur
         let mut status = current.status.clone().unwrap_or_default();
         if let Some(op) = status.operation.as_mut() {
             op.step = Some(step.clone());
+            op.bytes = body.bytes;
         }
         Ok::<_, Refusal>(Some(status))
     })
@@ -390,4 +449,41 @@ async fn bootstrap_secret(
         return Ok(Ok(None));
     };
     Api::<Secret>::namespaced(ctx.client.clone(), &consumer.namespace).get_opt(&name).await.map(Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::{HostSpec, RootDeviceHints};
+
+    #[test]
+    fn the_provision_task_carries_the_served_url_hints_and_meta_data() {
+        let mut host = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
+        host.metadata.namespace = Some("metal".into());
+        host.spec.root_device_hints =
+            Some(RootDeviceHints { serial: Some("S2".into()), ..Default::default() });
+        let image = Image {
+            url: "https://images.example/os.img".into(),
+            checksum: format!("sha256:{}", "ab".repeat(32)),
+            format: None,
+            grow_last_partition: true,
+        };
+        let served = format!("http://10.0.0.1:8080/images/sha256/{}", "ab".repeat(32));
+        let task = provision_task("op-7", &host, &image, &served, "worker-a");
+        assert_eq!(
+            task,
+            json!({
+                "action": "provision",
+                "operation": "op-7",
+                "image": { "url": served, "checksum": image.checksum },
+                "rootDeviceHints": { "serial": "S2" },
+                "growLastPartition": true,
+                "metaData": {
+                    "instance-id": "op-7",
+                    "local-hostname": "worker-a",
+                    "provider-id": "siteboot://metal/node-1",
+                },
+            })
+        );
+    }
 }

@@ -38,6 +38,9 @@ pub struct Ctx {
     pub machine_policy: MachinePolicy,
     pub backoff: Backoff,
     pub recorder: Recorder,
+    /// The appliance's image cache, which the ramdisk downloads images from. `None`: the
+    /// ramdisk fetches each image from its source itself.
+    pub images: Option<Arc<crate::images::ImageService>>,
 }
 
 impl Ctx {
@@ -63,6 +66,7 @@ impl Ctx {
             ramdisk,
             token_max_age: TOKEN_MAX_AGE,
             backoff: Backoff::default(),
+            images: None,
         }
     }
 

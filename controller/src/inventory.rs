@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use siteboot_boot::MacAddr;
 use siteboot_boot::inventory::{
-    AgentRequest, AgentResponse, BootAction, BootRequest, BoxFuture, HostSummary, Inventory,
-    LinuxBoot, LocalBoot, OperationSummary,
+    AgentRequest, AgentResponse, BootAction, BootRequest, BoxFuture, ByteProgress, HostSummary,
+    Inventory, LinuxBoot, LocalBoot, OperationSummary,
 };
 use siteboot_ipxe::Word;
 
@@ -202,8 +202,7 @@ fn summary(mac: MacAddr, hosts: &[Arc<Host>]) -> HostSummary {
         operation: status.and_then(|s| s.operation.as_ref()).map(|op| OperationSummary {
             kind: format!("{:?}", op.kind),
             step: op.step.clone(),
-            // The ramdisk reports steps, not bytes, today.
-            bytes: None,
+            bytes: op.bytes.map(|b| ByteProgress { done: b.done, total: b.total }),
         }),
     }
 }
@@ -211,7 +210,9 @@ fn summary(mac: MacAddr, hosts: &[Arc<Host>]) -> HostSummary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{ConsumerRef, HostSpec, HostStatus, MachineAddress, Operation, OperationKind};
+    use crate::crd::{
+        ByteCount, ConsumerRef, HostSpec, HostStatus, MachineAddress, Operation, OperationKind,
+    };
 
     fn host(name: &str) -> Host {
         let mut host = Host::new(name, HostSpec::new("52:54:00:00:00:01"));
@@ -244,6 +245,7 @@ mod tests {
                 token_issued: None,
                 bootstrap_delivered: false,
                 step: Some("writing image".into()),
+                bytes: Some(ByteCount { done: 512, total: 2048 }),
             }),
             ..HostStatus::default()
         });
@@ -258,6 +260,7 @@ mod tests {
             (operation.kind.as_str(), operation.step.as_deref()),
             ("Provision", Some("writing image"))
         );
+        assert_eq!(operation.bytes, Some(ByteProgress { done: 512, total: 2048 }));
         let shown = serde_json::to_string(&summary).unwrap();
         assert!(!shown.contains("secret-hash") && !shown.contains("op-1"), "{shown}");
     }

@@ -11,6 +11,7 @@ pub mod context;
 pub mod crd;
 pub mod dhcp_checkpoint;
 pub mod host;
+pub mod images;
 pub mod inventory;
 pub mod leader;
 pub mod machine;

@@ -273,6 +273,8 @@ mod tests {
                 name: "sda".into(),
                 size_bytes: 200,
                 model: None,
+                serial: None,
+                wwn: None,
                 rotational: false,
             }],
             ..Default::default()

@@ -136,6 +136,7 @@ mod tests {
                 url: "http://x/os.raw".into(),
                 checksum: "sha256:00".into(),
                 format: None,
+                grow_last_partition: false,
             },
             host_ref: None,
         };

@@ -155,6 +155,14 @@ impl ProviderLab {
         std::fs::create_dir_all(&ramdisk)?;
         std::fs::write(ramdisk.join("vmlinuz"), vec![0xaa; 64 * 1024])?;
         std::fs::write(ramdisk.join("initrd.img"), vec![0xbb; 32 * 1024])?;
+        // The sources of the images `image_spec` names, which the appliance fetches into its
+        // cache and serves to the ramdisks.
+        let images = siteboot.http_root().join("images");
+        std::fs::create_dir_all(&images)?;
+        for image in LAB_IMAGES {
+            std::fs::write(images.join(format!("{image}.raw")), image)?;
+        }
+        std::fs::write(images.join(format!("{TAMPERED_IMAGE}.raw")), "not what was published")?;
 
         let not_ready = Arc::new(Mutex::new(HashSet::new()));
         let all: Arc<Mutex<Vec<Arc<SimHost>>>> = Arc::default();
@@ -483,6 +491,13 @@ impl ProviderLab {
     }
 }
 
+/// The images a lab serves: `image_spec` of any of them can be provisioned.
+pub const LAB_IMAGES: [&str; 2] = ["v1", "v2"];
+
+/// An image whose source no longer has the bytes its checksum names.
+pub const TAMPERED_IMAGE: &str = "tampered";
+
+/// An image whose bytes are its name, from the lab appliance's HTTP root.
 pub fn image_spec(image: &str) -> Value {
     let digest = sha2::Sha256::digest(image.as_bytes());
     json!({ "url": format!("http://10.99.0.1:8080/files/images/{image}.raw"), "checksum": format!("sha256:{}", hex(&digest)) })

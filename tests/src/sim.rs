@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 use siteboot_agent::{AgentClient, Cmdline, Token};
 
 use crate::clients::{ClientHost, Udhcpc};
@@ -377,9 +378,21 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
                     call("POST", "progress", Some(&json!({ "step": "writing image" }))),
                     "progress",
                 )?;
+                // The image as the agent would write it: from the URL the task names, checked
+                // against its checksum.
+                let url = task["image"]["url"].as_str().context("a provision task has an image")?;
+                let (status, image) = http(&host.ns, url, "GET", "", None, None)?;
+                let digest = format!("sha256:{:x}", Sha256::digest(image.as_bytes()));
+                let result = if status != 200 {
+                    json!({ "ok": false, "message": format!("{url} answered {status}") })
+                } else if task["image"]["checksum"] != json!(digest) {
+                    json!({ "ok": false, "message": format!("{url} has {digest}") })
+                } else {
+                    json!({ "ok": true })
+                };
                 work(s);
-                expect_ok(call("POST", "complete", Some(&json!({ "ok": true }))), "complete")?;
-                s.note(format!("provisioned {}", task["image"]["url"]));
+                expect_ok(call("POST", "complete", Some(&result)), "complete")?;
+                s.note(format!("provisioned {url}: {result}"));
                 return Ok(()); // reboot into the installed OS
             }
             Some("deprovision") => {

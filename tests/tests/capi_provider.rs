@@ -13,7 +13,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 use siteboot_controller::crd::HostState;
 use siteboot_tests::kube::capi::wait_object;
-use siteboot_tests::provider::{ProviderLab, Sims, image_spec};
+use siteboot_tests::provider::{ProviderLab, Sims, TAMPERED_IMAGE, image_spec};
 
 const ROLLOUT: Duration = Duration::from_secs(300);
 
@@ -162,6 +162,26 @@ async fn machine_deployment_claims_provisions_scales_and_releases_hosts() {
         image_spec("v2")["url"].as_str().unwrap()
     );
     lab.wait_hosts(HostState::Available, 3, ROLLOUT).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_image_that_does_not_match_its_checksum_quarantines_the_host_and_is_never_served() {
+    let lab = ProviderLab::start(1, |_| {}).await.unwrap();
+    lab.create_cluster("c-bad", "#cloud-config\n").await.unwrap();
+    lab.create_template("t", TAMPERED_IMAGE).await.unwrap();
+    lab.create_machine_deployment("workers", "c-bad", "t", 1).await.unwrap();
+
+    if let Err(e) = lab.wait_hosts(HostState::Quarantined, 1, ROLLOUT).await {
+        panic!("{e:#}\n{}", lab.describe().await);
+    }
+    let host = lab.hosts().get("host-0").await.unwrap();
+    let reason = host.status.unwrap().quarantine_reason.unwrap_or_default();
+    assert!(reason.contains("tampered.raw") && reason.contains("discarded"), "{reason}");
+    // The appliance refused before any task named the image: no ramdisk got the bootstrap
+    // data, and nothing could write the image.
+    for sim in lab.sims() {
+        assert!(sim.bootstrap_data().is_empty(), "{}: bootstrap data handed out", sim.mac());
+    }
 }
 
 async fn wait_sbm_count(lab: &ProviderLab, count: usize) {

@@ -6,6 +6,8 @@
 //! - `GET /boot/<mac>.ipxe`: the host's iPXE script
 //! - `GET|HEAD /files/<path>`: a file under the HTTP root (Range, ETag)
 //! - `GET|HEAD /ipxe/<name>`: an iPXE binary (UEFI HTTP boot)
+//! - `GET|HEAD /images/sha256/<hex>`: an image of the appliance's image cache, by digest (what
+//!   the deploy ramdisk writes to disk; the cache stores only verified images)
 //! - `POST /report/<mac>/<stage>`: a boot callback, accepted from the host holding that MAC
 //! - `GET /timeline` and `GET /timeline/<mac>`: boot timelines as JSON
 //! - `GET /healthz` (alive), `GET /readyz` (the inventory can answer), `GET /metrics`
@@ -43,6 +45,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::Deserialize;
+use siteboot_image::Digest;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
@@ -200,6 +203,8 @@ pub struct HttpServer {
     tls: TlsAcceptor,
     files: Option<FileRoot>,
     ipxe_root: FileRoot,
+    /// The image cache's `sha256/` directory, if this appliance serves images.
+    images: Option<FileRoot>,
     slots: Arc<Slots>,
     reports: Mutex<RateLimiter>,
     handshake_timeout: Duration,
@@ -226,6 +231,7 @@ impl HttpServer {
             tls: TlsAcceptor::from(identity.config.clone()),
             files: settings.root.as_deref().map(FileRoot::open).transpose()?,
             ipxe_root: FileRoot::open(plane.binaries.dir())?,
+            images: None,
             plane,
             slots: Slots::new(settings.caps()?),
             reports: Mutex::new(RateLimiter::new(REPORT_RATE, REPORT_ADDRESSES)),
@@ -235,6 +241,12 @@ impl HttpServer {
             stall_timeout: settings.stall_timeout,
             status: None,
         })
+    }
+
+    /// Serves the images in `dir` (the image cache's `sha256/` directory, whose files are named
+    /// by their digest) at `/images/sha256/<hex>`.
+    pub fn with_images(self, dir: &std::path::Path) -> Result<Self, SetupError> {
+        Ok(Self { images: Some(FileRoot::open(dir)?), ..self })
     }
 
     /// Serves `page` at `GET /` and `/status/...`.
@@ -449,6 +461,9 @@ impl HttpServer {
             (Port::Http, &Method::GET | &Method::HEAD, ["files", rest]) => {
                 (HttpRoute::File, self.file(rest, &req, head, remote, chunks).await)
             }
+            (Port::Http, &Method::GET | &Method::HEAD, ["images", rest]) => {
+                (HttpRoute::Image, self.image(rest, &req, head, remote, chunks).await)
+            }
             (Port::Http, &Method::GET | &Method::HEAD, ["ipxe", name]) => {
                 (HttpRoute::IpxeBinary, self.ipxe_binary(name, &req, head, remote, chunks).await)
             }
@@ -534,6 +549,25 @@ impl HttpServer {
             return text(StatusCode::BAD_REQUEST, "bad percent-encoding\n");
         };
         self.serve(root.open_file(&decoded), &decoded, req, head, remote, chunks).await
+    }
+
+    async fn image(
+        &self,
+        path: &str,
+        req: &Request<Incoming>,
+        head: bool,
+        remote: SocketAddr,
+        chunks: Option<Arc<FileChunks>>,
+    ) -> Response<Body> {
+        let Some(images) = &self.images else {
+            return text(StatusCode::NOT_FOUND, "this appliance serves no images\n");
+        };
+        // Only names the cache gives its files: nothing else in its directory is served.
+        let digest = path.strip_prefix("sha256/").and_then(|hex| Digest::from_hex(hex).ok());
+        let Some(digest) = digest else {
+            return text(StatusCode::NOT_FOUND, "expected /images/sha256/<64 lower-case hex>\n");
+        };
+        self.serve(images.open_file(&digest.hex()), path, req, head, remote, chunks).await
     }
 
     async fn ipxe_binary(

@@ -18,6 +18,8 @@ use crate::tls::ServerIdentity;
 use crate::{Endpoints, MacAddr};
 
 const DOWNLOAD_LEN: u64 = 64 * 1024 * 1024;
+/// The name of the one image in the test's image cache.
+const IMAGE_HEX: &str = "4bd7a4a7f9e0a5e23e48c3e0b5d3c0a1f2e3d4c5b6a798877665544332211000";
 /// Far longer than any wait below, so a test fails on its own deadline, not a hang.
 const DEADLINE: Duration = Duration::from_secs(20);
 
@@ -69,6 +71,10 @@ async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
     std::fs::write(dir.path().join("undionly.kpxe"), b"bios").unwrap();
     std::fs::File::create(dir.path().join("big.img")).unwrap().set_len(DOWNLOAD_LEN).unwrap();
     std::fs::write(dir.path().join("pattern.bin"), pattern()).unwrap();
+    let images = dir.path().join("images/sha256");
+    std::fs::create_dir_all(&images).unwrap();
+    std::fs::write(images.join(IMAGE_HEX), b"image bytes").unwrap();
+    std::fs::write(images.join("notes.txt"), b"not an image").unwrap();
     let inventory = Arc::new(TestInventory { ready: AtomicBool::new(false) });
     let timeline = Arc::new(Timeline::new());
     let plane = BootPlane {
@@ -90,7 +96,8 @@ async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
     let (http, https) = (address(&listeners.http), address(&listeners.https));
     let settings =
         HttpSettings { root: Some(dir.path().to_owned()), https_port: https.port(), ..settings };
-    let mut server = HttpServer::new(plane, &settings, &identity).unwrap();
+    let mut server =
+        HttpServer::new(plane, &settings, &identity).unwrap().with_images(&images).unwrap();
     if settings.status_page {
         let (_, leadership) = tokio::sync::watch::channel(Leadership::Always);
         server = server.with_status_page(StatusPage::new("test-site", leadership));
@@ -342,6 +349,27 @@ async fn file_bodies_by_sendfile_are_exact_across_chunks_ranges_and_keep_alive()
             assert!(status == 200 || status == 206, "{path}: {status}");
             assert_eq!(body.len(), want.len(), "{path} {range}");
             assert!(body == want, "{path} {range}: the bytes differ");
+        }
+    })
+    .await;
+    server.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn images_are_served_by_digest_and_nothing_else_from_their_directory() {
+    let server = start(HttpSettings::default()).await;
+    let addr = server.http;
+    blocking(move || {
+        assert_eq!(get(addr, &format!("/images/sha256/{IMAGE_HEX}")), (200, "image bytes".into()));
+        let refused = [
+            "/images/sha256/notes.txt".to_owned(),
+            format!("/images/sha256/{}", IMAGE_HEX.to_uppercase()),
+            format!("/images/{IMAGE_HEX}"),
+            "/images/sha256/../../pattern.bin".to_owned(),
+            format!("/images/sha256/{}", &IMAGE_HEX[..63]),
+        ];
+        for path in refused {
+            assert_eq!(get(addr, &path).0, 404, "{path}");
         }
     })
     .await;

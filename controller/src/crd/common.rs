@@ -27,6 +27,11 @@ pub struct Image {
     /// `raw` (the default) or `qcow2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<ImageFormat>,
+    /// Grow the image's last partition to fill the disk (up to the NoCloud seed siteboot puts
+    /// at the disk's end). For images whose last partition is a root file system that grows
+    /// itself on first boot (cloud-init's growpart does), this is not needed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub grow_last_partition: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -55,6 +55,31 @@ pub struct HostSpec {
     /// How disks are wiped when the host is deprovisioned. Default `quick`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wipe: Option<WipePolicy>,
+    /// Which disk the image goes to. Absent: the smallest disk that holds the image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root_device_hints: Option<RootDeviceHints>,
+}
+
+/// How the deploy ramdisk picks the disk to write the image to: a disk must match every hint
+/// given, and among those that do, the smallest that holds the image is chosen. A disk the
+/// hints rule out is never written. Compare with what inspection found (`status.hardware`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RootDeviceHints {
+    /// The device's kernel name, e.g. `/dev/sdb` (names can change between boots: prefer
+    /// serial or WWN on real servers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wwn: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_size_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_size_bytes: Option<u64>,
 }
 
 fn default_true() -> bool {
@@ -72,6 +97,7 @@ impl HostSpec {
             consumer_ref: None,
             provisioning: None,
             wipe: None,
+            root_device_hints: None,
         }
     }
 }
@@ -166,6 +192,16 @@ pub struct Operation {
     /// The ramdisk's last progress report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<String>,
+    /// Bytes of the image written so far, as the ramdisk last reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<ByteCount>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ByteCount {
+    pub done: u64,
+    /// 0 when the size is not known yet.
+    pub total: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -215,6 +251,11 @@ pub struct Disk {
     pub size_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
+    /// World Wide Name, e.g. `0x5000c500a1b2c3d4`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wwn: Option<String>,
     #[serde(default)]
     pub rotational: bool,
 }
@@ -224,6 +265,11 @@ pub struct Disk {
 pub struct Nic {
     pub name: String,
     pub mac: String,
+    /// Whether the port had a carrier when inspected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speed_mbps: Option<u32>,
 }
 
 /// What is installed on a provisioned host.

@@ -150,6 +150,7 @@ pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
         token_issued: None,
         bootstrap_delivered: false,
         step: None,
+        bytes: None,
     });
     match transition.to {
         HostState::Quarantined => {
@@ -308,6 +309,7 @@ mod tests {
             url: format!("http://x/{n}.img"),
             checksum: format!("sha256:{}", "0".repeat(64)),
             format: None,
+            grow_last_partition: false,
         }
     }
 

@@ -137,6 +137,7 @@ mod tests {
             url: format!("http://x/{n}.img"),
             checksum: format!("sha256:{}", "0".repeat(64)),
             format: None,
+            grow_last_partition: false,
         }
     }
 

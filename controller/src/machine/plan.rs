@@ -654,6 +654,7 @@ mod tests {
             url: "http://x/os.img".into(),
             checksum: format!("sha256:{}", "0".repeat(64)),
             format: None,
+            grow_last_partition: false,
         }
     }
 

@@ -212,6 +212,12 @@ impl Cache {
     pub fn used_bytes(&self) -> u64 {
         self.shared.lock().entries.values().map(|e| e.size).sum()
     }
+
+    /// The directory of the images, each a complete, verified file named by its digest's hex:
+    /// what the boot plane serves at `/images/sha256/<hex>`.
+    pub fn images_dir(&self) -> PathBuf {
+        self.shared.dir.join("sha256")
+    }
 }
 
 impl Shared {
