@@ -75,6 +75,11 @@ pub struct KubernetesFile {
     /// How long a ramdisk token is accepted after it is issued.
     #[serde(default = "default_token_max_age", with = "humantime_serde")]
     pub token_max_age: std::time::Duration,
+    /// How long a ramdisk that booted for an operation may go without reporting before its
+    /// host is quarantined (reason `RamdiskSilent`). The agent reports every few seconds
+    /// while it works.
+    #[serde(default = "default_ramdisk_silence_timeout", with = "humantime_serde")]
+    pub ramdisk_silence_timeout: std::time::Duration,
     /// Namespaces, besides a SitebootMachine's own, that its `hostSelector.namespace` may take
     /// Hosts from. None by default: a machine gets Hosts of its own namespace only.
     #[serde(default)]
@@ -83,6 +88,10 @@ pub struct KubernetesFile {
 
 fn default_token_max_age() -> std::time::Duration {
     siteboot_controller::context::TOKEN_MAX_AGE
+}
+
+fn default_ramdisk_silence_timeout() -> std::time::Duration {
+    siteboot_controller::context::RAMDISK_SILENCE_TIMEOUT
 }
 
 fn default_lease_namespace() -> String {
@@ -101,6 +110,7 @@ pub struct KubernetesConfig {
     pub lease_namespace: String,
     pub leader_election: bool,
     pub token_max_age: std::time::Duration,
+    pub ramdisk_silence_timeout: std::time::Duration,
     pub host_namespaces: Vec<String>,
 }
 
@@ -345,6 +355,7 @@ impl Config {
                     lease_namespace: k.lease_namespace.clone(),
                     leader_election: k.leader_election,
                     token_max_age: k.token_max_age,
+                    ramdisk_silence_timeout: k.ramdisk_silence_timeout,
                     host_namespaces: k.host_namespaces.clone(),
                 })
             }

@@ -23,6 +23,11 @@ use crate::machine::plan::Policy as MachinePolicy;
 /// (`kubernetes.token_max_age`).
 pub const TOKEN_MAX_AGE: Duration = Duration::from_secs(2 * 3600);
 
+/// How long a ramdisk that booted for an operation may go without a word before its host is
+/// quarantined, unless configured (`kubernetes.ramdisk_silence_timeout`). The agent reports
+/// progress every few seconds while it works.
+pub const RAMDISK_SILENCE_TIMEOUT: Duration = Duration::from_secs(15 * 60);
+
 pub struct Ctx {
     pub client: Client,
     /// The site this appliance serves: Hosts labelled `siteboot.dev/site=<site>`.
@@ -34,6 +39,8 @@ pub struct Ctx {
     pub ramdisk: LinuxBoot,
     /// How long a ramdisk token stays valid after it is issued.
     pub token_max_age: Duration,
+    /// How long a booted ramdisk may stay silent before its host is quarantined.
+    pub ramdisk_silence_timeout: Duration,
     /// What the SitebootMachine reconciler may do (its site, identity, host namespaces).
     pub machine_policy: MachinePolicy,
     pub backoff: Backoff,
@@ -65,6 +72,7 @@ impl Ctx {
             hosts,
             ramdisk,
             token_max_age: TOKEN_MAX_AGE,
+            ramdisk_silence_timeout: RAMDISK_SILENCE_TIMEOUT,
             backoff: Backoff::default(),
             images: None,
         }

@@ -245,6 +245,7 @@ mod tests {
                 token_issued: None,
                 bootstrap_delivered: false,
                 step: Some("writing image".into()),
+                last_heard: None,
                 bytes: Some(ByteCount { done: 512, total: 2048 }),
             }),
             ..HostStatus::default()

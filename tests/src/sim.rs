@@ -390,7 +390,9 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
                 } else {
                     json!({ "ok": true })
                 };
-                work(s);
+                if !work(s) {
+                    return Ok(());
+                }
                 expect_ok(call("POST", "complete", Some(&result)), "complete")?;
                 s.note(format!("provisioned {url}: {result}"));
                 return Ok(()); // reboot into the installed OS
@@ -400,7 +402,9 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
                     call("POST", "progress", Some(&json!({ "step": "wiping" }))),
                     "progress",
                 )?;
-                work(s);
+                if !work(s) {
+                    return Ok(());
+                }
                 expect_ok(call("POST", "complete", Some(&json!({ "ok": true }))), "complete")?;
                 s.note("wiped".into());
                 return Ok(());
@@ -411,9 +415,17 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
     Ok(())
 }
 
-fn work(s: &Shared) {
-    let ms = s.work_ms.load(Ordering::Acquire);
-    std::thread::sleep(Duration::from_millis(ms));
+/// The time a ramdisk's work takes. False: the host was stopped or rebooted meanwhile, and the
+/// work never finished.
+fn work(s: &Shared) -> bool {
+    let until = Instant::now() + Duration::from_millis(s.work_ms.load(Ordering::Acquire));
+    while Instant::now() < until {
+        if s.interrupted() {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100).min(until - Instant::now()));
+    }
+    true
 }
 
 fn expect_ok(result: Result<(u16, String)>, what: &str) -> Result<()> {

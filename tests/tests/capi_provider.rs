@@ -184,6 +184,30 @@ async fn an_image_that_does_not_match_its_checksum_quarantines_the_host_and_is_n
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_ramdisk_that_falls_silent_quarantines_its_host_with_the_reason() {
+    let lab = ProviderLab::start(1, |config| {
+        config["kubernetes"]["ramdisk_silence_timeout"] = json!("15s");
+    })
+    .await
+    .unwrap();
+    // The ramdisk reports "writing image", then hangs far longer than the appliance allows.
+    for sim in lab.sims() {
+        sim.set_work_time(Duration::from_secs(600));
+    }
+    lab.create_cluster("c-silent", "#cloud-config\n").await.unwrap();
+    lab.create_template("t", "v1").await.unwrap();
+    lab.create_machine_deployment("workers", "c-silent", "t", 1).await.unwrap();
+
+    if let Err(e) = lab.wait_hosts(HostState::Quarantined, 1, ROLLOUT).await {
+        panic!("{e:#}\n{}", lab.describe().await);
+    }
+    let status = lab.hosts().get("host-0").await.unwrap().status.unwrap();
+    let reason = status.quarantine_reason.unwrap_or_default();
+    assert!(reason.starts_with("RamdiskSilent: ") && reason.contains("writing image"), "{reason}");
+    assert!(status.wipe_required, "a host quarantined mid-provisioning still owes a wipe");
+}
+
 async fn wait_sbm_count(lab: &ProviderLab, count: usize) {
     let sbms = lab.api("SitebootMachine");
     siteboot_tests::wait::for_async(&format!("{count} SitebootMachines left"), ROLLOUT, || async {

@@ -192,6 +192,10 @@ pub struct Operation {
     /// The ramdisk's last progress report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<String>,
+    /// When the ramdisk last reported progress: with `tokenIssued`, its last sign of life. A
+    /// ramdisk silent for longer than the appliance allows quarantines the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_heard: Option<Time>,
     /// Bytes of the image written so far, as the ramdisk last reported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<ByteCount>,

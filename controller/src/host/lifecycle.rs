@@ -102,6 +102,35 @@ pub fn next(host: &Host) -> Option<Transition> {
     }
 }
 
+/// Quarantines a host whose ramdisk booted for the operation under way (it took a token) and
+/// has then said nothing for more than `max_silence_secs`: it hung, lost its network or
+/// crashed. A host that never booted the ramdisk is not timed out: without a BMC, siteboot
+/// waits for it to network-boot.
+pub fn silent(host: &Host, max_silence_secs: i64) -> Option<Transition> {
+    let status = host.status.as_ref()?;
+    if !matches!(
+        status.state,
+        Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning)
+    ) {
+        return None;
+    }
+    let op = status.operation.as_ref()?;
+    let last = [&op.token_issued, &op.last_heard].into_iter().flatten().max_by_key(|t| t.0)?;
+    if !older_than(last, max_silence_secs) {
+        return None;
+    }
+    let step = op.step.as_deref().map(|s| format!(" (its last step: {s})")).unwrap_or_default();
+    Some(Transition {
+        to: HostState::Quarantined,
+        operation: None,
+        reason: "RamdiskSilent",
+        message: format!(
+            "the ramdisk of {:?} operation {} has not been heard from for more than {max_silence_secs} s{step}",
+            op.kind, op.id
+        ),
+    })
+}
+
 fn deprovision(host: &Host, reason: &'static str, message: &str) -> Option<Transition> {
     if host.spec.wipe == Some(WipePolicy::None) {
         return Some(Transition {
@@ -151,6 +180,7 @@ pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
         bootstrap_delivered: false,
         step: None,
         bytes: None,
+        last_heard: None,
     });
     match transition.to {
         HostState::Quarantined => {
@@ -383,6 +413,42 @@ mod tests {
         assert_eq!(step(&mut h), Some(HostState::Registering));
         assert!(h.status.as_ref().unwrap().quarantine_reason.is_none());
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "provisioning began: wipe first");
+    }
+
+    #[test]
+    fn a_ramdisk_that_booted_and_fell_silent_quarantines_its_host() {
+        let ago = |secs: i64| {
+            Time(
+                k8s_openapi::jiff::Timestamp::now()
+                    - k8s_openapi::jiff::SignedDuration::from_secs(secs),
+            )
+        };
+        let mut h = host();
+        h.status = Some(HostStatus {
+            state: Some(HostState::Available),
+            hardware: Some(Hardware::default()),
+            ..Default::default()
+        });
+        claim(&mut h, 1);
+        assert_eq!(step(&mut h), Some(HostState::Provisioning));
+        assert_eq!(silent(&h, 60), None, "never booted the ramdisk: waits for it");
+        h.status.as_mut().unwrap().operation.as_mut().unwrap().token_issued = Some(ago(30));
+        assert_eq!(silent(&h, 60), None, "booted 30 s ago");
+        h.status.as_mut().unwrap().operation.as_mut().unwrap().token_issued = Some(ago(600));
+        h.status.as_mut().unwrap().operation.as_mut().unwrap().last_heard = Some(ago(10));
+        assert_eq!(silent(&h, 60), None, "booted long ago, heard from 10 s ago");
+        h.status.as_mut().unwrap().operation.as_mut().unwrap().last_heard = Some(ago(120));
+        h.status.as_mut().unwrap().operation.as_mut().unwrap().step = Some("writing image".into());
+        let t = silent(&h, 60).expect("silent for 120 s");
+        assert_eq!((t.to, t.reason), (HostState::Quarantined, "RamdiskSilent"));
+        let id = h.status.as_ref().unwrap().operation.as_ref().unwrap().id.clone();
+        assert!(t.message.contains(&id) && t.message.contains("writing image"), "{}", t.message);
+        h.status = Some(apply(&h, &t));
+        assert!(
+            h.status.as_ref().unwrap().wipe_required,
+            "a silent provisioning still owes a wipe"
+        );
+        assert_eq!(silent(&h, 60), None, "Quarantined: nothing more to time out");
     }
 
     #[test]

@@ -56,12 +56,27 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
     if report_shared_mac(host, ctx, &api).await? {
         return Ok(Action::requeue(Duration::from_secs(300)));
     }
-    let Some(transition) = lifecycle::next(host) else {
+    let next = next_step(ctx);
+    let Some(transition) = next(host) else {
         refresh_power(host, ctx).await?;
-        return Ok(Action::requeue(Duration::from_secs(300)));
+        // While a ramdisk works, look again soon enough to notice it falling silent.
+        let operation = host.status.as_ref().is_some_and(|s| s.operation.is_some());
+        let again = if operation { ctx.ramdisk_silence_timeout.min(SILENCE_CHECK) } else { IDLE };
+        return Ok(Action::requeue(again));
     };
-    transit(host, ctx, &api, &transition, lifecycle::next).await
+    transit(host, ctx, &api, &transition, next).await
 }
+
+/// The lifecycle's next step, or quarantine for a ramdisk gone silent.
+fn next_step(ctx: &Ctx) -> impl Fn(&Host) -> Option<Transition> + use<> {
+    let max_silence = ctx.ramdisk_silence_timeout.as_secs() as i64;
+    move |host| lifecycle::silent(host, max_silence).or_else(|| lifecycle::next(host))
+}
+
+/// How often a Host with nothing to do is looked at again.
+const IDLE: Duration = Duration::from_secs(300);
+/// How often a Host whose ramdisk works is checked for silence.
+const SILENCE_CHECK: Duration = Duration::from_secs(30);
 
 /// Writes `transition` if `still` computes it again from the fresh Host, then records it.
 async fn transit(
@@ -69,7 +84,7 @@ async fn transit(
     ctx: &Ctx,
     api: &Api<Host>,
     transition: &Transition,
-    still: fn(&Host) -> Option<Transition>,
+    still: impl Fn(&Host) -> Option<Transition>,
 ) -> Result<Action, Error> {
     let written = update_host_status(api, &host.name_any(), |current| {
         // Re-check on the fresh Host: the step must still be the one to take.
@@ -150,8 +165,8 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error
     }
     match lifecycle::on_delete(host) {
         // Meanwhile the lifecycle goes on: a consumer that lets go waits for the wipe it starts.
-        Deletion::WaitForRelease | Deletion::WaitForWipe => match lifecycle::next(host) {
-            Some(t) => transit(host, ctx, api, &t, lifecycle::next).await,
+        Deletion::WaitForRelease | Deletion::WaitForWipe => match next_step(ctx)(host) {
+            Some(t) => transit(host, ctx, api, &t, next_step(ctx)).await,
             None => Ok(Action::requeue(Duration::from_secs(30))),
         },
         Deletion::Wipe(t) => {
