@@ -44,9 +44,10 @@ pub enum Refusal {
 impl RootDeviceHints {
     /// The first hint `disk` does not match.
     fn mismatch(&self, disk: &Disk) -> Option<&'static str> {
-        let name = self.name.as_deref().map(|n| {
-            if n.starts_with("/dev/") { n.to_owned() } else { format!("/dev/{n}") }
-        });
+        let name = self
+            .name
+            .as_deref()
+            .map(|n| if n.starts_with("/dev/") { n.to_owned() } else { format!("/dev/{n}") });
         let same = |hint: &Option<String>, actual: &Option<String>, norm: fn(&str) -> String| {
             hint.as_ref().is_none_or(|h| actual.as_deref().is_some_and(|a| norm(a) == norm(h)))
         };

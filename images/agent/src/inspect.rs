@@ -145,10 +145,7 @@ fn read(path: &Path) -> Option<String> {
 
 fn entries(dir: &Path) -> Vec<(String, PathBuf)> {
     let Ok(listing) = fs::read_dir(dir) else { return Vec::new() };
-    listing
-        .flatten()
-        .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
-        .collect()
+    listing.flatten().filter_map(|e| Some((e.file_name().into_string().ok()?, e.path()))).collect()
 }
 
 /// CPUs in a kernel CPU list (`/sys/devices/system/cpu/online`: `0-3,6,8-9`).

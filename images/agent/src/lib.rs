@@ -13,6 +13,7 @@ pub mod cmdline;
 pub mod hints;
 pub mod inspect;
 pub mod pin;
+pub mod write;
 
 pub use client::{AgentClient, ClientError, Response};
 pub use cmdline::{AgentUrl, Cmdline, CmdlineError, Fingerprint, Token};

@@ -405,7 +405,6 @@ impl Sink<'_> {
         }
         Ok(())
     }
-
 }
 
 impl FetchSink for Sink<'_> {
