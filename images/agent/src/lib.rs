@@ -12,6 +12,7 @@ pub mod client;
 pub mod cmdline;
 pub mod hints;
 pub mod inspect;
+pub mod partition;
 pub mod pin;
 pub mod write;
 
