@@ -14,6 +14,7 @@ pub mod hints;
 pub mod inspect;
 pub mod partition;
 pub mod pin;
+pub mod seed;
 pub mod write;
 
 pub use client::{AgentClient, ClientError, Response};
