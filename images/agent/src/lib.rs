@@ -14,7 +14,9 @@ pub mod hints;
 pub mod inspect;
 pub mod partition;
 pub mod pin;
+pub mod progress;
 pub mod seed;
+pub mod wipe;
 pub mod write;
 
 pub use client::{AgentClient, ClientError, Response};

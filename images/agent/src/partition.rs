@@ -319,6 +319,51 @@ pub fn add_seed_partition(
     Ok(SeedPlace { offset: first * sector, len: (last - first + 1) * sector })
 }
 
+/// The partitions `file` (`size` bytes, `sector`-byte sectors) holds by its tables, in bytes
+/// (offset, length): the GPT's (primary, and backup at the disk's end, whichever are intact) and
+/// the MBR's primaries. What a quick wipe must clear the ends of; empty if there is no table.
+pub fn partitions(file: &File, size: u64, sector: u64) -> io::Result<Vec<(u64, u64)>> {
+    let sectors = size / sector;
+    let read = |lba: u64, len: usize| -> io::Result<Vec<u8>> {
+        let mut buffer = vec![0; len];
+        file.read_exact_at(&mut buffer, lba * sector)?;
+        Ok(buffer)
+    };
+    let mut found = Vec::new();
+    if sectors < 3 {
+        return Ok(found);
+    }
+    for lba in [1, sectors - 1] {
+        let header = read(lba, sector as usize)?;
+        if !header.starts_with(GPT_SIGNATURE) || Gpt::check(&header).is_err() {
+            continue;
+        }
+        let (count, entry_size) = (u32_at(&header, 80) as usize, u32_at(&header, 84) as usize);
+        let Ok(entries) = read(u64_at(&header, 72), count * entry_size) else { continue };
+        let gpt = Gpt { header, entries };
+        for i in 0..count {
+            let entry = gpt.entry(i);
+            let (first, last) = (u64_at(entry, 32), u64_at(entry, 40));
+            if entry[..16] != [0; 16] && first <= last && last < sectors {
+                found.push((first * sector, (last - first + 1) * sector));
+            }
+        }
+    }
+    let mbr = Mbr(read(0, sector as usize)?);
+    if mbr.0[510..512] == [0x55, 0xaa] {
+        for i in (0..4).filter(|&i| ![0, MBR_GPT_PROTECTIVE].contains(&mbr.kind(i))) {
+            let (start, len) =
+                (u64::from(u32_at(mbr.entry(i), 8)), u64::from(u32_at(mbr.entry(i), 12)));
+            if len > 0 && start + len <= sectors {
+                found.push((start * sector, len * sector));
+            }
+        }
+    }
+    found.sort_unstable();
+    found.dedup();
+    Ok(found)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use std::process::Command;

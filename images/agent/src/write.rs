@@ -13,6 +13,9 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+pub use crate::progress::Progress;
+use crate::progress::Throttle;
+
 use siteboot_image::{Digest, ImageUrl, Mismatch, Verifier};
 use siteboot_image_cache::{CacheError, FetchSink};
 
@@ -64,35 +67,6 @@ pub enum WriteError {
     /// The bytes were written (the disk must be wiped), but they are not the image named.
     #[error("{0}")]
     Mismatch(Mismatch),
-}
-
-/// How far a write is: bytes received of the total the server announced (0 if it did not).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Progress {
-    pub done: u64,
-    pub total: u64,
-}
-
-/// Lets a progress report through at most once per `every`.
-#[derive(Debug)]
-pub struct Throttle {
-    every: Duration,
-    last: Option<Instant>,
-}
-
-impl Throttle {
-    pub fn new(every: Duration) -> Self {
-        Self { every, last: None }
-    }
-
-    /// Whether a report at `now` is due (the first always is); if so, it counts as sent.
-    pub fn due(&mut self, now: Instant) -> bool {
-        let due = self.last.is_none_or(|last| now.duration_since(last) >= self.every);
-        if due {
-            self.last = Some(now);
-        }
-        due
-    }
 }
 
 /// The disk being written: counts bytes and refuses any beyond its capacity (a regular file
@@ -489,14 +463,5 @@ mod tests {
         assert_eq!(Format::detect(b"\xebc\x90\x10").unwrap(), Format::Raw);
         assert_eq!(Format::detect(b"").unwrap(), Format::Raw);
         assert!(matches!(Format::detect(b"QFI\xfb"), Err(WriteError::Qcow2)));
-    }
-
-    #[test]
-    fn progress_at_most_once_per_interval() {
-        let mut throttle = Throttle::new(Duration::from_secs(1));
-        let t0 = Instant::now();
-        let at = |ms| t0 + Duration::from_millis(ms);
-        let due: Vec<bool> = [0, 10, 999, 1000, 1500, 2100].map(|ms| throttle.due(at(ms))).into();
-        assert_eq!(due, [true, false, false, true, false, true]);
     }
 }
