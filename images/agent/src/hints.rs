@@ -125,7 +125,8 @@ mod tests {
             h
         };
         // (hints, image size in GiB, expected disk or the refusals of each disk)
-        let cases: Vec<(RootDeviceHints, u64, Result<&str, Vec<&str>>)> = vec![
+        type Case = (RootDeviceHints, u64, Result<&'static str, Vec<&'static str>>);
+        let cases: Vec<Case> = vec![
             (hints(|_| {}), 1, Ok("/dev/vda")),
             (hints(|_| {}), 15, Ok("/dev/sdb")),
             (hints(|_| {}), 600, Err(vec!["too small"; 4])),

@@ -117,6 +117,13 @@ impl SystemRoot {
         disks
     }
 
+    /// The logical sector size of the disk `/dev/<name>` (what partition tables count in).
+    pub fn logical_block_size(&self, name: &str) -> u64 {
+        let name = name.strip_prefix("/dev/").unwrap_or(name);
+        let path = self.sys("block").join(name).join("queue/logical_block_size");
+        read(&path).and_then(|s| s.parse().ok()).unwrap_or(512)
+    }
+
     /// Network interfaces backed by a device (not lo, bridges or other virtual ones).
     fn nics(&self) -> Vec<Nic> {
         let mut nics: Vec<Nic> = entries(&self.sys("class/net"))
@@ -208,6 +215,7 @@ mod tests {
         put(root, "sys/block/sdb/device/serial", "disk-b\n");
         put(root, "sys/block/sdb/device/wwid", "naa.5000c500a1b2c3d4\n");
         put(root, "sys/block/sdb/queue/rotational", "1\n");
+        put(root, "sys/block/sdb/queue/logical_block_size", "4096\n");
         put(root, "sys/block/nvme0n1/size", "8\n");
         put(root, "sys/block/nvme0n1/wwid", "eui.0025388b91b2c3d4\n");
         put(root, "sys/block/nvme0n1/device/model", "NVMe disk\n");
@@ -226,7 +234,10 @@ mod tests {
         fs::create_dir_all(root.join("sys/class/net/eth1/device")).unwrap();
         put(root, "sys/class/net/lo/address", "00:00:00:00:00:00\n");
 
-        let hardware = SystemRoot(root.to_owned()).hardware();
+        let system = SystemRoot(root.to_owned());
+        assert_eq!(system.logical_block_size("/dev/sdb"), 4096);
+        assert_eq!(system.logical_block_size("/dev/vda"), 512);
+        let hardware = system.hardware();
         let json = serde_json::to_value(&hardware).unwrap();
         let expected = serde_json::json!({
             "cpus": 2, "memoryMiB": 2048, "arch": std::env::consts::ARCH,

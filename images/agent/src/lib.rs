@@ -16,6 +16,7 @@ pub mod partition;
 pub mod pin;
 pub mod progress;
 pub mod seed;
+pub mod task;
 pub mod wipe;
 pub mod write;
 

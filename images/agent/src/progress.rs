@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 /// How far a long step is: bytes done of the total (0 if unknown), as `POST v1/progress` says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Progress {
     pub done: u64,
     pub total: u64,

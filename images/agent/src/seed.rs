@@ -43,17 +43,23 @@ impl MetaData {
     }
 }
 
-/// Formats the partition at `place` on `device` as the seed with `user_data` and `meta_data`.
+/// Formats the partition at `place` on `device` (`sector`-byte logical sectors, which FAT's
+/// sectors match) as the seed with `user_data` and `meta_data`.
 pub fn write_seed(
     device: &Path,
     place: SeedPlace,
+    sector: u64,
     user_data: &[u8],
     meta_data: &MetaData,
 ) -> Result<(), SeedError> {
     let io = |error| SeedError::Io { device: device.to_owned(), error };
     let file = File::options().read(true).write(true).open(device).map_err(io)?;
-    let sectors = u32::try_from(place.len / 512).expect("a seed partition is a few MiB");
-    let options = fatfs::FormatVolumeOptions::new().volume_label(*LABEL).total_sectors(sectors);
+    let sectors = u32::try_from(place.len / sector).expect("a seed partition is a few MiB");
+    let sector = u16::try_from(sector).expect("logical sectors are 512 to 4096 bytes");
+    let options = fatfs::FormatVolumeOptions::new()
+        .volume_label(*LABEL)
+        .bytes_per_sector(sector)
+        .total_sectors(sectors);
     fatfs::format_volume(Slice::new(&file, place), options).map_err(io)?;
     {
         let fs = fatfs::FileSystem::new(Slice::new(&file, place), fatfs::FsOptions::new())
@@ -150,7 +156,7 @@ mod tests {
         let path = disk.path();
         let place = add_seed_partition(path, 100 << 20, 512, true).unwrap();
         let user_data = b"#cloud-config\nruncmd: [[kubeadm, join]]\n";
-        write_seed(path, place, user_data, &meta_data()).unwrap();
+        write_seed(path, place, 512, user_data, &meta_data()).unwrap();
 
         let name = path.to_str().unwrap();
         let (offset, size) = (place.offset.to_string(), place.len.to_string());

@@ -49,7 +49,7 @@ pub fn regions(policy: Policy, size: u64, partitions: &[(u64, u64)]) -> Vec<Rang
     };
     let mut ranges: Vec<Range<u64>> = match policy {
         Policy::None => Vec::new(),
-        Policy::Full => vec![0..size],
+        Policy::Full => std::iter::once(0..size).collect(),
         Policy::Quick => std::iter::once((0, size))
             .chain(partitions.iter().copied())
             .flat_map(|(offset, len)| ends(offset, len))
@@ -160,7 +160,10 @@ mod tests {
             regions(Policy::Quick, 4 * MIB, &[(MIB, 4096)]),
             vec![0..MIB + 4096, 3 * MIB..4 * MIB]
         );
-        assert_eq!(regions(Policy::Full, size, &parts), vec![0..size]);
+        assert_eq!(
+            regions(Policy::Full, size, &parts),
+            std::iter::once(0..size).collect::<Vec<_>>()
+        );
         assert_eq!(regions(Policy::None, size, &parts), vec![]);
         assert_eq!(regions(Policy::Quick, MIB / 2, &[]), vec![0..MIB / 2]);
     }
