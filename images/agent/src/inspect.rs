@@ -59,7 +59,8 @@ pub struct Nic {
     pub speed_mbps: Option<u32>,
 }
 
-/// The kernel's views of the machine: `<root>/sys` and `<root>/proc` (`/` on the ramdisk).
+/// The kernel's views of the machine: `<root>/sys`, `<root>/proc` and the disks' device nodes
+/// under `<root>/dev` (`/` on the ramdisk).
 #[derive(Debug, Clone)]
 pub struct SystemRoot(pub PathBuf);
 
@@ -115,6 +116,11 @@ impl SystemRoot {
             .collect();
         disks.sort_by(|a, b| a.name.cmp(&b.name));
         disks
+    }
+
+    /// The device node of the disk `/dev/<name>` under this root (itself on the ramdisk).
+    pub fn device(&self, name: &str) -> PathBuf {
+        self.0.join(name.trim_start_matches('/'))
     }
 
     /// The logical sector size of the disk `/dev/<name>` (what partition tables count in).

@@ -31,7 +31,7 @@ The siteboot deploy ramdisk's agent: asks the appliance named on the kernel comm
 provision (write an image and a NoCloud seed), deprovision (wipe), reboot.
 
   --cmdline FILE  the kernel command line to read (default /proc/cmdline)
-  --root DIR      where sys/ and proc/ are read from (default /)
+  --root DIR      where sys/, proc/ and the disks' dev/ nodes are (default /)
   --help          this text
 ";
 
@@ -235,7 +235,7 @@ impl Agent {
         }
         let user_data = response.body;
 
-        let device = PathBuf::from(&disk.name);
+        let device = self.root.device(&disk.name);
         let sector = self.root.logical_block_size(&disk.name);
         let (progress, reporter) = self.report("writing image");
         let written = write::write_image(&url, &digest, &device, disk.size_bytes, |p| {
@@ -286,7 +286,7 @@ impl Agent {
         say!("wiping {} ({policy:?})", disk.name);
         let (progress, reporter) = self.report("wiping");
         let (size, sector) = (disk.size_bytes, self.root.logical_block_size(&disk.name));
-        let device = PathBuf::from(&disk.name);
+        let device = self.root.device(&disk.name);
         let wiped = blocking(&device, move |d| {
             wipe::wipe(d, size, sector, policy, |p| {
                 progress.send_replace(Some(p));
@@ -361,6 +361,23 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::VecDeque;
+    use std::convert::Infallible;
+    use std::io::Write;
+    use std::net::{Ipv4Addr, SocketAddr};
+    use std::process::Command;
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::TokioIo;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+    use serde_json::{Value, json};
+    use sha2::Digest as _;
+    use siteboot_agent::{AgentUrl, Fingerprint};
+    use tokio::net::TcpListener;
+
     use super::*;
 
     #[test]
@@ -368,5 +385,232 @@ mod tests {
         let mut b = Backoff::new();
         let waits: Vec<u64> = (0..7).map(|_| b.next().as_secs()).collect();
         assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30]);
+    }
+
+    /// What the fake appliance was sent: (method and path, body).
+    type Log = Arc<Mutex<Vec<(String, Bytes)>>>;
+
+    /// The agent API on loopback over TLS with a fresh certificate: hands out `tasks` in
+    /// order (then `wait`), serves bootstrap data and accepts every post.
+    async fn appliance(tasks: Vec<Value>) -> (AgentClient, Log) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let der: CertificateDer<'static> = cert.der().clone();
+        let pin = Fingerprint::of(&der);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![der],
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            )
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let SocketAddr::V4(addr) = listener.local_addr().unwrap() else { unreachable!() };
+        let log: Log = Arc::default();
+        let tasks = Arc::new(Mutex::new(VecDeque::from(tasks)));
+        let seen = log.clone();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let Ok(tls) = acceptor.accept(tcp).await else { continue };
+                let (seen, tasks) = (seen.clone(), tasks.clone());
+                let service = hyper::service::service_fn(
+                    move |request: http::Request<hyper::body::Incoming>| {
+                        let (seen, tasks) = (seen.clone(), tasks.clone());
+                        async move {
+                            let what = format!("{} {}", request.method(), request.uri().path());
+                            let body = request.into_body().collect().await.unwrap().to_bytes();
+                            seen.lock().unwrap().push((what.clone(), body));
+                            let answer = match what.as_str() {
+                                "GET /agent/v1/task" => {
+                                    let next = tasks.lock().unwrap().pop_front();
+                                    next.unwrap_or(json!({"action": "wait", "seconds": 1}))
+                                        .to_string()
+                                }
+                                "GET /agent/v1/bootstrap" => {
+                                    "#cloud-config\nruncmd: [[true]]\n".into()
+                                }
+                                _ => r#"{"ok": true}"#.into(),
+                            };
+                            Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from(answer))))
+                        }
+                    },
+                );
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tls), service),
+                );
+            }
+        });
+        let url = AgentUrl { address: *addr.ip(), port: addr.port() };
+        (AgentClient::new(url, pin), log)
+    }
+
+    fn put(root: &Path, path: &str, text: &str) {
+        let path = root.join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// A machine of one 100 MiB disk, `<root>/dev/vda`, a regular file.
+    fn machine() -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        put(root.path(), "proc/meminfo", "MemTotal: 1048576 kB\n");
+        put(root.path(), "sys/devices/system/cpu/online", "0\n");
+        put(root.path(), "sys/block/vda/size", &(100 * 2048).to_string());
+        std::fs::create_dir_all(root.path().join("sys/block/vda/device")).unwrap();
+        put(root.path(), "dev/vda", "");
+        std::fs::File::options()
+            .write(true)
+            .open(root.path().join("dev/vda"))
+            .unwrap()
+            .set_len(100 << 20)
+            .unwrap();
+        root
+    }
+
+    /// A gzipped 32 MiB GPT image (sfdisk) in `dir`: its file:// URL and digest.
+    fn image(dir: &Path) -> (String, String) {
+        let raw = dir.join("image.raw");
+        std::fs::File::create(&raw).unwrap().set_len(32 << 20).unwrap();
+        let mut sfdisk = Command::new("sfdisk")
+            .args(["--no-reread", "--no-tell-kernel"])
+            .arg(&raw)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("sfdisk (scripts/setup installs fdisk)");
+        sfdisk.stdin.take().unwrap().write_all(b"label: gpt\n,8M,U\n,,L\n").unwrap();
+        assert!(sfdisk.wait().unwrap().success());
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&std::fs::read(&raw).unwrap()).unwrap();
+        let gz = gz.finish().unwrap();
+        let path = dir.join("image.raw.gz");
+        std::fs::write(&path, &gz).unwrap();
+        let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&gz)));
+        (format!("file://{}", path.display()), digest)
+    }
+
+    /// Runs the agent until the appliance has `completes` completions (or a minute passed).
+    async fn run_until(agent: Agent, log: &Log, completes: usize) -> Vec<Value> {
+        let running = tokio::spawn(async move { agent.run().await });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let got: Vec<Value> = log
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(what, _)| what == "POST /agent/v1/complete")
+                .map(|(_, body)| serde_json::from_slice(body).unwrap())
+                .collect();
+            if got.len() >= completes {
+                running.abort();
+                return got;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {completes} completions: {:?}",
+                log.lock().unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn posted(log: &Log, what: &str) -> Vec<Value> {
+        let log = log.lock().unwrap();
+        log.iter()
+            .filter(|(w, _)| w == what)
+            .map(|(_, b)| serde_json::from_slice(b).unwrap())
+            .collect()
+    }
+
+    fn blkid(disk: &Path, offset: u64, size: u64) -> String {
+        let out = Command::new("blkid")
+            .args(["-p", "-o", "export", "-O", &offset.to_string(), "-S", &size.to_string()])
+            .arg(disk)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn provision(url: &str, checksum: &str) -> Value {
+        json!({"action": "provision", "operation": "op-2",
+               "image": {"url": url, "checksum": checksum},
+               "rootDeviceHints": {"name": "vda"}, "growLastPartition": true,
+               "metaData": {"instance-id": "i-1", "local-hostname": "worker-1",
+                            "provider-id": "siteboot://default/worker-1"}})
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn inspects_provisions_and_deprovisions_a_machine() {
+        let root = machine();
+        let (url, checksum) = image(root.path());
+        let tasks =
+            vec![json!({"action": "inspect", "operation": "op-1"}), provision(&url, &checksum)];
+        let (client, log) = appliance(tasks).await;
+        let agent = Agent {
+            client: client.clone(),
+            token: Token::new("t0k3n").ok(),
+            root: SystemRoot(root.path().to_owned()),
+        };
+        let completes = run_until(agent, &log, 1).await;
+        assert_eq!(completes[0]["ok"], true, "{completes:?}");
+
+        let inspection = posted(&log, "POST /agent/v1/inspection");
+        assert_eq!(inspection[0]["disks"][0]["name"], "/dev/vda");
+        assert_eq!(inspection[0]["memoryMiB"], 1024);
+        assert!(log.lock().unwrap().iter().any(|(w, _)| w == "GET /agent/v1/bootstrap"));
+        let disk = root.path().join("dev/vda");
+        let dump = Command::new("sfdisk").arg("-d").arg(&disk).output().unwrap();
+        let dump = String::from_utf8_lossy(&dump.stdout).into_owned();
+        let seed_line = dump.lines().find(|l| l.contains("name=\"CIDATA\"")).expect(&dump);
+        let field = |name: &str| -> u64 {
+            let v = seed_line.split(&format!("{name}=")).nth(1).unwrap().split(',').next().unwrap();
+            v.trim().parse().unwrap()
+        };
+        let (start, size) = (field("start") * 512, field("size") * 512);
+        let found = blkid(&disk, start, size);
+        assert!(found.contains("LABEL=CIDATA"), "{found}\n{dump}");
+
+        // Deprovisioning wipes it: nothing is left for blkid to find.
+        let tasks = vec![json!({"action": "deprovision", "operation": "op-3", "wipe": "quick"})];
+        let (client, log) = appliance(tasks).await;
+        let agent = Agent { client, token: None, root: SystemRoot(root.path().to_owned()) };
+        let completes = run_until(agent, &log, 1).await;
+        assert_eq!(completes[0]["ok"], true, "{completes:?}");
+        assert_eq!(blkid(&disk, 0, 100 << 20), "");
+        assert_eq!(blkid(&disk, start, size), "");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_provision_is_reported_and_leaves_nothing_bootable() {
+        let root = machine();
+        let (url, _) = image(root.path());
+        let wrong = format!("sha256:{}", "0".repeat(64));
+        let tasks = vec![
+            provision(&url, &wrong),
+            json!({"action": "provision", "operation": "op-4",
+                   "image": {"url": url, "checksum": wrong},
+                   "rootDeviceHints": {"serial": "no-such-disk"},
+                   "metaData": {"instance-id": "i-1"}}),
+        ];
+        let (client, log) = appliance(tasks).await;
+        let agent = Agent { client, token: None, root: SystemRoot(root.path().to_owned()) };
+        let completes = run_until(agent, &log, 2).await;
+        assert_eq!(completes[0]["ok"], false);
+        let message = completes[0]["message"].as_str().unwrap();
+        assert!(message.contains("not the expected") && message.contains("wiped"), "{message}");
+        assert!(!message.contains("NOT wiped"), "{message}");
+        assert_eq!(blkid(&root.path().join("dev/vda"), 0, 100 << 20), "");
+        assert_eq!(completes[1]["ok"], false);
+        let message = completes[1]["message"].as_str().unwrap();
+        assert!(message.contains("/dev/vda is not the hinted serial"), "{message}");
     }
 }
