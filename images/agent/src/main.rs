@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Method, StatusCode};
 use serde::Serialize;
 use siteboot_agent::hints::NoDisk;
@@ -65,16 +66,34 @@ enum TaskError {
     Bootstrap(String),
     #[error("the seed's metaData: {0}")]
     MetaData(SeedError),
-    #[error("writing the image to {disk}: {error}; the disk's ends were {wiped}")]
-    Write { disk: String, error: WriteError, wiped: &'static str },
-    #[error("adding the seed partition to {disk}: {error}")]
-    Partition { disk: String, error: PartitionError },
-    #[error("writing the seed to {disk}: {error}")]
-    Seed { disk: String, error: SeedError },
+    #[error("imaging {disk}: {error}; the disk was {wiped}")]
+    Imaging { disk: String, error: ImagingError, wiped: &'static str },
     #[error("wiping {disk}: {error}")]
     Wipe { disk: String, error: WipeError },
     #[error("a disk step stopped without a result: {0}")]
     Panicked(#[from] tokio::task::JoinError),
+}
+
+/// Why imaging a disk stopped once its first bytes may have been written.
+#[derive(Debug, thiserror::Error)]
+enum ImagingError {
+    #[error("writing the image: {0}")]
+    Write(#[from] WriteError),
+    #[error("adding the seed partition: {0}")]
+    Partition(#[from] PartitionError),
+    #[error("writing the seed: {0}")]
+    Seed(#[from] SeedError),
+    #[error("a disk step stopped without a result: {0}")]
+    Panicked(#[from] tokio::task::JoinError),
+}
+
+/// What a provision writes to its disk.
+struct Imaging {
+    url: ImageUrl,
+    digest: Digest,
+    grow: bool,
+    user_data: Bytes,
+    meta_data: MetaData,
 }
 
 struct Agent {
@@ -233,21 +252,20 @@ impl Agent {
             let why = format!("{} {}", response.status, String::from_utf8_lossy(&response.body));
             return Err(TaskError::Bootstrap(why));
         }
-        let user_data = response.body;
-
-        let device = self.root.device(&disk.name);
-        let sector = self.root.logical_block_size(&disk.name);
-        let (progress, reporter) = self.report("writing image");
-        let written = write::write_image(&url, &digest, &device, disk.size_bytes, |p| {
-            progress.send_replace(Some(p));
-        })
-        .await;
-        drop(progress);
-        let _ = reporter.await;
-        let written = match written {
-            Ok(written) => written,
+        let imaging = Imaging {
+            url,
+            digest,
+            grow: task.grow_last_partition,
+            user_data: response.body,
+            meta_data,
+        };
+        match self.image(&disk, imaging).await {
+            Ok(written) => Ok(format!(
+                "wrote {digest} ({written} bytes) and the NoCloud seed to {}",
+                disk.name
+            )),
             Err(error) => {
-                // Bytes may have been written: nothing half-written may boot.
+                // Bytes may have been written: nothing half-written (or seedless) may boot.
                 let wiped = match self.wipe_disk(&disk, Policy::Quick).await {
                     Ok(_) => "wiped",
                     Err(e) => {
@@ -255,19 +273,34 @@ impl Agent {
                         "NOT wiped"
                     }
                 };
-                return Err(TaskError::Write { disk: disk.name, error, wiped });
+                Err(TaskError::Imaging { disk: disk.name, error, wiped })
             }
-        };
+        }
+    }
+
+    /// Writes the image to `disk`, then adds the seed; returns the image's bytes on the disk.
+    async fn image(&self, disk: &Disk, imaging: Imaging) -> Result<u64, ImagingError> {
+        let device = self.root.device(&disk.name);
+        let sector = self.root.logical_block_size(&disk.name);
+        let (progress, reporter) = self.report("writing image");
+        let written =
+            write::write_image(&imaging.url, &imaging.digest, &device, disk.size_bytes, |p| {
+                progress.send_replace(Some(p));
+            })
+            .await;
+        drop(progress);
+        let _ = reporter.await;
+        let written = written?;
         say!("wrote {written} bytes to {}", disk.name);
-        let (size, grow) = (disk.size_bytes, task.grow_last_partition);
+        let (size, grow) = (disk.size_bytes, imaging.grow);
         let place =
             blocking(&device, move |d| partition::add_seed_partition(d, size, sector, grow))
-                .await?
-                .map_err(|error| TaskError::Partition { disk: disk.name.clone(), error })?;
+                .await??;
+        let Imaging { user_data, meta_data, .. } = imaging;
         blocking(&device, move |d| seed::write_seed(d, place, sector, &user_data, &meta_data))
-            .await?
-            .map_err(|error| TaskError::Seed { disk: disk.name.clone(), error })?;
-        Ok(format!("wrote {digest} ({written} bytes) and the NoCloud seed to {}", disk.name))
+            .await??;
+        say!("seed written to {}", disk.name);
+        Ok(written)
     }
 
     async fn deprovision(&self, policy: Policy) -> Result<String, TaskError> {
@@ -594,8 +627,16 @@ mod tests {
         let root = machine();
         let (url, _) = image(root.path());
         let wrong = format!("sha256:{}", "0".repeat(64));
+        // An image without a partition table: written whole, but no seed partition fits in.
+        let tableless = root.path().join("tableless.raw");
+        std::fs::write(&tableless, b"not a partition table ".repeat(50_000)).unwrap();
+        let tableless_digest = format!(
+            "sha256:{}",
+            hex::encode(sha2::Sha256::digest(std::fs::read(&tableless).unwrap()))
+        );
         let tasks = vec![
             provision(&url, &wrong),
+            provision(&format!("file://{}", tableless.display()), &tableless_digest),
             json!({"action": "provision", "operation": "op-4",
                    "image": {"url": url, "checksum": wrong},
                    "rootDeviceHints": {"serial": "no-such-disk"},
@@ -603,14 +644,21 @@ mod tests {
         ];
         let (client, log) = appliance(tasks).await;
         let agent = Agent { client, token: None, root: SystemRoot(root.path().to_owned()) };
-        let completes = run_until(agent, &log, 2).await;
-        assert_eq!(completes[0]["ok"], false);
+        let completes = run_until(agent, &log, 3).await;
+        let disk = root.path().join("dev/vda");
         let message = completes[0]["message"].as_str().unwrap();
-        assert!(message.contains("not the expected") && message.contains("wiped"), "{message}");
-        assert!(!message.contains("NOT wiped"), "{message}");
-        assert_eq!(blkid(&root.path().join("dev/vda"), 0, 100 << 20), "");
-        assert_eq!(completes[1]["ok"], false);
+        assert_eq!(completes[0]["ok"], false);
+        assert!(message.contains("not the expected"), "{message}");
+        assert!(message.ends_with("the disk was wiped"), "{message}");
+        assert_eq!(blkid(&disk, 0, 100 << 20), "");
         let message = completes[1]["message"].as_str().unwrap();
+        assert_eq!(completes[1]["ok"], false);
+        assert!(message.contains("the image has no partition table"), "{message}");
+        assert!(message.ends_with("the disk was wiped"), "{message}");
+        let first_mib = &std::fs::read(&disk).unwrap()[..1 << 20];
+        assert!(first_mib.iter().all(|b| *b == 0), "the tableless image is still on the disk");
+        assert_eq!(completes[2]["ok"], false);
+        let message = completes[2]["message"].as_str().unwrap();
         assert!(message.contains("/dev/vda is not the hinted serial"), "{message}");
     }
 }
