@@ -107,7 +107,9 @@ impl SystemRoot {
                     name: format!("/dev/{name}"),
                     size_bytes: sectors * 512,
                     model: read(&device.join("model")),
-                    serial: read(&dir.join("serial")).or_else(|| read(&device.join("serial"))),
+                    serial: read(&dir.join("serial"))
+                        .or_else(|| read(&device.join("serial")))
+                        .or_else(|| vpd_serial(&fs::read(device.join("vpd_pg80")).ok()?)),
                     wwn: read(&device.join("wwid")).or_else(|| read(&dir.join("wwid"))),
                     rotational: read(&dir.join("queue/rotational")).as_deref() == Some("1"),
                 })
@@ -156,6 +158,18 @@ fn read(path: &Path) -> Option<String> {
     (!text.is_empty()).then(|| text.to_owned())
 }
 
+/// The unit serial number of a SCSI VPD page 0x80 (`device/vpd_pg80` of SATA and SAS disks):
+/// a 4-byte header whose last two bytes are the length, then ASCII, often padded with blanks.
+fn vpd_serial(page: &[u8]) -> Option<String> {
+    let (header, rest) = page.split_at_checked(4)?;
+    if header[1] != 0x80 {
+        return None;
+    }
+    let len = usize::from(u16::from_be_bytes([header[2], header[3]]));
+    let serial = std::str::from_utf8(rest.get(..len)?).ok()?.trim();
+    (!serial.is_empty()).then(|| serial.to_owned())
+}
+
 fn entries(dir: &Path) -> Vec<(String, PathBuf)> {
     let Ok(listing) = fs::read_dir(dir) else { return Vec::new() };
     listing.flatten().filter_map(|e| Some((e.file_name().into_string().ok()?, e.path()))).collect()
@@ -201,6 +215,15 @@ mod tests {
     }
 
     #[test]
+    fn scsi_serial_pages() {
+        assert_eq!(vpd_serial(b"\0\x80\0\x0a  WD-12345").as_deref(), Some("WD-12345"));
+        assert_eq!(vpd_serial(b"\0\x80\0\x0a  WD-1"), None, "shorter than its length");
+        assert_eq!(vpd_serial(b"\0\x83\0\x02ab"), None, "another page");
+        assert_eq!(vpd_serial(b"\0\x80\0\x02  "), None, "blank");
+        assert_eq!(vpd_serial(b"\0\x80"), None);
+    }
+
+    #[test]
     fn a_fake_machine() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
@@ -225,6 +248,9 @@ mod tests {
         put(root, "sys/block/nvme0n1/size", "8\n");
         put(root, "sys/block/nvme0n1/wwid", "eui.0025388b91b2c3d4\n");
         put(root, "sys/block/nvme0n1/device/model", "NVMe disk\n");
+        put(root, "sys/block/sdd/size", "16\n");
+        put(root, "sys/block/sdd/device/vpd_pg80", "");
+        fs::write(root.join("sys/block/sdd/device/vpd_pg80"), b"\0\x80\0\x08SER-D   ").unwrap();
         put(root, "sys/block/loop0/size", "2048\n");
         put(root, "sys/block/dm-0/size", "2048\n");
         put(root, "sys/block/sr0/size", "2048\n");
@@ -254,6 +280,7 @@ mod tests {
                  "wwn": "eui.0025388b91b2c3d4", "rotational": false},
                 {"name": "/dev/sdb", "sizeBytes": 2147483648u64, "model": "QEMU HARDDISK",
                  "serial": "disk-b", "wwn": "naa.5000c500a1b2c3d4", "rotational": true},
+                {"name": "/dev/sdd", "sizeBytes": 8192, "serial": "SER-D", "rotational": false},
                 {"name": "/dev/vda", "sizeBytes": 1073741824u64, "serial": "disk-a",
                  "rotational": false},
             ],
