@@ -72,7 +72,7 @@ impl fmt::Display for Interruption {
 }
 
 impl CacheError {
-    pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
+    pub fn io(action: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
         Self::Io { action, path: path.into(), error: Arc::new(source) }
     }
 }

@@ -2,6 +2,7 @@
 //! rustls (the platform's root certificates, ring as the crypto provider like the rest of
 //! siteboot). One connection per attempt; a body that breaks off is resumed with `Range` from
 //! the last byte written, guarded by `If-Range` so a changed file restarts instead of splicing.
+//! The cache's store and the deploy ramdisk's disk writer are both [`FetchSink`]s.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +19,6 @@ use tokio::net::TcpStream;
 use tokio::time::timeout;
 use tokio_rustls::TlsConnector;
 
-use crate::store::Sink;
 use crate::{CacheError, Interruption};
 
 pub const MAX_REDIRECTS: u32 = 5;
@@ -31,10 +31,25 @@ const HEADERS_TIMEOUT: Duration = Duration::from_secs(30);
 /// Between two pieces of the body: an image takes as long as it takes, a silent server not.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
-pub(crate) async fn fetch(url: &ImageUrl, sink: &mut Sink<'_>) -> Result<(), CacheError> {
+/// Where a fetch writes the bytes it receives, in order.
+pub trait FetchSink: Send {
+    /// The sink's own failures; a fetch's are [`CacheError`]s.
+    type Error: From<CacheError> + Send;
+    /// Bytes written so far: where a resumed transfer starts.
+    fn written(&self) -> u64;
+    /// The source announced the image's size.
+    fn set_total(&mut self, total: u64) -> Result<(), Self::Error>;
+    /// The next bytes.
+    fn write(&mut self, data: &[u8]) -> impl Future<Output = Result<(), Self::Error>> + Send;
+    /// Starts over from the first byte (a server that would not resume sent the whole image).
+    fn restart(&mut self) -> impl Future<Output = Result<(), Self::Error>> + Send;
+}
+
+/// Fetches `url` into `sink`, resuming broken HTTP transfers.
+pub async fn fetch<S: FetchSink>(url: &ImageUrl, sink: &mut S) -> Result<(), S::Error> {
     match url {
         ImageUrl::File(path) => {
-            let io = |e| CacheError::io("reading", path, e);
+            let io = |e| S::Error::from(CacheError::io("reading", path, e));
             let mut file = tokio::fs::File::open(path).await.map_err(io)?;
             sink.set_total(file.metadata().await.map_err(io)?.len())?;
             let mut buffer = vec![0; 1 << 20];
@@ -53,7 +68,7 @@ pub(crate) async fn fetch(url: &ImageUrl, sink: &mut Sink<'_>) -> Result<(), Cac
 trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 
-async fn fetch_http(mut uri: Uri, sink: &mut Sink<'_>) -> Result<(), CacheError> {
+async fn fetch_http<S: FetchSink>(mut uri: Uri, sink: &mut S) -> Result<(), S::Error> {
     let mut redirects = 0;
     let mut resumes = 0;
     // ETag or Last-Modified of the first answer: a resume asks for the same version.
@@ -68,7 +83,7 @@ async fn fetch_http(mut uri: Uri, sink: &mut Sink<'_>) -> Result<(), CacheError>
             redirects += 1;
             uri = redirect_target(&uri, &response)?;
             if redirects > MAX_REDIRECTS {
-                return Err(CacheError::TooManyRedirects { url: uri.to_string() });
+                return Err(CacheError::TooManyRedirects { url: uri.to_string() }.into());
             }
             continue;
         }
@@ -99,10 +114,11 @@ async fn fetch_http(mut uri: Uri, sink: &mut Sink<'_>) -> Result<(), CacheError>
                         url,
                         offset,
                         content_range: content_range.to_owned(),
-                    });
+                    }
+                    .into());
                 }
             }
-            status => return Err(CacheError::Status { url, status }),
+            status => return Err(CacheError::Status { url, status }.into()),
         }
         let mut body = response.into_body();
         let cause = loop {
@@ -120,7 +136,8 @@ async fn fetch_http(mut uri: Uri, sink: &mut Sink<'_>) -> Result<(), CacheError>
         // Resuming needs a validator: without one, bytes from a changed file could be spliced
         // onto the old ones (the digest would catch it, but only after the whole download).
         if resumes == MAX_RESUMES || validator.is_none() {
-            return Err(CacheError::Dropped { url, bytes: sink.written(), resumes, cause });
+            let bytes = sink.written();
+            return Err(CacheError::Dropped { url, bytes, resumes, cause }.into());
         }
         resumes += 1;
         tokio::time::sleep(Duration::from_millis(200 * u64::from(resumes))).await;

@@ -8,4 +8,5 @@ mod fetch;
 pub mod store;
 
 pub use error::{CacheError, Interruption};
+pub use fetch::{FetchSink, fetch};
 pub use store::{Cache, ImageInfo, Lease, Progress};

@@ -21,7 +21,7 @@ use tokio::io::{AsyncSeekExt, AsyncWriteExt, BufWriter};
 use tokio::sync::watch;
 
 use crate::CacheError;
-use crate::fetch;
+use crate::fetch::{self, FetchSink};
 
 /// How a download is going.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -401,17 +401,6 @@ pub(crate) struct Sink<'a> {
 }
 
 impl Sink<'_> {
-    /// Bytes written so far: where a resumed transfer starts.
-    pub(crate) fn written(&self) -> u64 {
-        self.verifier.bytes()
-    }
-
-    /// The source announced the image's size: room for all of it is reserved at once.
-    pub(crate) fn set_total(&mut self, total: u64) -> Result<(), CacheError> {
-        self.total = Some(total);
-        self.grow(total)
-    }
-
     fn grow(&mut self, to: u64) -> Result<(), CacheError> {
         if to > self.shared.max_bytes {
             return Err(CacheError::TooLarge { size: to, max: self.shared.max_bytes });
@@ -422,8 +411,22 @@ impl Sink<'_> {
         }
         Ok(())
     }
+}
 
-    pub(crate) async fn write(&mut self, data: &[u8]) -> Result<(), CacheError> {
+impl FetchSink for Sink<'_> {
+    type Error = CacheError;
+
+    fn written(&self) -> u64 {
+        self.verifier.bytes()
+    }
+
+    /// Room for all of the announced size is reserved at once.
+    fn set_total(&mut self, total: u64) -> Result<(), CacheError> {
+        self.total = Some(total);
+        self.grow(total)
+    }
+
+    async fn write(&mut self, data: &[u8]) -> Result<(), CacheError> {
         self.grow(self.written() + data.len() as u64)?;
         self.file.write_all(data).await.map_err(|e| CacheError::io("writing", &self.path, e))?;
         self.verifier.update(data);
@@ -437,8 +440,7 @@ impl Sink<'_> {
         Ok(())
     }
 
-    /// Starts over from the first byte (a server that would not resume sent the whole image).
-    pub(crate) async fn restart(&mut self) -> Result<(), CacheError> {
+    async fn restart(&mut self) -> Result<(), CacheError> {
         let io = |e| CacheError::io("truncating", &self.path, e);
         self.file.flush().await.map_err(io)?;
         self.file.get_mut().set_len(0).await.map_err(io)?;
