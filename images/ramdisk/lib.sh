@@ -3,8 +3,8 @@
 # gzip'd newc initramfs. Callers set `set -euo pipefail` and define log().
 
 # The kernel package linux-image-amd64 depends on, as apt would install it now:
-# "<package> <version> <sha256 of the .deb>". Its sha256 is an input of the callers' cache keys,
-# so a new Debian kernel means a new image while an unchanged one costs no download.
+# "<package> <version> <sha256 of the .deb>". That sha256 is an input of the callers' cache
+# keys: a new Debian kernel means a new image, while an unchanged one costs no download.
 kernel_package() {
 	local package
 	package="$(apt-cache show --no-all-versions linux-image-amd64 2>/dev/null |
@@ -14,32 +14,43 @@ kernel_package() {
 		awk -v p="$package" -F': ' '/^Version:/ { v = $2 } /^SHA256:/ { s = $2 } END { print p, v, s }'
 }
 
-# Prints the path of the kernel .deb "<package> <version> <sha256>", downloaded once with
-# apt-get download into $1 (kept there under its sha256) and checked against that sha256.
+# Downloads the .deb "<package> <version> <sha256>" with apt-get download into $1, kept there
+# as <sha256>.deb, and checks it against that sha256. Returns non-zero when apt cannot get it.
+download_deb() {
+	local debs="$1" package="$2" version="$3" sha256="$4"
+	local tmp
+	mkdir -p "$debs"
+	tmp="$(mktemp -d "$debs/.download.XXXXXX")"
+	log "apt-get download $package=$version"
+	# As root apt would drop to its _apt user, who cannot write here; it then warns and
+	# downloads as root anyway.
+	if (cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root "$package=$version" >&2) &&
+		echo "$sha256  $(ls "$tmp"/*.deb)" | sha256sum -c --quiet >&2; then
+		mv "$tmp"/*.deb "$debs/$sha256.deb"
+		rm -rf "$tmp"
+		return 0
+	fi
+	rm -rf "$tmp"
+	log "apt-get download $package=$version failed"
+	return 1
+}
+
+# Prints the path of the kernel .deb "<package> <version> <sha256>" (kernel_package) in $1,
+# downloaded there unless it already is.
 kernel_deb() {
 	local debs="$1" package="$2" version="$3" sha256="$4"
-	local deb="$debs/$sha256.deb"
-	if [[ ! -f "$deb" ]]; then
-		mkdir -p "$debs"
-		local tmp
-		tmp="$(mktemp -d "$debs/.download.XXXXXX")"
-		log "apt-get download $package=$version"
-		# As root apt would drop to its _apt user, who cannot write here; it then warns and
-		# downloads as root anyway.
-		(cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root "$package=$version" >&2) || {
-			rm -rf "$tmp"
-			log "apt-get download $package=$version failed (stale apt lists? run apt-get update)"
-			return 1
-		}
-		if ! echo "$sha256  $(ls "$tmp"/*.deb)" | sha256sum -c --quiet >&2; then
-			rm -rf "$tmp"
-			log "$package $version: sha256 differs from apt's index"
-			return 1
-		fi
-		mv "$tmp"/*.deb "$deb"
-		rm -rf "$tmp"
-	fi
-	echo "$deb"
+	[[ -f "$debs/$sha256.deb" ]] || download_deb "$debs" "$package" "$version" "$sha256" || return 1
+	echo "$debs/$sha256.deb"
+}
+
+# When apt's lists are missing or old (Debian removes a kernel package from its mirrors when
+# the next one comes out), updates them, as root and once per build (the caller then starts
+# over with the kernel they name). Returns non-zero when it did not.
+refresh_apt_lists() {
+	[[ "$(id -u)" -eq 0 && -z "${SITEBOOT_APT_UPDATED:-}" ]] || return 1
+	log "apt-get update (apt's lists do not name a kernel the mirror has)"
+	apt-get update -q >&2 || return 1
+	export SITEBOOT_APT_UPDATED=1
 }
 
 # Unpacks the kernel and its modules from the .deb $1 into $2 and indexes the modules'
