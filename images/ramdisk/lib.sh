@@ -2,6 +2,9 @@
 # scripts/build-test-os-image): the Debian kernel package, its modules in load order, and a
 # gzip'd newc initramfs. Callers set `set -euo pipefail` and define log().
 
+# depmod, mkfs.* and sgdisk are in sbin, which a user's PATH on Debian lacks (no root needed).
+PATH="$PATH:/usr/sbin:/sbin"
+
 # The kernel package linux-image-amd64 depends on, as apt would install it now:
 # "<package> <version> <sha256 of the .deb>". That sha256 is an input of the callers' cache
 # keys: a new Debian kernel means a new image, while an unchanged one costs no download.
