@@ -15,6 +15,7 @@ pub mod forward;
 pub mod initramfs;
 pub mod kube;
 pub mod netns;
+pub mod os_images;
 pub mod process;
 pub mod provider;
 pub mod sim;
