@@ -49,7 +49,7 @@ pub fn next(host: &Host) -> Option<Transition> {
     match state {
         None => t(HostState::Registering, None, "Registered", "new host"),
         Some(HostState::Registering) => {
-            if let Err(e) = crate::bmc::driver_for(host) {
+            if let Err(e) = crate::bmc::spec_of(host) {
                 return t(HostState::Quarantined, None, "BMCFailed", &e.to_string());
             }
             if status.is_some_and(|s| s.wipe_required) {
@@ -384,13 +384,21 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_bmc_is_quarantined_with_a_reason() {
+    fn an_unusable_bmc_address_is_quarantined_with_a_reason() {
         let mut h = host();
-        h.spec.bmc = Some(Bmc { address: "redfish://x".into(), credentials_name: "c".into() });
+        h.spec.bmc = Some(Bmc {
+            address: "ipmi://x".into(),
+            credentials_name: "c".into(),
+            certificate_fingerprint: None,
+        });
         step(&mut h);
         assert_eq!(step(&mut h), Some(HostState::Quarantined));
         let reason = h.status.unwrap().quarantine_reason.unwrap();
-        assert!(reason.starts_with("BMCFailed: spec.bmc names \"redfish://x\""), "{reason}");
+        assert!(
+            reason
+                .starts_with("BMCFailed: spec.bmc.address \"ipmi://x\": the scheme is not redfish"),
+            "{reason}"
+        );
     }
 
     fn provisioned() -> Host {

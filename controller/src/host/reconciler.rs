@@ -91,7 +91,7 @@ async fn transit(
     )
     .await;
     if transition.operation.is_some()
-        && let Ok(driver) = bmc::driver_for(&written)
+        && let Ok(driver) = bmc::driver_for(&written, &ctx.client).await
         && let Err(e) = driver.boot_from_network().await
     {
         tracing::warn!(host = %host_key(&written), error = %e, "cannot boot the host into the ramdisk; it will when it restarts");
@@ -167,7 +167,7 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error
             Ok(Action::await_change())
         }
         Deletion::Finish => {
-            if let Ok(driver) = bmc::driver_for(host)
+            if let Ok(driver) = bmc::driver_for(host, &ctx.client).await
                 && let Err(e) = driver.power_off().await
             {
                 tracing::warn!(host = %host_key(host), error = %e, "cannot power off the deleted host");
@@ -251,7 +251,7 @@ async fn set_mac_condition(
 
 /// Records what the BMC says about power, when it changed.
 async fn refresh_power(host: &Host, ctx: &Ctx) -> Result<(), Error> {
-    let Ok(driver) = bmc::driver_for(host) else { return Ok(()) };
+    let Ok(driver) = bmc::driver_for(host, &ctx.client).await else { return Ok(()) };
     let Ok(power) = driver.power().await else { return Ok(()) };
     if host.status.as_ref().and_then(|s| s.power) == Some(power) {
         return Ok(());
