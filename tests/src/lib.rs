@@ -17,6 +17,8 @@ pub mod kube;
 pub mod netns;
 pub mod process;
 pub mod provider;
+pub mod redfish;
 pub mod sim;
+pub mod venv;
 pub mod vm;
 pub mod wait;
