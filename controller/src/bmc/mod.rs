@@ -47,6 +47,19 @@ pub enum BmcError {
 }
 
 impl BmcError {
+    /// CamelCase, for a condition's reason and an Event.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::InvalidAddress(_) | Self::InvalidFingerprint(_) => "BMCSpecInvalid",
+            Self::Credentials { .. } => "BMCCredentialsMissing",
+            Self::Unreachable { .. } | Self::Timeout { .. } => "BMCUnreachable",
+            Self::Unauthorized { .. } => "BMCUnauthorized",
+            Self::NotFound { .. } => "BMCSystemNotFound",
+            Self::Untrusted { .. } => "BMCUntrusted",
+            Self::Rejected { .. } | Self::ServerError { .. } | Self::Protocol(_) => "BMCFailed",
+        }
+    }
+
     /// The same error, saying that `made` attempts were made.
     fn with_attempts(mut self, made: u32) -> Self {
         match &mut self {
@@ -72,6 +85,8 @@ pub trait BmcDriver: Send + Sync {
     fn power(&self) -> BoxFuture<'_, Result<PowerState, BmcError>>;
     /// Boots the host from the network now (once): an operation needs the ramdisk.
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>>;
+    /// Power-cycles the host (powers it on if it is off).
+    fn restart(&self) -> BoxFuture<'_, Result<(), BmcError>>;
     /// Turns the host off (a deleted Host, after its wipe).
     fn power_off(&self) -> BoxFuture<'_, Result<(), BmcError>>;
     /// What the BMC says the host is; `None` without a BMC.
@@ -88,6 +103,11 @@ impl BmcDriver for SelfBooting {
 
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>> {
         // Nothing to do: the next time the host restarts it boots the ramdisk.
+        Box::pin(async { Ok(()) })
+    }
+
+    fn restart(&self) -> BoxFuture<'_, Result<(), BmcError>> {
+        // Nothing siteboot can do; the reconciler tells the operator before it gets here.
         Box::pin(async { Ok(()) })
     }
 

@@ -486,6 +486,12 @@ impl BmcDriver for Redfish {
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>> {
         Box::pin(async {
             self.client.boot_once_from_network(None).await?;
+            self.restart().await
+        })
+    }
+
+    fn restart(&self) -> BoxFuture<'_, Result<(), BmcError>> {
+        Box::pin(async {
             let reset = match self.client.power().await? {
                 PowerState::On => ResetType::ForceRestart,
                 PowerState::Off | PowerState::Unknown => ResetType::On,
