@@ -174,6 +174,8 @@ pub struct SushyOptions<'a> {
     pub user: (&'a str, &'a str),
     /// `(certificate PEM, key PEM)`: serve HTTPS with this certificate, else plain HTTP.
     pub tls: Option<(String, String)>,
+    /// Listen on this namespace's loopback (for an appliance in it), else the test process's.
+    pub netns: Option<&'a Netns>,
 }
 
 /// sushy-tools' Redfish emulator for the lab's libvirt, on 127.0.0.1.
@@ -219,19 +221,25 @@ impl Sushy {
         let config_path = dir.path().join("emulator.conf");
         std::fs::write(&config_path, config)?;
         // As a module: the venv's scripts name the directory it was made in before its rename.
-        let process = Supervised::spawn(
-            "sushy-emulator",
-            Command::new(&python)
-                .args(["-m", "sushy_tools.emulator.main", "--config"])
-                .arg(&config_path),
-            dir.path(),
-        )?;
+        let mut command = match options.netns {
+            Some(ns) => ns.command(&python),
+            None => Command::new(&python),
+        };
+        command.args(["-m", "sushy_tools.emulator.main", "--config"]).arg(&config_path);
+        let process = Supervised::spawn("sushy-emulator", &mut command, dir.path())?;
         let mut sushy = Self { process, port, https: options.tls.is_some(), _dir: dir };
+        let listening = || -> bool {
+            let connect = move || Ok(TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok());
+            match options.netns {
+                Some(ns) => ns.enter(connect).unwrap_or(false),
+                None => connect().unwrap_or(false),
+            }
+        };
         crate::wait::for_("sushy-emulator to listen", READY_TIMEOUT, || {
             if let Some(status) = sushy.process.try_wait() {
                 return Some(Err(anyhow::anyhow!("sushy-emulator exited ({status})")));
             }
-            TcpStream::connect((Ipv4Addr::LOCALHOST, port)).ok().map(|_| Ok(()))
+            listening().then_some(Ok(()))
         })??;
         Ok(sushy)
     }
@@ -247,7 +255,8 @@ impl Sushy {
     }
 }
 
-/// A port on 127.0.0.1 that nothing listens on (just now).
+/// A port on 127.0.0.1 that nothing listens on just now (a test namespace's loopback is all
+/// but empty: the port is as good as free there too).
 pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
 }
