@@ -69,7 +69,7 @@ impl RedfishClient {
     ) -> Result<Self, BmcError> {
         let tls = match address.transport {
             Transport::Http => None,
-            Transport::Https => Some(tls_connector(pin)?),
+            Transport::Https => Some(tls_connector(&address, pin)?),
         };
         Ok(Self {
             address,
@@ -420,7 +420,10 @@ where
     }
 }
 
-fn tls_connector(pin: Option<Fingerprint>) -> Result<TlsConnector, BmcError> {
+fn tls_connector(
+    address: &RedfishAddress,
+    pin: Option<Fingerprint>,
+) -> Result<TlsConnector, BmcError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -436,7 +439,7 @@ fn tls_connector(pin: Option<Fingerprint>) -> Result<TlsConnector, BmcError> {
             roots.add_parsable_certificates(found.certs);
             if roots.is_empty() {
                 return Err(BmcError::Untrusted {
-                    address: String::new(),
+                    address: address.authority(),
                     reason: "the platform has no CA certificates: pin the BMC's certificate in spec.bmc.certificateFingerprint".into(),
                 });
             }
@@ -511,5 +514,238 @@ impl BmcDriver for Redfish {
 
     fn identity(&self) -> BoxFuture<'_, Result<Option<Identity>, BmcError>> {
         Box::pin(async { self.client.identity().await.map(Some) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The client's I/O against a loopback BMC that speaks the parts of Redfish under test
+    //! (sushy-tools, in `tests/tests/redfish.rs`, has no session service).
+
+    use std::convert::Infallible;
+    use std::net::{Ipv4Addr, SocketAddr};
+
+    use http_body_util::BodyExt;
+    use hyper::body::Incoming;
+    use hyper::service::service_fn;
+    use serde_json::json;
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    const SESSIONS: &str = "/redfish/v1/SessionService/Sessions";
+    const SYSTEM: &str = "/redfish/v1/Systems/1";
+
+    /// How the fake BMC behaves.
+    #[derive(Clone, Copy, Default)]
+    struct Fake {
+        /// POST to the sessions collection answers 405 (basic authentication only).
+        no_sessions: bool,
+        /// Every session token works for one request only.
+        tokens_expire: bool,
+        /// The first `n` requests to the system and its reset action answer 503.
+        unavailable: usize,
+    }
+
+    /// A request the fake BMC saw: method, path, and its authentication header.
+    type Seen = Arc<Mutex<Vec<(Method, String, String)>>>;
+
+    struct State {
+        fake: Fake,
+        seen: Seen,
+        /// The tokens that work now.
+        tokens: Mutex<Vec<String>>,
+        /// Sessions opened so far (names the next token).
+        opened: Mutex<usize>,
+        failures: Mutex<usize>,
+    }
+
+    async fn serve(fake: Fake) -> (SocketAddr, Seen) {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let seen: Seen = Arc::default();
+        let state = Arc::new(State {
+            fake,
+            seen: seen.clone(),
+            tokens: Mutex::default(),
+            opened: Mutex::default(),
+            failures: Mutex::new(fake.unavailable),
+        });
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let state = state.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(|request| answer(state.clone(), request));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tcp), service)
+                        .await;
+                });
+            }
+        });
+        (address, seen)
+    }
+
+    async fn answer(
+        state: Arc<State>,
+        request: Request<Incoming>,
+    ) -> Result<hyper::Response<Full<Bytes>>, Infallible> {
+        let (parts, body) = request.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        let path = parts.uri.path().to_owned();
+        let header = |name| parts.headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok());
+        let auth = header("x-auth-token")
+            .map(|t| format!("token {t}"))
+            .or(header("authorization").map(str::to_owned))
+            .unwrap_or_default();
+        state.seen.lock().unwrap().push((parts.method.clone(), path.clone(), auth.clone()));
+        let reply = |status: StatusCode, json: Value| {
+            let mut response = hyper::Response::new(Full::new(Bytes::from(json.to_string())));
+            *response.status_mut() = status;
+            response
+        };
+        let basic =
+            format!("Basic {}", base64::engine::general_purpose::STANDARD.encode("admin:secret"));
+        let response = match (&parts.method, path.as_str()) {
+            (&Method::GET, SERVICE_ROOT) => {
+                reply(StatusCode::OK, json!({"Links": {"Sessions": {"@odata.id": SESSIONS}}}))
+            }
+            (&Method::POST, SESSIONS) if state.fake.no_sessions => {
+                reply(StatusCode::METHOD_NOT_ALLOWED, Value::Null)
+            }
+            (&Method::POST, SESSIONS) => {
+                let credentials: Value = serde_json::from_slice(&body).unwrap();
+                if credentials != json!({"UserName": "admin", "Password": "secret"}) {
+                    reply(StatusCode::UNAUTHORIZED, Value::Null)
+                } else {
+                    let mut opened = state.opened.lock().unwrap();
+                    *opened += 1;
+                    let token = format!("t{opened}");
+                    state.tokens.lock().unwrap().push(token.clone());
+                    let mut response = reply(StatusCode::CREATED, json!({}));
+                    let location = format!("http://bmc.example{SESSIONS}/{token}");
+                    response.headers_mut().insert("x-auth-token", token.parse().unwrap());
+                    response.headers_mut().insert(header::LOCATION, location.parse().unwrap());
+                    response
+                }
+            }
+            (method, path) => {
+                let token = header("x-auth-token").map(str::to_owned);
+                let authorized = match &token {
+                    Some(token) => state.tokens.lock().unwrap().contains(token),
+                    None => auth == basic,
+                };
+                let unavailable = {
+                    let mut failures = state.failures.lock().unwrap();
+                    let fail = authorized && *failures > 0;
+                    *failures -= usize::from(fail);
+                    fail
+                };
+                if !authorized {
+                    reply(StatusCode::UNAUTHORIZED, Value::Null)
+                } else if unavailable {
+                    reply(StatusCode::SERVICE_UNAVAILABLE, Value::Null)
+                } else {
+                    if state.fake.tokens_expire
+                        && let Some(token) = token
+                    {
+                        state.tokens.lock().unwrap().retain(|t| *t != token);
+                    }
+                    match (method, path) {
+                        (&Method::GET, SYSTEM) => {
+                            reply(StatusCode::OK, json!({"PowerState": "On"}))
+                        }
+                        (&Method::DELETE, _) if path.starts_with(SESSIONS) => {
+                            reply(StatusCode::NO_CONTENT, Value::Null)
+                        }
+                        (&Method::POST, _) if path == protocol::reset_path(SYSTEM) => {
+                            reply(StatusCode::NO_CONTENT, Value::Null)
+                        }
+                        _ => reply(StatusCode::NOT_FOUND, Value::Null),
+                    }
+                }
+            }
+        };
+        Ok(response)
+    }
+
+    fn client(address: SocketAddr, password: &str) -> RedfishClient {
+        let address: RedfishAddress = format!("redfish+http://{address}{SYSTEM}").parse().unwrap();
+        let retry = RetryPolicy {
+            attempts: 3,
+            first_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(2),
+        };
+        RedfishClient::new(address, Credentials::new("admin", password).unwrap(), None)
+            .unwrap()
+            .with_limits(Duration::from_secs(5), retry)
+    }
+
+    fn requests(seen: &Seen) -> Vec<(Method, String, String)> {
+        seen.lock().unwrap().clone()
+    }
+
+    #[tokio::test]
+    async fn a_session_is_opened_used_and_deleted() {
+        let (address, seen) = serve(Fake::default()).await;
+        let client = client(address, "secret");
+        assert_eq!(client.power().await.unwrap(), PowerState::On);
+        assert_eq!(client.power().await.unwrap(), PowerState::On);
+        client.finish().await;
+        let expected = [
+            (Method::GET, SERVICE_ROOT.to_owned(), String::new()),
+            (Method::POST, SESSIONS.to_owned(), String::new()),
+            (Method::GET, SYSTEM.to_owned(), "token t1".to_owned()),
+            (Method::GET, SYSTEM.to_owned(), "token t1".to_owned()),
+            (Method::DELETE, format!("{SESSIONS}/t1"), "token t1".to_owned()),
+        ];
+        assert_eq!(requests(&seen), expected);
+    }
+
+    #[tokio::test]
+    async fn a_session_the_bmc_forgot_is_opened_again_once() {
+        let (address, seen) = serve(Fake { tokens_expire: true, ..Fake::default() }).await;
+        let client = client(address, "secret");
+        assert_eq!(client.power().await.unwrap(), PowerState::On);
+        assert_eq!(client.power().await.unwrap(), PowerState::On);
+        let system: Vec<String> =
+            requests(&seen).into_iter().filter(|r| r.1 == SYSTEM).map(|r| r.2).collect();
+        assert_eq!(system, ["token t1", "token t1", "token t2"]);
+    }
+
+    #[tokio::test]
+    async fn wrong_credentials_are_unauthorized_at_the_session_service() {
+        let (address, _) = serve(Fake::default()).await;
+        let error = client(address, "wrong").power().await.unwrap_err();
+        assert!(matches!(error, BmcError::Unauthorized { .. }), "{error}");
+    }
+
+    #[tokio::test]
+    async fn without_a_session_service_every_request_carries_basic_authentication() {
+        let (address, seen) = serve(Fake { no_sessions: true, ..Fake::default() }).await;
+        let client = client(address, "secret");
+        assert_eq!(client.power().await.unwrap(), PowerState::On);
+        let last = requests(&seen).pop().unwrap();
+        assert_eq!((&last.0, last.1.as_str()), (&Method::GET, SYSTEM));
+        assert!(last.2.starts_with("Basic "), "{last:?}");
+        let error = self::client(address, "wrong").power().await.unwrap_err();
+        assert!(matches!(error, BmcError::Unauthorized { .. }), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_bmc_error_is_retried_for_reads_but_a_reset_is_sent_once() {
+        let (address, seen) = serve(Fake { unavailable: 1, ..Fake::default() }).await;
+        let client = client(address, "secret");
+        assert_eq!(client.power().await.unwrap(), PowerState::On);
+        let reads = requests(&seen).iter().filter(|r| r.1 == SYSTEM).count();
+        assert_eq!(reads, 2, "one 503, then the answer");
+
+        let (address, seen) = serve(Fake { unavailable: 1, ..Fake::default() }).await;
+        let client = self::client(address, "secret");
+        let error = client.reset(ResetType::ForceRestart).await.unwrap_err();
+        assert!(matches!(error, BmcError::ServerError { attempts: 1, .. }), "{error}");
+        let resets =
+            requests(&seen).iter().filter(|r| r.0 == Method::POST && r.1 != SESSIONS).count();
+        assert_eq!(resets, 1, "a reset that may have happened is not repeated");
     }
 }
