@@ -225,23 +225,17 @@ impl RedfishClient {
             })
             .await?;
         // A session service that does not take this POST: fall back to basic authentication.
-        if matches!(
-            status,
-            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED | StatusCode::NOT_IMPLEMENTED
-        ) {
+        if matches!(status, StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED) {
             return Ok(Auth::Basic);
         }
         self.check(sessions, status, &bytes)?;
         let token = headers.get("x-auth-token").cloned().ok_or(BmcError::Protocol(format!(
             "{sessions}: the new session has no X-Auth-Token"
         )))?;
-        let location = headers.get(header::LOCATION).and_then(|l| l.to_str().ok()).map(|l| {
-            // An absolute URI: keep its path.
-            match l.split_once("://") {
-                Some((_, rest)) => rest.find('/').map_or("/", |i| &rest[i..]).to_owned(),
-                None => l.to_owned(),
-            }
-        });
+        let location = headers
+            .get(header::LOCATION)
+            .and_then(|l| l.to_str().ok())
+            .map(protocol::location_path);
         if let Some(location) = &location {
             *self.open_session.lock().expect("not poisoned") =
                 Some((token.clone(), location.clone()));

@@ -68,6 +68,14 @@ pub fn sessions_path(service_root: &Value) -> Option<String> {
     odata_id(&service_root["Links"]["Sessions"])
 }
 
+/// The path of a new session's `Location` (which may be an absolute URI): what to DELETE.
+pub fn location_path(location: &str) -> String {
+    match location.split_once("://") {
+        Some((_, rest)) => rest.find('/').map_or("/", |i| &rest[i..]).to_owned(),
+        None => location.to_owned(),
+    }
+}
+
 /// The system's power, from its `PowerState` (transitions count as where they are going).
 pub fn power_state(system: &Value) -> Result<PowerState, ProtocolError> {
     match system["PowerState"].as_str() {
@@ -200,6 +208,9 @@ mod tests {
             json!({"Links": {"Sessions": {"@odata.id": "/redfish/v1/SessionService/Sessions"}}});
         assert_eq!(sessions_path(&root).as_deref(), Some("/redfish/v1/SessionService/Sessions"));
         assert_eq!(sessions_path(&json!({"Systems": {"@odata.id": "/redfish/v1/Systems"}})), None);
+        let session = "/redfish/v1/SessionService/Sessions/7";
+        assert_eq!(location_path(session), session);
+        assert_eq!(location_path(&format!("https://10.0.0.5:443{session}")), session);
     }
 
     #[test]
