@@ -727,6 +727,28 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_bmc_that_never_answers_times_out_per_request_and_is_given_up() {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        // Accepts connections and holds them, reading nothing.
+        let held = tokio::spawn(async move {
+            let mut connections = Vec::new();
+            while let Ok((tcp, _)) = listener.accept().await {
+                connections.push(tcp);
+            }
+        });
+        let retry = RetryPolicy {
+            attempts: 2,
+            first_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(1),
+        };
+        let client = client(address, "secret").with_limits(Duration::from_millis(200), retry);
+        let error = client.power().await.unwrap_err();
+        assert!(matches!(error, BmcError::Timeout { attempts: 2, .. }), "{error}");
+        held.abort();
+    }
+
+    #[tokio::test]
     async fn a_bmc_error_is_retried_for_reads_but_a_reset_is_sent_once() {
         let (address, seen) = serve(Fake { unavailable: 1, ..Fake::default() }).await;
         let client = client(address, "secret");
