@@ -16,6 +16,9 @@ pub const READY: &str = "Ready";
 pub const PAUSED: &str = "Paused";
 /// On a Host: no other Host of the site has its boot MAC.
 pub const BOOT_MAC_UNIQUE: &str = "BootMACUnique";
+/// On a Host with `spec.bmc`: siteboot reached its BMC with the Secret's credentials, and the
+/// BMC's system has the host's boot MAC. Checked again each time the Host registers.
+pub const BMC_READY: &str = "BMCReady";
 /// On a SitebootMachine: the workload cluster's Node of the machine carries its providerID (so
 /// Cluster API can give the Machine its nodeRef).
 pub const NODE_HAS_PROVIDER_ID: &str = "NodeHasProviderID";

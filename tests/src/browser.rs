@@ -8,20 +8,17 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::Mutex;
+use std::process::{Child, ChildStdin, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::netns::{self, Netns};
+use crate::netns::Netns;
 
 /// The selenium release the driver is written against.
 const SELENIUM: &str = "4.50.0";
-/// Debian's Python, which the `python3-venv` package gives `venv`.
-const PYTHON: &str = "/usr/bin/python3";
 const DRIVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/browser/driver.py");
 /// Chromium's start, and any one command without a deadline of its own.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(90);
@@ -176,29 +173,5 @@ impl Drop for Browser {
 
 /// The virtualenv's python, with selenium installed; made once per machine and version.
 fn selenium_python() -> Result<PathBuf> {
-    static MADE: Mutex<()> = Mutex::new(());
-    let _made = MADE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let dir = crate::initramfs::cache_dir().join(format!("selenium-{SELENIUM}"));
-    let python = dir.join("bin/python3");
-    if python.exists() {
-        return Ok(python);
-    }
-    // Made beside its final place and renamed: an interrupted run leaves no half-made venv.
-    let parent = dir.parent().expect("cache dir has a parent");
-    std::fs::create_dir_all(parent)?;
-    let tmp = tempfile::Builder::new().prefix(".selenium-").tempdir_in(parent)?;
-    let venv = tmp.path().join("venv");
-    netns::run(Command::new(PYTHON).args(["-m", "venv"]).arg(&venv)).context(
-        "making a virtualenv for selenium (is python3-venv installed? run scripts/setup)",
-    )?;
-    netns::run(
-        Command::new(venv.join("bin/python3"))
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input"])
-            .arg(format!("selenium=={SELENIUM}")),
-    )
-    .with_context(|| format!("installing selenium {SELENIUM} from PyPI"))?;
-    if std::fs::rename(&venv, &dir).is_err() && !python.exists() {
-        bail!("could not move the selenium virtualenv to {}", dir.display());
-    }
-    Ok(python)
+    crate::venv::python_with(&format!("selenium-{SELENIUM}"), &[format!("selenium=={SELENIUM}")])
 }

@@ -18,6 +18,8 @@ pub mod netns;
 pub mod os_images;
 pub mod process;
 pub mod provider;
+pub mod redfish;
 pub mod sim;
+pub mod venv;
 pub mod vm;
 pub mod wait;

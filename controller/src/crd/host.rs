@@ -105,11 +105,16 @@ impl HostSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Bmc {
-    /// `redfish+https://host[:port]/redfish/v1/Systems/<id>` and similar (the imaging milestone
-    /// brings the Redfish driver).
+    /// `redfish+https://host[:port]/redfish/v1/Systems/<id>` (`redfish://` is the same);
+    /// `redfish+http://...` only for a BMC without TLS.
     pub address: String,
     /// A Secret in the Host's namespace with `username` and `password`.
     pub credentials_name: String,
+    /// `sha256:<64 hex digits>`: trust exactly the BMC certificate with this SHA-256 (of its
+    /// DER encoding) instead of the platform's CA certificates, for BMCs with self-signed ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^sha256:[0-9a-f]{64}$"))]
+    pub certificate_fingerprint: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -12,7 +12,12 @@
 //! Available, whatever released it (a Machine deleted while the host was Quarantined, a retry).
 //! Deleting a Host waits for its consumer to let go and for that wipe ([`on_delete`]).
 
+use std::time::Duration;
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use crate::bmc::{BmcError, Identity};
+use crate::conditions::BMC_READY;
 
 use crate::crd::capi::DELETE_FOR_MOVE_ANNOTATION;
 use crate::crd::{
@@ -26,6 +31,13 @@ pub const RETRY_ANNOTATION: &str = "siteboot.dev/retry";
 pub const FINALIZER: &str = "siteboot.dev/host";
 /// Annotation that lets a deleted Host go at once: no wait for its consumer, no wipe.
 pub const FORCE_DELETE_ANNOTATION: &str = "siteboot.dev/force-delete";
+
+/// Annotation that power-cycles a host through its BMC, into the ramdisk when an operation is
+/// running; removed once done.
+pub const REBOOT_ANNOTATION: &str = "siteboot.dev/reboot";
+/// How soon a failing BMC is checked again, at the least and at the most.
+const BMC_RECHECK_MIN: Duration = Duration::from_secs(10);
+const BMC_RECHECK_MAX: Duration = Duration::from_secs(300);
 
 /// A change of state, with what the Event says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,8 +61,12 @@ pub fn next(host: &Host) -> Option<Transition> {
     match state {
         None => t(HostState::Registering, None, "Registered", "new host"),
         Some(HostState::Registering) => {
-            if let Err(e) = crate::bmc::driver_for(host) {
+            if let Err(e) = crate::bmc::spec_of(host) {
                 return t(HostState::Quarantined, None, "BMCFailed", &e.to_string());
+            }
+            if needs_bmc_check(host) {
+                // The reconciler checks the BMC first ([`bmc_check`]).
+                return None;
             }
             if status.is_some_and(|s| s.wipe_required) {
                 deprovision(host, "WipeBeforeReuse", "the host may hold a previous tenant's data")
@@ -187,7 +203,11 @@ pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
             status.quarantine_reason =
                 Some(format!("{}: {}", transition.reason, transition.message))
         }
-        HostState::Registering => status.quarantine_reason = None,
+        HostState::Registering => {
+            status.quarantine_reason = None;
+            // Each registration checks the BMC again (credentials or the BMC may have changed).
+            status.conditions.retain(|c| c.type_ != BMC_READY);
+        }
         HostState::Provisioning => status.wipe_required = true,
         // Only a successful wipe (or the operator's `wipe: none`) leads here from a used host.
         HostState::Available => {
@@ -272,6 +292,78 @@ pub fn completed(
     status
 }
 
+/// Whether `host` waits in Registering for its BMC to be checked: it has one, and this
+/// registration has not reached it yet.
+pub fn needs_bmc_check(host: &Host) -> bool {
+    let status = host.status.as_ref();
+    let verified = status
+        .and_then(|s| crate::crd::condition(&s.conditions, BMC_READY))
+        .is_some_and(|c| c.status == "True");
+    host.spec.bmc.is_some()
+        && status.and_then(|s| s.state) == Some(HostState::Registering)
+        && !verified
+}
+
+/// The BMC condition from what asking the BMC for the host's identity gave: `(ok, reason,
+/// message)`. A BMC whose system does not have the host's boot MAC manages another machine.
+pub fn bmc_check(
+    host: &Host,
+    identity: &Result<Option<Identity>, BmcError>,
+) -> (bool, &'static str, String) {
+    let boot_mac = &host.spec.boot_mac_address;
+    match identity {
+        Err(e) => (false, e.reason(), e.to_string()),
+        Ok(Some(identity)) if !identity.macs.is_empty() && !identity.macs.contains(boot_mac) => (
+            false,
+            "BMCBootMACMismatch",
+            format!(
+                "the BMC's system {} has NICs {}, not the boot MAC {boot_mac}: spec.bmc.address names another machine",
+                identity.uuid,
+                identity.macs.join(", ")
+            ),
+        ),
+        Ok(Some(identity)) => (true, "BMCReachable", format!("system {}", identity.uuid)),
+        Ok(None) => (true, "BMCReachable", String::new()),
+    }
+}
+
+/// When to check a failing BMC again: after as long as it has been failing (so the checks
+/// thin out), between 10 s and 5 min. `now` in seconds since the epoch.
+pub fn bmc_recheck_after(host: &Host, now: i64) -> Duration {
+    let since = host
+        .status
+        .as_ref()
+        .and_then(|s| crate::crd::condition(&s.conditions, BMC_READY))
+        .filter(|c| c.status == "False")
+        .map(|c| c.last_transition_time.0.as_second());
+    let failing_for = since.map_or(0, |since| now.saturating_sub(since).max(0) as u64);
+    Duration::from_secs(failing_for).clamp(BMC_RECHECK_MIN, BMC_RECHECK_MAX)
+}
+
+/// What the reboot annotation asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reboot {
+    /// An operation is running: boot once from the network, into the ramdisk.
+    NetworkBoot,
+    PowerCycle,
+    /// No `spec.bmc`: siteboot cannot; the operator is told.
+    NoBmc,
+}
+
+pub fn reboot(host: &Host) -> Option<Reboot> {
+    let annotations = host.metadata.annotations.as_ref();
+    if !annotations.is_some_and(|a| a.contains_key(REBOOT_ANNOTATION)) {
+        return None;
+    }
+    Some(if host.spec.bmc.is_none() {
+        Reboot::NoBmc
+    } else if host.status.as_ref().is_some_and(|s| s.operation.is_some()) {
+        Reboot::NetworkBoot
+    } else {
+        Reboot::PowerCycle
+    })
+}
+
 /// What a deleted Host needs before it may go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Deletion {
@@ -322,7 +414,7 @@ pub fn older_than(time: &Time, max_age_secs: i64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{Bmc, ConsumerRef, HostSpec, Image, Provisioning};
+    use crate::crd::{Bmc, ConsumerRef, HostSpec, Image, Provisioning, set_condition};
 
     fn host() -> Host {
         Host::new("h", HostSpec::new("52:54:00:00:00:01"))
@@ -452,13 +544,118 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_bmc_is_quarantined_with_a_reason() {
+    fn an_unusable_bmc_address_is_quarantined_with_a_reason() {
         let mut h = host();
-        h.spec.bmc = Some(Bmc { address: "redfish://x".into(), credentials_name: "c".into() });
+        h.spec.bmc = Some(Bmc {
+            address: "ipmi://x".into(),
+            credentials_name: "c".into(),
+            certificate_fingerprint: None,
+        });
         step(&mut h);
         assert_eq!(step(&mut h), Some(HostState::Quarantined));
         let reason = h.status.unwrap().quarantine_reason.unwrap();
-        assert!(reason.starts_with("BMCFailed: spec.bmc names \"redfish://x\""), "{reason}");
+        assert!(
+            reason
+                .starts_with("BMCFailed: spec.bmc.address \"ipmi://x\": the scheme is not redfish"),
+            "{reason}"
+        );
+    }
+
+    fn with_bmc() -> Host {
+        let mut h = host();
+        h.spec.bmc = Some(Bmc {
+            address: "redfish+https://10.0.0.5/redfish/v1/Systems/1".into(),
+            credentials_name: "c".into(),
+            certificate_fingerprint: None,
+        });
+        h
+    }
+
+    /// What the reconciler writes after a BMC check.
+    fn record_bmc_check(h: &mut Host, identity: Result<Option<Identity>, BmcError>) {
+        let (ok, reason, message) = bmc_check(h, &identity);
+        let status = h.status.as_mut().unwrap();
+        set_condition(&mut status.conditions, BMC_READY, ok, reason, &message, None);
+    }
+
+    fn identity(macs: &[&str]) -> Result<Option<Identity>, BmcError> {
+        Ok(Some(Identity { uuid: "u".into(), macs: macs.iter().map(|m| m.to_string()).collect() }))
+    }
+
+    #[test]
+    fn a_host_with_a_bmc_registers_only_once_its_bmc_answered_for_it() {
+        let mut h = with_bmc();
+        assert_eq!(step(&mut h), Some(HostState::Registering));
+        assert!(needs_bmc_check(&h));
+        assert_eq!(step(&mut h), None, "waits for the BMC check");
+
+        record_bmc_check(&mut h, Err(BmcError::Unauthorized { address: "10.0.0.5:443".into() }));
+        assert_eq!(step(&mut h), None, "wrong credentials: still waiting, not quarantined");
+        let c = crate::crd::condition(&h.status.as_ref().unwrap().conditions, BMC_READY).unwrap();
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "BMCUnauthorized"));
+
+        record_bmc_check(&mut h, identity(&["52:54:00:00:00:09"]));
+        assert_eq!(step(&mut h), None, "the BMC manages another machine");
+        let c = crate::crd::condition(&h.status.as_ref().unwrap().conditions, BMC_READY).unwrap();
+        assert_eq!(c.reason, "BMCBootMACMismatch");
+
+        record_bmc_check(&mut h, identity(&["52:54:00:00:00:09", "52:54:00:00:00:01"]));
+        assert!(!needs_bmc_check(&h));
+        assert_eq!(step(&mut h), Some(HostState::Inspecting));
+    }
+
+    #[test]
+    fn every_registration_checks_the_bmc_again() {
+        let mut h = with_bmc();
+        step(&mut h);
+        record_bmc_check(&mut h, identity(&["52:54:00:00:00:01"]));
+        assert_eq!(step(&mut h), Some(HostState::Inspecting));
+        h.status = Some(apply(
+            &h,
+            &Transition {
+                to: HostState::Quarantined,
+                operation: None,
+                reason: "X",
+                message: String::new(),
+            },
+        ));
+        h.metadata.annotations = Some([(RETRY_ANNOTATION.to_owned(), "".to_owned())].into());
+        assert_eq!(step(&mut h), Some(HostState::Registering));
+        assert!(needs_bmc_check(&h), "the old BMCReady does not carry over");
+    }
+
+    #[test]
+    fn a_failing_bmc_is_checked_again_less_and_less_often() {
+        let mut h = with_bmc();
+        step(&mut h);
+        assert_eq!(bmc_recheck_after(&h, 0), Duration::from_secs(10), "no failure recorded yet");
+        let unreachable =
+            BmcError::Unreachable { address: "a".into(), attempts: 4, reason: "refused".into() };
+        record_bmc_check(&mut h, Err(unreachable));
+        let since = crate::crd::condition(&h.status.as_ref().unwrap().conditions, BMC_READY)
+            .unwrap()
+            .last_transition_time
+            .0
+            .as_second();
+        assert_eq!(bmc_recheck_after(&h, since + 1), Duration::from_secs(10));
+        assert_eq!(bmc_recheck_after(&h, since + 60), Duration::from_secs(60));
+        assert_eq!(bmc_recheck_after(&h, since + 86_400), Duration::from_secs(300));
+    }
+
+    #[test]
+    fn the_reboot_annotation_boots_the_ramdisk_when_an_operation_runs() {
+        let reboot_annotated = |mut h: Host| {
+            h.metadata.annotations = Some([(REBOOT_ANNOTATION.to_owned(), "".to_owned())].into());
+            reboot(&h)
+        };
+        assert_eq!(reboot(&with_bmc()), None);
+        assert_eq!(reboot_annotated(host()), Some(Reboot::NoBmc));
+        let mut h = with_bmc();
+        step(&mut h);
+        assert_eq!(reboot_annotated(h.clone()), Some(Reboot::PowerCycle));
+        record_bmc_check(&mut h, identity(&[]));
+        assert_eq!(step(&mut h), Some(HostState::Inspecting));
+        assert_eq!(reboot_annotated(h), Some(Reboot::NetworkBoot));
     }
 
     fn provisioned() -> Host {

@@ -15,12 +15,17 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
 use serde_json::json;
 
-use super::lifecycle::{self, Deletion, FINALIZER, RETRY_ANNOTATION, Transition};
+use super::lifecycle::{
+    self, Deletion, FINALIZER, REBOOT_ANNOTATION, RETRY_ANNOTATION, Reboot, Transition,
+};
 use super::record::{self, RECORD_ANNOTATION};
 use crate::bmc;
-use crate::conditions::{BOOT_MAC_UNIQUE, Reason, check_paused};
+use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, Reason, check_paused};
 use crate::context::{Ctx, Error, Reconciled, host_key, patch_unchanged, update_host_status};
 use crate::crd::{Host, HostState, SITE_LABEL, set_condition};
+
+/// How soon a reboot the BMC failed is tried again.
+const REBOOT_RETRY: Duration = Duration::from_secs(60);
 
 pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
     let api: Api<Host> = Api::all(ctx.client.clone());
@@ -58,6 +63,12 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
     }
     let next = next_step(ctx);
     let Some(transition) = next(host) else {
+        if lifecycle::needs_bmc_check(host) {
+            return check_bmc(host, ctx, &api).await;
+        }
+        if let Some(reboot) = lifecycle::reboot(host) {
+            return reboot_host(host, ctx, &api, reboot).await;
+        }
         refresh_power(host, ctx).await?;
         // While a ramdisk works, look again soon enough to notice it falling silent.
         let operation = host.status.as_ref().is_some_and(|s| s.operation.is_some());
@@ -106,7 +117,7 @@ async fn transit(
     )
     .await;
     if transition.operation.is_some()
-        && let Ok(driver) = bmc::driver_for(&written)
+        && let Ok(driver) = bmc::driver_for(&written, &ctx.client).await
         && let Err(e) = driver.boot_from_network().await
     {
         tracing::warn!(host = %host_key(&written), error = %e, "cannot boot the host into the ramdisk; it will when it restarts");
@@ -182,7 +193,7 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error
             Ok(Action::await_change())
         }
         Deletion::Finish => {
-            if let Ok(driver) = bmc::driver_for(host)
+            if let Ok(driver) = bmc::driver_for(host, &ctx.client).await
                 && let Err(e) = driver.power_off().await
             {
                 tracing::warn!(host = %host_key(host), error = %e, "cannot power off the deleted host");
@@ -264,9 +275,71 @@ async fn set_mac_condition(
     Ok(true)
 }
 
+/// Asks the BMC, with the Secret's credentials, what system it manages, and records the
+/// answer in the BMCReady condition; a Registering host goes on once it is True. A failing BMC
+/// is asked again later and later ([`lifecycle::bmc_recheck_after`]), with an Event when the
+/// reason changes.
+async fn check_bmc(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error> {
+    let identity = match bmc::driver_for(host, &ctx.client).await {
+        Ok(driver) => driver.identity().await,
+        Err(e) => Err(e),
+    };
+    let (ok, reason, message) = lifecycle::bmc_check(host, &identity);
+    let generation = host.metadata.generation;
+    let written = update_host_status(api, &host.name_any(), |current| {
+        let mut status = current.status.clone().unwrap_or_default();
+        let changed =
+            set_condition(&mut status.conditions, BMC_READY, ok, reason, &message, generation);
+        Ok::<_, ()>(changed.then_some(status))
+    })
+    .await?;
+    if let Ok(Some(written)) = &written {
+        tracing::info!(host = %host_key(written), ok, reason, "BMC check: {message}");
+        ctx.event(written, !ok, reason, format!("BMC check: {message}")).await;
+    }
+    if ok {
+        return Ok(Action::requeue(Duration::ZERO));
+    }
+    let now = k8s_openapi::jiff::Timestamp::now().as_second();
+    let current = written.ok().flatten();
+    Ok(Action::requeue(lifecycle::bmc_recheck_after(current.as_ref().unwrap_or(host), now)))
+}
+
+/// Carries out the reboot annotation, then removes it; a BMC that fails keeps it for a later
+/// pass.
+async fn reboot_host(
+    host: &Host,
+    ctx: &Ctx,
+    api: &Api<Host>,
+    reboot: Reboot,
+) -> Result<Action, Error> {
+    let result = match reboot {
+        Reboot::NoBmc => Err("the host has no spec.bmc: power-cycle it by hand".to_owned()),
+        Reboot::NetworkBoot | Reboot::PowerCycle => {
+            let done = match bmc::driver_for(host, &ctx.client).await {
+                Ok(driver) if reboot == Reboot::NetworkBoot => driver.boot_from_network().await,
+                Ok(driver) => driver.restart().await,
+                Err(e) => Err(e),
+            };
+            done.map_err(|e| e.to_string())
+        }
+    };
+    let retry_later = reboot != Reboot::NoBmc && result.is_err();
+    match &result {
+        Ok(()) => ctx.event(host, false, "Rebooted", format!("{reboot:?} through the BMC")).await,
+        Err(e) => ctx.event(host, true, "RebootFailed", e.clone()).await,
+    }
+    if retry_later {
+        return Ok(Action::requeue(REBOOT_RETRY));
+    }
+    let patch = json!({ "metadata": { "annotations": { REBOOT_ANNOTATION: null } } });
+    api.patch(&host.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(Action::requeue(Duration::from_secs(300)))
+}
+
 /// Records what the BMC says about power, when it changed.
 async fn refresh_power(host: &Host, ctx: &Ctx) -> Result<(), Error> {
-    let Ok(driver) = bmc::driver_for(host) else { return Ok(()) };
+    let Ok(driver) = bmc::driver_for(host, &ctx.client).await else { return Ok(()) };
     let Ok(power) = driver.power().await else { return Ok(()) };
     if host.status.as_ref().and_then(|s| s.power) == Some(power) {
         return Ok(());

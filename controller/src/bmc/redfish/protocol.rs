@@ -1,0 +1,271 @@
+//! The Redfish protocol without I/O: the bodies siteboot sends and what it reads from the
+//! answers (DMTF Redfish, ComputerSystem / EthernetInterface / SessionService schemas).
+
+use http::StatusCode;
+use serde_json::{Value, json};
+
+use crate::bmc::Credentials;
+use crate::crd::PowerState;
+
+/// `ComputerSystem.Reset`'s `ResetType`s siteboot uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResetType {
+    On,
+    ForceOff,
+    ForceRestart,
+    GracefulShutdown,
+}
+
+impl ResetType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::On => "On",
+            Self::ForceOff => "ForceOff",
+            Self::ForceRestart => "ForceRestart",
+            Self::GracefulShutdown => "GracefulShutdown",
+        }
+    }
+}
+
+/// `BootSourceOverrideMode`: which firmware path the one-time boot takes, when the BMC is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BootMode {
+    Uefi,
+    Legacy,
+}
+
+/// The `ComputerSystem.Reset` action's path for `system`.
+pub fn reset_path(system: &str) -> String {
+    format!("{system}/Actions/ComputerSystem.Reset")
+}
+
+pub fn reset_body(reset: ResetType) -> Value {
+    json!({ "ResetType": reset.as_str() })
+}
+
+/// The PATCH of the system that makes its next boot, and only that one, a network boot.
+pub fn boot_once_from_network_body(mode: Option<BootMode>) -> Value {
+    let mut boot = json!({
+        "BootSourceOverrideTarget": "Pxe",
+        "BootSourceOverrideEnabled": "Once",
+    });
+    if let Some(mode) = mode {
+        boot["BootSourceOverrideMode"] = json!(match mode {
+            BootMode::Uefi => "UEFI",
+            BootMode::Legacy => "Legacy",
+        });
+    }
+    json!({ "Boot": boot })
+}
+
+pub fn session_body(credentials: &Credentials) -> Value {
+    json!({ "UserName": credentials.username(), "Password": credentials.password() })
+}
+
+/// The sessions collection the service root links to; `None`: the BMC has no session
+/// service, and every request carries basic authentication.
+pub fn sessions_path(service_root: &Value) -> Option<String> {
+    odata_id(&service_root["Links"]["Sessions"])
+}
+
+/// The path of a new session's `Location` (which may be an absolute URI): what to DELETE.
+pub fn location_path(location: &str) -> String {
+    match location.split_once("://") {
+        Some((_, rest)) => rest.find('/').map_or("/", |i| &rest[i..]).to_owned(),
+        None => location.to_owned(),
+    }
+}
+
+/// The system's power, from its `PowerState` (transitions count as where they are going).
+pub fn power_state(system: &Value) -> Result<PowerState, ProtocolError> {
+    match system["PowerState"].as_str() {
+        Some("On" | "PoweringOn") => Ok(PowerState::On),
+        Some("Off" | "PoweringOff") => Ok(PowerState::Off),
+        Some("Paused") => Ok(PowerState::On),
+        Some(other) => Err(ProtocolError(format!("unknown PowerState {other:?}"))),
+        None => Err(ProtocolError("the system has no PowerState".into())),
+    }
+}
+
+/// The system's UUID, lower case (what the host's SMBIOS says, and so what DHCP sees).
+pub fn system_uuid(system: &Value) -> Result<String, ProtocolError> {
+    let uuid = system["UUID"].as_str().ok_or(ProtocolError("the system has no UUID".into()))?;
+    let canonical = uuid.len() == 36
+        && uuid.bytes().enumerate().all(|(i, b)| {
+            if [8, 13, 18, 23].contains(&i) { b == b'-' } else { b.is_ascii_hexdigit() }
+        });
+    if !canonical {
+        return Err(ProtocolError(format!("the system's UUID {uuid:?} is not a UUID")));
+    }
+    Ok(uuid.to_ascii_lowercase())
+}
+
+/// The system's EthernetInterfaces collection, if it has one.
+pub fn ethernet_interfaces_path(system: &Value) -> Option<String> {
+    odata_id(&system["EthernetInterfaces"])
+}
+
+/// The paths of a collection's members.
+pub fn members(collection: &Value) -> Result<Vec<String>, ProtocolError> {
+    let members = collection["Members"]
+        .as_array()
+        .ok_or(ProtocolError("the collection has no Members".into()))?;
+    members
+        .iter()
+        .map(|m| odata_id(m).ok_or(ProtocolError("a collection member has no @odata.id".into())))
+        .collect()
+}
+
+/// An EthernetInterface's MAC address, lower case and colon-separated like `spec.bootMACAddress`.
+pub fn mac_address(nic: &Value) -> Result<String, ProtocolError> {
+    let raw = nic["PermanentMACAddress"]
+        .as_str()
+        .filter(|s| !s.is_empty())
+        .or(nic["MACAddress"].as_str())
+        .ok_or(ProtocolError("the EthernetInterface has no MACAddress".into()))?;
+    let hex: String = raw.chars().filter(|c| !matches!(c, ':' | '-' | '.')).collect();
+    if hex.len() != 12 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ProtocolError(format!("{raw:?} is not a MAC address")));
+    }
+    let hex = hex.to_ascii_lowercase();
+    let pairs: Vec<&str> = (0..6).map(|i| &hex[2 * i..2 * i + 2]).collect();
+    Ok(pairs.join(":"))
+}
+
+/// What the system reports about its boot override (`BootSourceOverrideTarget`, `...Enabled`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootOverride {
+    pub target: Option<String>,
+    pub enabled: Option<String>,
+}
+
+pub fn boot_override(system: &Value) -> BootOverride {
+    let field = |name: &str| system["Boot"][name].as_str().map(str::to_owned);
+    BootOverride {
+        target: field("BootSourceOverrideTarget"),
+        enabled: field("BootSourceOverrideEnabled"),
+    }
+}
+
+/// What went wrong, from an error answer: the first extended message, else `error.message`,
+/// else the body itself (cut short).
+pub fn error_message(status: StatusCode, body: &[u8]) -> String {
+    let parsed: Option<Value> = serde_json::from_slice(body).ok();
+    let message = parsed.as_ref().and_then(|v| {
+        let error = &v["error"];
+        error["@Message.ExtendedInfo"][0]["Message"]
+            .as_str()
+            .or(error["message"].as_str())
+            .map(str::to_owned)
+    });
+    let message = message.unwrap_or_else(|| {
+        let text = String::from_utf8_lossy(body);
+        text.chars().take(200).collect::<String>().trim().to_owned()
+    });
+    if message.is_empty() { status.to_string() } else { format!("{status}: {message}") }
+}
+
+/// An answer siteboot cannot make sense of.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ProtocolError(pub String);
+
+fn odata_id(link: &Value) -> Option<String> {
+    link["@odata.id"].as_str().filter(|s| s.starts_with('/')).map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_say_what_redfish_expects() {
+        assert_eq!(reset_body(ResetType::ForceRestart), json!({"ResetType": "ForceRestart"}));
+        assert_eq!(reset_body(ResetType::GracefulShutdown)["ResetType"], "GracefulShutdown");
+        assert_eq!(
+            reset_path("/redfish/v1/Systems/1"),
+            "/redfish/v1/Systems/1/Actions/ComputerSystem.Reset"
+        );
+        assert_eq!(
+            boot_once_from_network_body(None),
+            json!({"Boot": {"BootSourceOverrideTarget": "Pxe", "BootSourceOverrideEnabled": "Once"}})
+        );
+        assert_eq!(
+            boot_once_from_network_body(Some(BootMode::Uefi))["Boot"]["BootSourceOverrideMode"],
+            "UEFI"
+        );
+        assert_eq!(
+            boot_once_from_network_body(Some(BootMode::Legacy))["Boot"]["BootSourceOverrideMode"],
+            "Legacy"
+        );
+        let c = Credentials::new("admin", "pw").unwrap();
+        assert_eq!(session_body(&c), json!({"UserName": "admin", "Password": "pw"}));
+    }
+
+    #[test]
+    fn a_service_root_without_sessions_means_basic_authentication() {
+        let root =
+            json!({"Links": {"Sessions": {"@odata.id": "/redfish/v1/SessionService/Sessions"}}});
+        assert_eq!(sessions_path(&root).as_deref(), Some("/redfish/v1/SessionService/Sessions"));
+        assert_eq!(sessions_path(&json!({"Systems": {"@odata.id": "/redfish/v1/Systems"}})), None);
+        let session = "/redfish/v1/SessionService/Sessions/7";
+        assert_eq!(location_path(session), session);
+        assert_eq!(location_path(&format!("https://10.0.0.5:443{session}")), session);
+    }
+
+    #[test]
+    fn reads_power_uuid_and_boot_override_from_a_system() {
+        let system = json!({
+            "UUID": "0B5A1C2D-0000-4000-8000-0123456789AB",
+            "PowerState": "On",
+            "Boot": {"BootSourceOverrideTarget": "Pxe", "BootSourceOverrideEnabled": "Continuous"},
+            "EthernetInterfaces": {"@odata.id": "/redfish/v1/Systems/1/EthernetInterfaces"},
+        });
+        assert_eq!(power_state(&system), Ok(PowerState::On));
+        assert_eq!(power_state(&json!({"PowerState": "PoweringOff"})), Ok(PowerState::Off));
+        assert!(power_state(&json!({"PowerState": "Sideways"})).is_err());
+        assert!(power_state(&json!({})).is_err());
+        assert_eq!(system_uuid(&system).unwrap(), "0b5a1c2d-0000-4000-8000-0123456789ab");
+        assert!(system_uuid(&json!({"UUID": "not-a-uuid"})).is_err());
+        assert_eq!(
+            boot_override(&system),
+            BootOverride { target: Some("Pxe".into()), enabled: Some("Continuous".into()) }
+        );
+        assert_eq!(
+            ethernet_interfaces_path(&system).as_deref(),
+            Some("/redfish/v1/Systems/1/EthernetInterfaces")
+        );
+    }
+
+    #[test]
+    fn reads_members_and_macs() {
+        let collection = json!({"Members": [{"@odata.id": "/a/1"}, {"@odata.id": "/a/2"}]});
+        assert_eq!(members(&collection).unwrap(), ["/a/1", "/a/2"]);
+        assert!(members(&json!({"Members": [{}]})).is_err());
+        assert_eq!(
+            mac_address(&json!({"MACAddress": "52:54:00:AB:CD:EF"})).unwrap(),
+            "52:54:00:ab:cd:ef"
+        );
+        assert_eq!(
+            mac_address(&json!({"PermanentMACAddress": "52-54-00-00-00-01", "MACAddress": "02:00:00:00:00:09"}))
+                .unwrap(),
+            "52:54:00:00:00:01"
+        );
+        assert!(mac_address(&json!({"MACAddress": "52:54:00"})).is_err());
+    }
+
+    #[test]
+    fn error_messages_come_from_the_redfish_error_body() {
+        let body = br#"{"error": {"code": "Base.1.0.GeneralError", "message": "general",
+            "@Message.ExtendedInfo": [{"Message": "The property Foo is unknown."}]}}"#;
+        assert_eq!(
+            error_message(StatusCode::BAD_REQUEST, body),
+            "400 Bad Request: The property Foo is unknown."
+        );
+        assert_eq!(error_message(StatusCode::NOT_FOUND, b""), "404 Not Found");
+        assert_eq!(
+            error_message(StatusCode::BAD_GATEWAY, b"upstream down"),
+            "502 Bad Gateway: upstream down"
+        );
+    }
+}

@@ -1,0 +1,287 @@
+//! A Redfish BMC lab: libvirt's daemons running QEMU (TCG) VMs on a test namespace's bridge,
+//! and sushy-tools' Redfish emulator (from PyPI, pinned, in a cached venv) as their BMC on the
+//! test process's loopback.
+//!
+//! libvirtd starts inside the test namespace, so the taps it makes for `<interface
+//! type='bridge'>` land on that namespace's bridge. Its control socket is the machine's one
+//! (`/var/run/libvirt`), so one lab runs at a time on a machine ([`Libvirt::start`] takes a file
+//! lock). On drop: domains destroyed and undefined, daemons stopped; on a failing test the
+//! domains' serial consoles and the daemons' logs are printed.
+
+use std::fs::File;
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use tempfile::TempDir;
+
+use crate::netns::{self, Netns};
+use crate::process::{Supervised, tail};
+
+/// The sushy-tools release the lab runs.
+pub const SUSHY_TOOLS: &str = "2.2.0";
+/// libvirt's Python binding, built against Debian 12's libvirt 9.0 (`libvirt-dev`).
+pub const LIBVIRT_PYTHON: &str = "9.0.0";
+/// libvirtd's URI; its socket is the machine's one.
+const LIBVIRT_URI: &str = "qemu:///system";
+/// Held while a lab's libvirtd runs: one per machine.
+const LOCK: &str = "/run/siteboot-test-libvirtd.lock";
+/// How long a test may queue for the lab.
+const LOCK_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+const CONSOLE_TAIL_BYTES: u64 = 16 * 1024;
+
+/// libvirtd (in a test namespace) and virtlogd.
+pub struct Libvirt {
+    dir: TempDir,
+    domains: Mutex<Vec<Domain>>,
+    libvirtd: Supervised,
+    virtlogd: Supervised,
+    /// The machine-wide lock, released last.
+    _lock: File,
+}
+
+/// A libvirt domain the lab defined.
+#[derive(Debug, Clone)]
+pub struct Domain {
+    pub name: String,
+    /// Lower case, as libvirt and SMBIOS give it.
+    pub uuid: String,
+    pub mac: String,
+    console: PathBuf,
+}
+
+impl Libvirt {
+    /// Starts virtlogd and, inside `ns`, libvirtd; waits until libvirtd answers.
+    pub fn start(ns: &Netns) -> Result<Self> {
+        let lock = lock_machine()?;
+        for dir in ["/var/log/libvirt", "/var/run/libvirt"] {
+            std::fs::create_dir_all(dir)?;
+        }
+        let dir = tempfile::Builder::new().prefix("siteboot-libvirt-").tempdir()?;
+        // QEMU may run as libvirt-qemu: it must reach the disks and consoles in here.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        let logs = dir.path().join("logs");
+        let virtlogd = Supervised::spawn("virtlogd", &mut Command::new("virtlogd"), &logs)
+            .context("starting virtlogd (is libvirt-daemon-system installed? run scripts/setup)")?;
+        let libvirtd = Supervised::spawn("libvirtd", &mut ns.command("libvirtd"), &logs)?;
+        let lab = Self { dir, domains: Mutex::default(), libvirtd, virtlogd, _lock: lock };
+        crate::wait::for_("libvirtd to answer", READY_TIMEOUT, || lab.virsh(&["version"]).ok())?;
+        Ok(lab)
+    }
+
+    /// Runs `virsh -c qemu:///system <args>`; returns its stdout.
+    pub fn virsh(&self, args: &[&str]) -> Result<String> {
+        netns::output(Command::new("virsh").args(["-q", "-c", LIBVIRT_URI]).args(args))
+    }
+
+    /// Defines (does not start) a TCG domain `name`: 512 MiB, a NIC with `mac` on `bridge`, an
+    /// empty qcow2 disk it boots from unless told otherwise (so a network boot proves the
+    /// override), its serial console to a file.
+    pub fn define(&self, name: &str, mac: &str, bridge: &str) -> Result<Domain> {
+        let disk = self.dir.path().join(format!("{name}.qcow2"));
+        netns::run(
+            Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&disk).arg("1G"),
+        )
+        .context("making the domain's disk (is qemu-utils installed?)")?;
+        let console = self.dir.path().join(format!("{name}.console"));
+        let xml = format!(
+            "<domain type='qemu'>
+  <name>{name}</name>
+  <memory unit='MiB'>512</memory>
+  <vcpu>1</vcpu>
+  <os><type arch='x86_64' machine='pc'>hvm</type><boot dev='hd'/></os>
+  <devices>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='qcow2'/><source file='{disk}'/><target dev='vda' bus='virtio'/>
+    </disk>
+    <interface type='bridge'>
+      <source bridge='{bridge}'/><mac address='{mac}'/><model type='virtio'/>
+    </interface>
+    <serial type='file'><source path='{console}'/><target port='0'/></serial>
+  </devices>
+</domain>
+",
+            disk = disk.display(),
+            console = console.display(),
+        );
+        let file = self.dir.path().join(format!("{name}.xml"));
+        std::fs::write(&file, xml)?;
+        self.virsh(&["define", &file.to_string_lossy()])?;
+        let uuid = self.virsh(&["domuuid", name])?.trim().to_ascii_lowercase();
+        let domain = Domain { name: name.to_owned(), uuid, mac: mac.to_owned(), console };
+        self.domains.lock().expect("not poisoned").push(domain.clone());
+        Ok(domain)
+    }
+}
+
+impl Drop for Libvirt {
+    fn drop(&mut self) {
+        // The daemons print their own logs on a failing test (Supervised).
+        for domain in self.domains.lock().expect("not poisoned").iter() {
+            if std::thread::panicking() {
+                domain.print_console();
+            }
+            // destroy fails for a domain that is off; undefine is what must happen.
+            let _ = self.virsh(&["destroy", &domain.name]);
+            if let Err(e) = self.virsh(&["undefine", &domain.name]) {
+                eprintln!("redfish lab: {e:#}");
+            }
+        }
+        self.libvirtd.stop();
+        self.virtlogd.stop();
+    }
+}
+
+impl Domain {
+    /// The serial console so far (lossy UTF-8).
+    pub fn console(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.console).unwrap_or_default()).into_owned()
+    }
+
+    /// Waits until a console line contains `pattern`; returns that line from the pattern on.
+    pub fn wait_for_console(&self, pattern: &str, timeout: Duration) -> Result<String> {
+        crate::wait::until(
+            &format!("{pattern:?} on {}'s console", self.name),
+            timeout,
+            Duration::from_millis(500),
+            || {
+                let console = self.console();
+                console
+                    .lines()
+                    .find_map(|line| line.find(pattern).map(|i| line[i..].trim().to_owned()))
+            },
+        )
+    }
+
+    pub fn print_console(&self) {
+        eprintln!(
+            "----- console of domain {} -----\n{}\n----- end of console of domain {} -----",
+            self.name,
+            tail(&self.console, CONSOLE_TAIL_BYTES),
+            self.name
+        );
+    }
+}
+
+/// How the emulator serves.
+pub struct SushyOptions<'a> {
+    /// `(username, password)`: the only credentials it accepts (basic authentication).
+    pub user: (&'a str, &'a str),
+    /// `(certificate PEM, key PEM)`: serve HTTPS with this certificate, else plain HTTP.
+    pub tls: Option<(String, String)>,
+    /// Listen on this namespace's loopback (for an appliance in it), else the test process's.
+    pub netns: Option<&'a Netns>,
+}
+
+/// sushy-tools' Redfish emulator for the lab's libvirt, on 127.0.0.1.
+pub struct Sushy {
+    process: Supervised,
+    port: u16,
+    https: bool,
+    _dir: TempDir,
+}
+
+impl Sushy {
+    /// Starts the emulator and waits until it accepts connections.
+    pub fn start(options: SushyOptions<'_>) -> Result<Self> {
+        let python = emulator_python()?;
+        let dir = tempfile::Builder::new().prefix("siteboot-sushy-").tempdir()?;
+        let (user, password) = options.user;
+        // sushy-tools reads an Apache-style file with bcrypt digests only.
+        let digest = netns::output(Command::new(&python).args([
+            "-c",
+            "import bcrypt, sys; print(bcrypt.hashpw(sys.argv[1].encode(), bcrypt.gensalt(4)).decode())",
+            password,
+        ]))?;
+        let users = dir.path().join("htpasswd");
+        std::fs::write(&users, format!("{user}:{}\n", digest.trim()))?;
+        let port = free_port()?;
+        let mut config = format!(
+            "SUSHY_EMULATOR_LISTEN_IP = '127.0.0.1'\n\
+             SUSHY_EMULATOR_LISTEN_PORT = {port}\n\
+             SUSHY_EMULATOR_LIBVIRT_URI = '{LIBVIRT_URI}'\n\
+             SUSHY_EMULATOR_AUTH_FILE = '{}'\n",
+            users.display()
+        );
+        if let Some((cert, key)) = &options.tls {
+            let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+            std::fs::write(&cert_path, cert)?;
+            std::fs::write(&key_path, key)?;
+            config += &format!(
+                "SUSHY_EMULATOR_SSL_CERT = '{}'\nSUSHY_EMULATOR_SSL_KEY = '{}'\n",
+                cert_path.display(),
+                key_path.display()
+            );
+        }
+        let config_path = dir.path().join("emulator.conf");
+        std::fs::write(&config_path, config)?;
+        // As a module: the venv's scripts name the directory it was made in before its rename.
+        let mut command = match options.netns {
+            Some(ns) => ns.command(&python),
+            None => Command::new(&python),
+        };
+        command.args(["-m", "sushy_tools.emulator.main", "--config"]).arg(&config_path);
+        let process = Supervised::spawn("sushy-emulator", &mut command, dir.path())?;
+        let mut sushy = Self { process, port, https: options.tls.is_some(), _dir: dir };
+        let listening = || -> bool {
+            let connect = move || Ok(TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok());
+            match options.netns {
+                Some(ns) => ns.enter(connect).unwrap_or(false),
+                None => connect().unwrap_or(false),
+            }
+        };
+        crate::wait::for_("sushy-emulator to listen", READY_TIMEOUT, || {
+            if let Some(status) = sushy.process.try_wait() {
+                return Some(Err(anyhow::anyhow!("sushy-emulator exited ({status})")));
+            }
+            listening().then_some(Ok(()))
+        })??;
+        Ok(sushy)
+    }
+
+    /// `spec.bmc.address` for `domain` on this emulator.
+    pub fn address(&self, domain: &Domain) -> String {
+        let scheme = if self.https { "redfish+https" } else { "redfish+http" };
+        format!("{scheme}://127.0.0.1:{}/redfish/v1/Systems/{}", self.port, domain.uuid)
+    }
+
+    pub fn log(&self) -> String {
+        self.process.log()
+    }
+}
+
+/// A port on 127.0.0.1 that nothing listens on just now (a test namespace's loopback is all
+/// but empty: the port is as good as free there too).
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
+}
+
+/// The venv's python with sushy-tools and libvirt-python.
+fn emulator_python() -> Result<PathBuf> {
+    crate::venv::python_with(
+        &format!("sushy-tools-{SUSHY_TOOLS}-libvirt-python-{LIBVIRT_PYTHON}"),
+        &[format!("sushy-tools=={SUSHY_TOOLS}"), format!("libvirt-python=={LIBVIRT_PYTHON}")],
+    )
+    .context("libvirt-python builds against libvirt-dev with pkg-config: run scripts/setup")
+}
+
+/// Takes the machine-wide lab lock, waiting for another test's lab to finish.
+fn lock_machine() -> Result<File> {
+    let file = File::options().create(true).truncate(false).write(true).open(Path::new(LOCK))?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+    crate::wait::until(
+        "another test's libvirt lab to finish",
+        LOCK_TIMEOUT,
+        Duration::from_secs(1),
+        || {
+            // SAFETY: flock on a file descriptor we own; released when the File is closed.
+            (unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0).then_some(())
+        },
+    )?;
+    Ok(file)
+}
