@@ -181,10 +181,10 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
             let Some(p) = &host.spec.provisioning else { return Err(Refusal::NoOperation.into()) };
             let readiness = match &ctx.images {
                 Some(images) => images.prepare(&op.id, &p.image).await,
-                None => Readiness::Ready { url: p.image.url.clone() },
+                None => Readiness::Ready { url: p.image.url.clone(), size: 0 },
             };
-            let url = match readiness {
-                Readiness::Ready { url } => url,
+            let (url, size) = match readiness {
+                Readiness::Ready { url, size } => (url, size),
                 Readiness::Fetching { why } => {
                     tracing::info!(host = %host_key(&host), operation = %op.id, %why, "the ramdisk waits for its image");
                     return Ok(AgentResponse::json(&json!({ "action": "wait", "seconds": 5 })));
@@ -195,7 +195,7 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
                 }
             };
             let hostname = machine_name(ctx, &host).await?;
-            provision_task(&op.id, &host, &p.image, &url, &hostname)
+            provision_task(&op.id, &host, &p.image, (&url, size), &hostname)
         }
         OperationKind::Deprovision => json!({
             "action": "deprovision",
@@ -207,19 +207,20 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
 }
 
 /// The provision task (docs/agent-api.md): the image at `url` (the appliance's copy, or its
-/// source), how to pick the disk, and the NoCloud meta-data that goes beside the bootstrap data.
+/// source) and its size (0: unknown), how to pick the disk, and the NoCloud meta-data that
+/// goes beside the bootstrap data.
 fn provision_task(
     operation: &str,
     host: &Host,
     image: &Image,
-    url: &str,
+    (url, size): (&str, u64),
     hostname: &str,
 ) -> serde_json::Value {
     json!({
         "action": "provision",
         "operation": operation,
-        "image": { "url": url, "checksum": image.checksum },
-        "rootDeviceHints": host.spec.root_device_hints,
+        "image": { "url": url, "checksum": image.checksum, "sizeBytes": size },
+        "rootDeviceHints": host.spec.root_device_hints.clone().unwrap_or_default(),
         "growLastPartition": image.grow_last_partition,
         "metaData": {
             // New with each provisioning: cloud-init runs the user-data of a new instance.
@@ -480,13 +481,13 @@ mod tests {
             grow_last_partition: true,
         };
         let served = format!("http://10.0.0.1:8080/images/sha256/{}", "ab".repeat(32));
-        let task = provision_task("op-7", &host, &image, &served, "worker-a");
+        let task = provision_task("op-7", &host, &image, (&served, 4096), "worker-a");
         assert_eq!(
             task,
             json!({
                 "action": "provision",
                 "operation": "op-7",
-                "image": { "url": served, "checksum": image.checksum },
+                "image": { "url": served, "checksum": image.checksum, "sizeBytes": 4096 },
                 "rootDeviceHints": { "serial": "S2" },
                 "growLastPartition": true,
                 "metaData": {
@@ -496,5 +497,86 @@ mod tests {
                 },
             })
         );
+    }
+
+    /// The two sides of docs/agent-api.md agree: what this side sends, the agent reads, and
+    /// what the agent sends, this side reads.
+    #[test]
+    fn the_agent_reads_the_tasks_and_this_side_reads_its_reports() {
+        use siteboot_agent::task::{ProgressReport, Task};
+        let mut host = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
+        host.metadata.namespace = Some("metal".into());
+        let image = Image {
+            url: "https://images.example/os.img".into(),
+            checksum: format!("sha256:{}", "ab".repeat(32)),
+            format: None,
+            grow_last_partition: false,
+        };
+        for hints in [
+            None,
+            Some(RootDeviceHints {
+                min_size_bytes: Some(1 << 30),
+                wwn: Some("0x5000".into()),
+                ..Default::default()
+            }),
+        ] {
+            host.spec.root_device_hints = hints.clone();
+            let task = provision_task("op-7", &host, &image, ("http://a/i", 4096), "worker-a");
+            let Ok(Task::Provision(read)) = serde_json::from_value::<Task>(task.clone()) else {
+                panic!("the agent cannot read {task}");
+            };
+            assert_eq!(read.image.size_bytes, 4096);
+            assert_eq!(read.root_device_hints.wwn, hints.and_then(|h| h.wwn));
+            assert_eq!(read.meta_data["provider-id"], "siteboot://metal/node-1");
+        }
+        let deprovision =
+            json!({ "action": "deprovision", "operation": "op-8", "wipe": WipePolicy::Quick });
+        assert!(matches!(
+            serde_json::from_value::<Task>(deprovision),
+            Ok(Task::Deprovision { .. })
+        ));
+        let report = ProgressReport {
+            step: "writing image",
+            bytes: Some(siteboot_agent::progress::Progress { done: 5, total: 9 }),
+        };
+        let read: Progress =
+            serde_json::from_value(serde_json::to_value(&report).unwrap()).unwrap();
+        assert_eq!(
+            (read.step.as_str(), read.bytes),
+            ("writing image", Some(ByteCount { done: 5, total: 9 }))
+        );
+        use siteboot_agent::inspect;
+        let found = inspect::Hardware {
+            cpus: 2,
+            memory_mib: 2048,
+            arch: "x86_64".into(),
+            system: Some(inspect::System {
+                uuid: "u-1".into(),
+                vendor: Some("QEMU".into()),
+                model: None,
+                serial: None,
+            }),
+            disks: vec![inspect::Disk {
+                name: "/dev/vda".into(),
+                size_bytes: 1 << 30,
+                model: None,
+                serial: Some("S1".into()),
+                wwn: Some("0x5000".into()),
+                rotational: false,
+            }],
+            nics: vec![inspect::Nic {
+                name: "eth0".into(),
+                mac: "52:54:00:00:00:01".into(),
+                link: true,
+                speed_mbps: Some(1000),
+            }],
+        };
+        let read: Hardware = serde_json::from_value(serde_json::to_value(&found).unwrap()).unwrap();
+        assert_eq!(read.system.unwrap().uuid, "u-1");
+        assert_eq!(
+            (read.disks[0].serial.as_deref(), read.disks[0].wwn.as_deref()),
+            (Some("S1"), Some("0x5000"))
+        );
+        assert_eq!((read.nics[0].link, read.nics[0].speed_mbps), (Some(true), Some(1000)));
     }
 }

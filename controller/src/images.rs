@@ -20,8 +20,8 @@ const GET_WAIT: Duration = Duration::from_secs(2);
 /// Where an operation's image stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Readiness {
-    /// In the cache: the ramdisk downloads it from `url`.
-    Ready { url: String },
+    /// In the cache: the ramdisk downloads it from `url`; `size` bytes (0: not known).
+    Ready { url: String, size: u64 },
     /// Being fetched (or to be fetched again after `why`): ask again later.
     Fetching { why: String },
     /// It cannot be had: the operation fails with this reason.
@@ -50,8 +50,9 @@ impl ImageService {
         match tokio::time::timeout(GET_WAIT, self.cache.get(&image, |_| {})).await {
             Ok(Ok(lease)) => {
                 let url = self.endpoints.image_url(&lease.digest().hex());
+                let size = lease.size();
                 self.leases.lock().expect("lease lock").insert(operation.to_owned(), lease);
-                Readiness::Ready { url }
+                Readiness::Ready { url, size }
             }
             Ok(Err(e)) => {
                 let why = format!("fetching {}: {e}", image.url);
