@@ -24,8 +24,8 @@ use crate::conditions::paused_itself;
 use crate::context::{Ctx, host_key, owner_machine_ref, update_host_status};
 use crate::crd::capi::Machine;
 use crate::crd::{
-    ByteCount, Hardware, Host, Image, MachineAddress, Operation, OperationKind, SitebootMachine,
-    WipePolicy, now,
+    ByteCount, Hardware, Host, HostState, Image, MachineAddress, Operation, OperationKind,
+    SitebootMachine, WipePolicy, now,
 };
 use crate::host::lifecycle::{completed, older_than};
 use crate::images::Readiness;
@@ -165,13 +165,7 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
         Ok(op) => op,
         // No token, or one from before: an operation waiting means "boot again for its token".
         Err(Refusal::NoToken | Refusal::WrongToken | Refusal::Expired | Refusal::NoOperation) => {
-            let pending = host.status.as_ref().is_some_and(|s| s.operation.is_some());
-            let answer = if pending {
-                json!({ "action": "reboot" })
-            } else {
-                json!({ "action": "wait", "seconds": 10 })
-            };
-            return Ok(AgentResponse::json(&answer));
+            return Ok(AgentResponse::json(&idle_task(&host)));
         }
         Err(other) => return Err(other.into()),
     };
@@ -204,6 +198,20 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
         }),
     };
     Ok(AgentResponse::json(&answer))
+}
+
+/// The task of a ramdisk with no operation to do (no token, or one from before): reboot when
+/// an operation waits (for its token), or when the host is Provisioned (the ramdisk that just
+/// wrote its disk: the boot script now says the local disk), else wait.
+fn idle_task(host: &Host) -> serde_json::Value {
+    let status = host.status.as_ref();
+    let pending = status.is_some_and(|s| s.operation.is_some());
+    let provisioned = status.and_then(|s| s.state) == Some(HostState::Provisioned);
+    if pending || provisioned {
+        json!({ "action": "reboot" })
+    } else {
+        json!({ "action": "wait", "seconds": 10 })
+    }
 }
 
 /// The provision task (docs/agent-api.md): the image at `url` (the appliance's copy, or its
@@ -497,6 +505,22 @@ mod tests {
                 },
             })
         );
+    }
+
+    #[test]
+    fn an_idle_ramdisk_reboots_into_a_pending_operation_or_a_provisioned_disk() {
+        use crate::host::lifecycle::{Transition, apply};
+        let with = |to, operation: bool| {
+            let mut host = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
+            let operation = operation.then_some(OperationKind::Deprovision);
+            let transition = Transition { to, operation, reason: "Test", message: String::new() };
+            host.status = Some(apply(&host, &transition));
+            idle_task(&host)["action"].clone()
+        };
+        assert_eq!(with(HostState::Deprovisioning, true), "reboot");
+        assert_eq!(with(HostState::Provisioned, false), "reboot");
+        assert_eq!(with(HostState::Available, false), "wait");
+        assert_eq!(with(HostState::Quarantined, false), "wait");
     }
 
     /// The two sides of docs/agent-api.md agree: what this side sends, the agent reads, and

@@ -33,6 +33,7 @@ use crate::forward::LoopbackForward;
 use crate::kube::KubeEnv;
 use crate::kube::capi::{self, CAPI};
 use crate::netns::Netns;
+use crate::os_images::{Ramdisk, TestOsImage};
 use crate::sim::{Phase, SimHost};
 use crate::wait;
 
@@ -207,6 +208,25 @@ impl ProviderLab {
             Arc::new(start(&self.lab, appliance::BRIDGE, &sim_mac(i), self.siteboot.base_url())?);
         self.sims.lock().unwrap().push(sim.clone());
         Ok(sim)
+    }
+
+    /// Puts the real deploy ramdisk where the lab's `ramdisk` profile boots it from (in place
+    /// of the stand-ins the simulated hosts never download).
+    pub fn install_ramdisk(&self, ramdisk: &Ramdisk) -> Result<()> {
+        let dir = self.siteboot.http_root().join("ramdisk");
+        std::fs::copy(&ramdisk.kernel, dir.join("vmlinuz"))?;
+        std::fs::copy(&ramdisk.initramfs, dir.join("initrd.img"))?;
+        Ok(())
+    }
+
+    /// Serves `image` from the lab appliance's HTTP root as `images/<name>.raw`; returns the
+    /// `image` of a SitebootMachine that writes it (the appliance fetches it into its cache).
+    pub fn serve_image(&self, name: &str, image: &TestOsImage) -> Result<Value> {
+        std::fs::copy(&image.disk, self.siteboot.http_root().join(format!("images/{name}.raw")))?;
+        Ok(json!({
+            "url": format!("http://{}:{}/files/images/{name}.raw", appliance::ADDRESS, appliance::HTTP_PORT),
+            "checksum": format!("sha256:{}", image.sha256),
+        }))
     }
 
     /// Starts another appliance for the site; `config` adjusts its configuration.
@@ -409,9 +429,14 @@ impl ProviderLab {
     /// A SitebootMachineTemplate writing image `image` (a name: the URL and checksum derive
     /// from it).
     pub async fn create_template(&self, name: &str, image: &str) -> Result<()> {
+        self.create_template_spec(name, json!({ "image": image_spec(image) })).await
+    }
+
+    /// A SitebootMachineTemplate whose machines get `spec` (a SitebootMachine's spec).
+    pub async fn create_template_spec(&self, name: &str, spec: Value) -> Result<()> {
         let template: DynamicObject = serde_json::from_value(json!({
             "apiVersion": INFRA, "kind": "SitebootMachineTemplate", "metadata": { "name": name },
-            "spec": { "template": { "spec": { "image": image_spec(image) } } },
+            "spec": { "template": { "spec": spec } },
         }))?;
         self.api("SitebootMachineTemplate").create(&PostParams::default(), &template).await?;
         Ok(())

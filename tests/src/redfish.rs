@@ -21,6 +21,7 @@ use tempfile::TempDir;
 
 use crate::netns::{self, Netns};
 use crate::process::{Supervised, tail};
+use crate::vm::{Firmware, OVMF_CODE, OVMF_VARS};
 
 /// The sushy-tools release the lab runs.
 pub const SUSHY_TOOLS: &str = "2.2.0";
@@ -52,6 +53,8 @@ pub struct Domain {
     /// Lower case, as libvirt and SMBIOS give it.
     pub uuid: String,
     pub mac: String,
+    /// Its raw disk files: `vda`, `vdb`, ...
+    pub disks: Vec<PathBuf>,
     console: PathBuf,
 }
 
@@ -79,44 +82,91 @@ impl Libvirt {
         netns::output(Command::new("virsh").args(["-q", "-c", LIBVIRT_URI]).args(args))
     }
 
-    /// Defines (does not start) a TCG domain `name`: 512 MiB, a NIC with `mac` on `bridge`, an
-    /// empty qcow2 disk it boots from unless told otherwise (so a network boot proves the
-    /// override), its serial console to a file.
+    /// Defines (does not start) a TCG BIOS domain `name`: 512 MiB, a NIC with `mac` on
+    /// `bridge`, an empty 1 GiB disk it boots from unless told otherwise (so a network boot
+    /// proves the override), its serial console to a file.
     pub fn define(&self, name: &str, mac: &str, bridge: &str) -> Result<Domain> {
-        let disk = self.dir.path().join(format!("{name}.qcow2"));
-        netns::run(
-            Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&disk).arg("1G"),
+        self.define_with(
+            name,
+            mac,
+            bridge,
+            &Machine { firmware: Firmware::Bios, disks_mib: &[1024] },
         )
-        .context("making the domain's disk (is qemu-utils installed?)")?;
+    }
+
+    /// [`Libvirt::define`] with `machine`'s firmware and empty raw disks (`vda`, `vdb`, ...),
+    /// whose files a test may read ([`Domain::disks`]).
+    pub fn define_with(
+        &self,
+        name: &str,
+        mac: &str,
+        bridge: &str,
+        machine: &Machine<'_>,
+    ) -> Result<Domain> {
+        let mut disks = Vec::new();
+        let mut disk_xml = String::new();
+        for (i, mib) in machine.disks_mib.iter().enumerate() {
+            let letter = char::from(b'a' + u8::try_from(i).context("too many disks")?);
+            let disk = self.dir.path().join(format!("{name}-vd{letter}.raw"));
+            File::create(&disk)?.set_len(mib << 20)?;
+            disk_xml += &format!(
+                "    <disk type='file' device='disk'>
+      <driver name='qemu' type='raw'/><source file='{}'/><target dev='vd{letter}' bus='virtio'/>
+    </disk>\n",
+                disk.display()
+            );
+            disks.push(disk);
+        }
         let console = self.dir.path().join(format!("{name}.console"));
+        // EDK2's own PXE client, as `vm::Firmware::Uefi` says: the NIC's iPXE ROM is off.
+        let (loader, rom) = match machine.firmware {
+            Firmware::Bios => (String::new(), ""),
+            Firmware::Uefi => (
+                format!(
+                    "<loader readonly='yes' type='pflash'>{OVMF_CODE}</loader>\
+                     <nvram template='{OVMF_VARS}'>{}</nvram>",
+                    self.dir.path().join(format!("{name}-VARS.fd")).display()
+                ),
+                "<rom enabled='no'/>",
+            ),
+        };
         let xml = format!(
             "<domain type='qemu'>
   <name>{name}</name>
   <memory unit='MiB'>512</memory>
   <vcpu>1</vcpu>
-  <os><type arch='x86_64' machine='pc'>hvm</type><boot dev='hd'/></os>
+  <os><type arch='x86_64' machine='pc'>hvm</type>{loader}<boot dev='hd'/></os>
   <devices>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='qcow2'/><source file='{disk}'/><target dev='vda' bus='virtio'/>
-    </disk>
-    <interface type='bridge'>
-      <source bridge='{bridge}'/><mac address='{mac}'/><model type='virtio'/>
+{disk_xml}    <interface type='bridge'>
+      <source bridge='{bridge}'/><mac address='{mac}'/><model type='virtio'/>{rom}
     </interface>
-    <serial type='file'><source path='{console}'/><target port='0'/></serial>
+    <serial type='file'><source path='{console}' append='on'/><target port='0'/></serial>
   </devices>
 </domain>
 ",
-            disk = disk.display(),
             console = console.display(),
         );
         let file = self.dir.path().join(format!("{name}.xml"));
         std::fs::write(&file, xml)?;
         self.virsh(&["define", &file.to_string_lossy()])?;
         let uuid = self.virsh(&["domuuid", name])?.trim().to_ascii_lowercase();
-        let domain = Domain { name: name.to_owned(), uuid, mac: mac.to_owned(), console };
+        let domain = Domain { name: name.to_owned(), uuid, mac: mac.to_owned(), console, disks };
         self.domains.lock().expect("not poisoned").push(domain.clone());
         Ok(domain)
     }
+
+    /// What libvirt says of `domain`'s state: `running`, `shut off`, ...
+    pub fn state(&self, domain: &Domain) -> Result<String> {
+        Ok(self.virsh(&["domstate", &domain.name])?.trim().to_owned())
+    }
+}
+
+/// The hardware of a domain [`Libvirt::define_with`] makes.
+#[derive(Debug, Clone, Copy)]
+pub struct Machine<'a> {
+    pub firmware: Firmware,
+    /// The sizes of its disks, in MiB.
+    pub disks_mib: &'a [u64],
 }
 
 impl Drop for Libvirt {
@@ -128,7 +178,7 @@ impl Drop for Libvirt {
             }
             // destroy fails for a domain that is off; undefine is what must happen.
             let _ = self.virsh(&["destroy", &domain.name]);
-            if let Err(e) = self.virsh(&["undefine", &domain.name]) {
+            if let Err(e) = self.virsh(&["undefine", "--nvram", &domain.name]) {
                 eprintln!("redfish lab: {e:#}");
             }
         }

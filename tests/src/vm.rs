@@ -12,8 +12,8 @@ use anyhow::{Context, Result, bail};
 use crate::netns::Netns;
 use crate::process::{Supervised, tail};
 
-const OVMF_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
-const OVMF_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
+pub(crate) const OVMF_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
+pub(crate) const OVMF_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
 /// How long a test may queue for a VM slot before giving up.
 const SLOT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// Console lines after which no network boot follows (SeaBIOS, iPXE, Linux, EDK2): waiting

@@ -1,0 +1,370 @@
+//! Issue 9's proof: whole machines provisioned end to end, through Redfish only. QEMU (TCG)
+//! VMs with empty raw disks, driven by sushy-tools' Redfish emulator, run the real deploy
+//! ramdisk (`scripts/build-ramdisk`: the agent of `images/agent`) and get the real test OS
+//! image (`scripts/build-test-os-image`) from siteboot in Kubernetes mode:
+//!
+//! registered (BMC checked) -> powered on, network boot, inspected by the ramdisk (MAC, disk
+//! sizes, system UUID on the Host) -> Available -> claimed by a MachineDeployment -> the image
+//! (from the appliance's cache) and a NoCloud seed with the bootstrap data written -> the VM
+//! boots its disk, the OS reads its provider ID and runs the user-data -> scaled to 0 ->
+//! wiped (the disk files hold no partition table or signature) -> Host deleted -> powered off.
+//!
+//! One lab (one management cluster, one libvirt + sushy-tools) for every VM, and the VMs run
+//! at once: a BIOS VM, a UEFI (OVMF) VM, and a BIOS VM with two disks whose Host's root
+//! device hints pick the second (the first stays byte for byte as it was).
+//!
+//! Failures panic while the lab is alive, so the VM consoles and the appliance's log get
+//! printed.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::{Value, json};
+use sha2::Digest;
+use siteboot_controller::conditions::BMC_READY;
+use siteboot_controller::crd::{
+    Bmc, Host, HostSpec, HostState, RootDeviceHints, SITE_LABEL, condition,
+};
+use siteboot_tests::appliance;
+use siteboot_tests::os_images;
+use siteboot_tests::provider::{NS, ProviderLab, SITE};
+use siteboot_tests::redfish::{Domain, Libvirt, Machine, Sushy, SushyOptions};
+use siteboot_tests::vm::Firmware;
+
+const USER: (&str, &str) = ("admin", "correct horse");
+const CREDENTIALS: &str = "bmc-credentials";
+const CLUSTER: &str = "e2e";
+/// The bootstrap data: a script, so the test OS runs it and prints its exit code.
+const BOOTSTRAP: &str = "#!/bin/sh\necho \"user-data on $(hostname)\"\nexit 7\n";
+const USER_DATA_EXIT: &str = "siteboot-test-os: user-data exit=7";
+/// Labels a Host so only its own scenario's MachineDeployment claims it.
+const VM_LABEL: &str = "e2e.siteboot.dev/vm";
+/// One network boot plus an operation under TCG, three VMs sharing two cores: a few minutes.
+const PHASE_TIMEOUT: Duration = Duration::from_secs(12 * 60);
+const POWER_TIMEOUT: Duration = Duration::from_secs(120);
+const MIB: u64 = 1 << 20;
+
+/// One VM's run through the whole lifecycle.
+struct Scenario {
+    /// Host, domain, template and MachineDeployment name.
+    name: &'static str,
+    mac: &'static str,
+    firmware: Firmware,
+    disks_mib: &'static [u64],
+    hints: Option<RootDeviceHints>,
+    /// The disk the image must land on (index into `disks_mib`).
+    root: usize,
+}
+
+fn scenarios() -> [Scenario; 3] {
+    [
+        Scenario {
+            name: "bios",
+            mac: "52:54:00:00:09:01",
+            firmware: Firmware::Bios,
+            disks_mib: &[1024],
+            hints: None,
+            root: 0,
+        },
+        Scenario {
+            name: "uefi",
+            mac: "52:54:00:00:09:02",
+            firmware: Firmware::Uefi,
+            disks_mib: &[1024],
+            hints: None,
+            root: 0,
+        },
+        // Without the hint the agent would take the smaller disk that holds the image: vda.
+        Scenario {
+            name: "two-disks",
+            mac: "52:54:00:00:09:03",
+            firmware: Firmware::Bios,
+            disks_mib: &[512, 1024],
+            hints: Some(RootDeviceHints { name: Some("/dev/vdb".into()), ..Default::default() }),
+            root: 1,
+        },
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
+    let ramdisk = os_images::ramdisk(None).unwrap();
+    let os = os_images::test_os_image().unwrap();
+    let lab = ProviderLab::start(0, |_| {}).await.unwrap();
+    lab.install_ramdisk(&ramdisk).unwrap();
+    let image = lab.serve_image("test-os", &os).unwrap();
+    let libvirt = Libvirt::start(&lab.lab).unwrap();
+    let sushy =
+        Sushy::start(SushyOptions { user: USER, tls: None, netns: Some(&lab.lab) }).unwrap();
+    let secret = Secret {
+        metadata: ObjectMeta { name: Some(CREDENTIALS.into()), ..Default::default() },
+        string_data: Some(BTreeMap::from([
+            ("username".to_owned(), USER.0.to_owned()),
+            ("password".to_owned(), USER.1.to_owned()),
+        ])),
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(lab.env.client(), NS)
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    lab.create_cluster(CLUSTER, BOOTSTRAP).await.unwrap();
+
+    let scenarios = scenarios();
+    let env = Env { lab: &lab, libvirt: &libvirt, sushy: &sushy, image: &image, os: &os.disk };
+    let results = futures_util::future::join_all(scenarios.iter().map(|s| async {
+        let started = Instant::now();
+        let result = run(&env, s).await;
+        (s.name, result, started.elapsed())
+    }))
+    .await;
+    let mut failed = Vec::new();
+    for (name, result, took) in &results {
+        match result {
+            Ok(()) => eprintln!("scenario {name}: passed in {took:.0?}"),
+            Err(e) => {
+                eprintln!("scenario {name}: FAILED after {took:.0?}: {e:#}");
+                failed.push(*name);
+            }
+        }
+    }
+    if !failed.is_empty() {
+        eprintln!("{}", lab.describe().await);
+        panic!("scenarios failed: {failed:?}");
+    }
+}
+
+/// What every scenario shares.
+struct Env<'a> {
+    lab: &'a ProviderLab,
+    libvirt: &'a Libvirt,
+    sushy: &'a Sushy,
+    /// The SitebootMachine `image` that writes the test OS.
+    image: &'a Value,
+    /// The test OS image's file.
+    os: &'a Path,
+}
+
+async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
+    let machine = Machine { firmware: s.firmware, disks_mib: s.disks_mib };
+    let domain = env.libvirt.define_with(s.name, s.mac, appliance::BRIDGE, &machine)?;
+    // A disk the hints rule out must never be written: mark it, and compare it later.
+    let others: Vec<(usize, String)> = (0..s.disks_mib.len())
+        .filter(|i| *i != s.root)
+        .map(|i| {
+            mark(&domain.disks[i])?;
+            Ok((i, sha256_file(&domain.disks[i])?))
+        })
+        .collect::<Result<_>>()?;
+
+    // Registered (the BMC checked), powered on with a network boot, inspected.
+    let hosts = env.lab.hosts();
+    let mut host = Host::new(s.name, HostSpec::new(s.mac));
+    host.metadata.labels = Some(BTreeMap::from([
+        (SITE_LABEL.to_owned(), SITE.to_owned()),
+        (VM_LABEL.to_owned(), s.name.to_owned()),
+    ]));
+    host.spec.bmc = Some(Bmc {
+        address: env.sushy.address(&domain),
+        credentials_name: CREDENTIALS.into(),
+        certificate_fingerprint: None,
+    });
+    host.spec.root_device_hints = s.hints.clone();
+    hosts.create(&PostParams::default(), &host).await?;
+    let host = wait_host(&hosts, s.name, "Available", PHASE_TIMEOUT, |h| {
+        state(h) == Some(HostState::Available)
+    })
+    .await
+    .map_err(|e| with_console(e, &domain))?;
+    let status = host.status.clone().unwrap_or_default();
+    let bmc = condition(&status.conditions, BMC_READY).map(|c| (c.status.clone(), &c.reason));
+    ensure!(bmc == Some(("True".into(), &"BMCReachable".into())), "BMCReady: {bmc:?}");
+    let hardware = status.hardware.context("no hardware on the inspected Host")?;
+    let uuid = hardware.system.as_ref().map(|s| s.uuid.to_ascii_lowercase());
+    ensure!(uuid.as_deref() == Some(domain.uuid.as_str()), "system UUID {uuid:?}");
+    ensure!(
+        hardware.nics.iter().any(|n| n.mac.eq_ignore_ascii_case(s.mac)),
+        "no NIC with {} in {:?}",
+        s.mac,
+        hardware.nics
+    );
+    let mut disks: Vec<(String, u64)> =
+        hardware.disks.iter().map(|d| (d.name.clone(), d.size_bytes)).collect();
+    disks.sort();
+    let want: Vec<(String, u64)> = s
+        .disks_mib
+        .iter()
+        .enumerate()
+        .map(|(i, mib)| (format!("/dev/vd{}", char::from(b'a' + i as u8)), mib * MIB))
+        .collect();
+    ensure!(disks == want, "disks {disks:?}, want {want:?}");
+
+    // Claimed and provisioned; the VM boots its disk.
+    let spec = json!({
+        "image": env.image,
+        "hostSelector": { "matchLabels": { VM_LABEL: s.name } },
+    });
+    env.lab.create_template_spec(s.name, spec).await?;
+    env.lab.create_machine_deployment(s.name, CLUSTER, s.name, 1).await?;
+    let outcome = wait_console(&domain, &["siteboot-test-os: done", "siteboot-test-os: failed"])
+        .map_err(|e| with_console(e, &domain))?;
+    let console = domain.console();
+    ensure!(outcome.ends_with("done"), "the test OS says {outcome:?}\n{console}");
+    let provider_id = format!("siteboot-test-os: provider-id=siteboot://{NS}/{}", s.name);
+    for line in [provider_id.as_str(), USER_DATA_EXIT] {
+        ensure!(console.lines().any(|l| l.trim_end() == line), "no {line:?} on the console");
+    }
+    let host = hosts.get(s.name).await?;
+    ensure!(state(&host) == Some(HostState::Provisioned), "Host state {:?}", state(&host));
+    // The test OS powers off after its last line.
+    wait_domain(env.libvirt, &domain, "shut off")?;
+    same_bytes(&domain.disks[s.root], env.os)?;
+    for (i, digest) in &others {
+        ensure!(sha256_file(&domain.disks[*i])? == *digest, "disk {i}, ruled out, was written");
+    }
+
+    // Scaled to 0: released, wiped, Available again.
+    env.lab.scale(s.name, 0).await?;
+    wait_host(&hosts, s.name, "wiped and Available", PHASE_TIMEOUT, |h| {
+        let status = h.status.as_ref();
+        h.spec.consumer_ref.is_none()
+            && state(h) == Some(HostState::Available)
+            && status.is_some_and(|s| !s.wipe_required && s.installed.is_none())
+    })
+    .await
+    .map_err(|e| with_console(e, &domain))?;
+    for disk in &domain.disks {
+        no_signature(disk)?;
+    }
+
+    // Deleted: powered off.
+    ensure!(env.libvirt.state(&domain)? == "running", "the ramdisk should still run");
+    hosts.delete(s.name, &DeleteParams::default()).await?;
+    siteboot_tests::wait::for_async("the Host to go", POWER_TIMEOUT, || async {
+        hosts.get_opt(s.name).await.ok()?.is_none().then_some(())
+    })
+    .await?;
+    wait_domain(env.libvirt, &domain, "shut off")
+}
+
+fn state(host: &Host) -> Option<HostState> {
+    host.status.as_ref()?.state
+}
+
+/// Waits until Host `name` satisfies `done`; fails at once if it is Quarantined.
+async fn wait_host(
+    hosts: &Api<Host>,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    done: impl Fn(&Host) -> bool,
+) -> Result<Host> {
+    let last = std::sync::Mutex::new(None);
+    let result =
+        siteboot_tests::wait::for_async(&format!("Host {name} {what}"), timeout, || async {
+            let host = hosts.get(name).await.ok()?;
+            let quarantined = state(&host) == Some(HostState::Quarantined);
+            *last.lock().unwrap() = Some(host.clone());
+            if quarantined {
+                return Some(Err(anyhow::anyhow!(
+                    "Host {name} Quarantined: {:?}",
+                    host.status.as_ref().and_then(|s| s.quarantine_reason.clone())
+                )));
+            }
+            done(&host).then_some(Ok(host))
+        })
+        .await;
+    let last = last.into_inner().unwrap();
+    result.and_then(|r| r).with_context(|| format!("the Host last: {:?}", last.map(|h| h.status)))
+}
+
+/// Waits for the first console line containing one of `patterns`; returns it from there.
+fn wait_console(domain: &Domain, patterns: &[&str]) -> Result<String> {
+    siteboot_tests::wait::until(
+        &format!("{patterns:?} on {}'s console", domain.name),
+        PHASE_TIMEOUT,
+        Duration::from_secs(1),
+        || {
+            domain.console().lines().find_map(|line| {
+                patterns.iter().find_map(|p| line.find(p).map(|i| line[i..].trim().to_owned()))
+            })
+        },
+    )
+}
+
+fn wait_domain(libvirt: &Libvirt, domain: &Domain, want: &str) -> Result<()> {
+    siteboot_tests::wait::for_(&format!("{} {want}", domain.name), POWER_TIMEOUT, || {
+        (libvirt.state(domain).ok()? == want).then_some(())
+    })
+}
+
+/// `error` with the domain's console (the lab prints them all only when the test panics).
+fn with_console(error: anyhow::Error, domain: &Domain) -> anyhow::Error {
+    domain.print_console();
+    error
+}
+
+/// Writes a recognisable first MiB on `disk`.
+fn mark(disk: &Path) -> Result<()> {
+    use std::io::Write;
+    let line = b"siteboot e2e: a disk the root device hints rule out\n";
+    let mut file = std::fs::OpenOptions::new().write(true).open(disk)?;
+    for _ in 0..MIB as usize / line.len() {
+        file.write_all(line)?;
+    }
+    Ok(())
+}
+
+fn sha256_file(path: &Path) -> Result<String> {
+    let mut hasher = sha2::Sha256::new();
+    std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The disk holds the image: byte for byte, but for its first and last MiB (the partition
+/// tables, which the seed partition changed).
+fn same_bytes(disk: &Path, image: &Path) -> Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let len = std::fs::metadata(image)?.len();
+    let (mut a, mut b) = (std::fs::File::open(disk)?, std::fs::File::open(image)?);
+    let (mut x, mut y) = (vec![0; MIB as usize], vec![0; MIB as usize]);
+    for offset in (MIB..len - MIB).step_by(MIB as usize) {
+        for (file, buf) in [(&mut a, &mut x), (&mut b, &mut y)] {
+            file.seek(SeekFrom::Start(offset))?;
+            file.read_exact(buf)?;
+        }
+        if x != y {
+            bail!("{} differs from the image at MiB {}", disk.display(), offset / MIB);
+        }
+    }
+    Ok(())
+}
+
+/// Neither `wipefs` nor `blkid` finds a partition table or signature on `disk`.
+fn no_signature(disk: &Path) -> Result<()> {
+    let wipefs = Command::new("wipefs").arg("--no-act").arg(disk).output()?;
+    let found = String::from_utf8_lossy(&wipefs.stdout);
+    ensure!(
+        wipefs.status.success() && found.trim().is_empty(),
+        "wipefs on {} ({}): {found}{}",
+        disk.display(),
+        wipefs.status,
+        String::from_utf8_lossy(&wipefs.stderr)
+    );
+    // blkid exits 2 when it finds nothing.
+    let blkid = Command::new("blkid").arg("-p").arg(disk).output()?;
+    ensure!(
+        blkid.status.code() == Some(2),
+        "blkid on {} ({}): {}",
+        disk.display(),
+        blkid.status,
+        String::from_utf8_lossy(&blkid.stdout)
+    );
+    Ok(())
+}
