@@ -64,8 +64,13 @@ pub fn test_os_image() -> Result<TestOsImage> {
 fn run_builder(script: &str, arg: Option<&std::ffi::OsStr>) -> Result<String> {
     static BUILDING: Mutex<()> = Mutex::new(());
     let _building = BUILDING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let output =
-        Command::new(script).args(arg).output().with_context(|| format!("running {script}"))?;
+    // The agent's static release build goes to the script's own target folder under
+    // $SITEBOOT_CACHE, kept between runs, not to the one the tests were built in.
+    let output = Command::new(script)
+        .args(arg)
+        .env_remove("CARGO_TARGET_DIR")
+        .output()
+        .with_context(|| format!("running {script}"))?;
     let stderr = String::from_utf8_lossy(&output.stderr);
     if !output.status.success() {
         bail!("{script} failed ({}):\n{stderr}", output.status);

@@ -95,7 +95,8 @@ impl Libvirt {
     }
 
     /// [`Libvirt::define`] with `machine`'s firmware and empty raw disks (`vda`, `vdb`, ...),
-    /// whose files a test may read ([`Domain::disks`]).
+    /// whose files a test may read ([`Domain::disks`]). ACPI is on (OVMF needs it, and a
+    /// guest's power-off turns the domain off).
     pub fn define_with(
         &self,
         name: &str,
@@ -136,6 +137,7 @@ impl Libvirt {
   <memory unit='MiB'>512</memory>
   <vcpu>1</vcpu>
   <os><type arch='x86_64' machine='pc'>hvm</type>{loader}<boot dev='hd'/></os>
+  <features><acpi/></features>
   <devices>
 {disk_xml}    <interface type='bridge'>
       <source bridge='{bridge}'/><mac address='{mac}'/><model type='virtio'/>{rom}

@@ -10,7 +10,7 @@
 //! wiped (the disk files hold no partition table or signature) -> Host deleted -> powered off.
 //!
 //! One lab (one management cluster, one libvirt + sushy-tools) for every VM, and the VMs run
-//! at once: a BIOS VM, a UEFI (OVMF) VM, and a BIOS VM with two disks whose Host's root
+//! at once: a BIOS VM, a UEFI (OVMF) VM, and a UEFI VM with two disks whose Host's root
 //! device hints pick the second (the first stays byte for byte as it was).
 //!
 //! Failures panic while the lab is alive, so the VM consoles and the appliance's log get
@@ -81,10 +81,11 @@ fn scenarios() -> [Scenario; 3] {
             root: 0,
         },
         // Without the hint the agent would take the smaller disk that holds the image: vda.
+        // UEFI: OVMF tries each disk in boot order; SeaBIOS boots only the first hard disk.
         Scenario {
             name: "two-disks",
             mac: "52:54:00:00:09:03",
-            firmware: Firmware::Bios,
+            firmware: Firmware::Uefi,
             disks_mib: &[512, 1024],
             hints: Some(RootDeviceHints { name: Some("/dev/vdb".into()), ..Default::default() }),
             root: 1,
@@ -213,6 +214,7 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     env.lab.create_template_spec(s.name, spec).await?;
     env.lab.create_machine_deployment(s.name, CLUSTER, s.name, 1).await?;
     let outcome = wait_console(&domain, &["siteboot-test-os: done", "siteboot-test-os: failed"])
+        .await
         .map_err(|e| with_console(e, &domain))?;
     let console = domain.console();
     ensure!(outcome.ends_with("done"), "the test OS says {outcome:?}\n{console}");
@@ -223,7 +225,7 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     let host = hosts.get(s.name).await?;
     ensure!(state(&host) == Some(HostState::Provisioned), "Host state {:?}", state(&host));
     // The test OS powers off after its last line.
-    wait_domain(env.libvirt, &domain, "shut off")?;
+    wait_domain(env.libvirt, &domain, "shut off").await?;
     same_bytes(&domain.disks[s.root], env.os)?;
     for (i, digest) in &others {
         ensure!(sha256_file(&domain.disks[*i])? == *digest, "disk {i}, ruled out, was written");
@@ -250,7 +252,7 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
         hosts.get_opt(s.name).await.ok()?.is_none().then_some(())
     })
     .await?;
-    wait_domain(env.libvirt, &domain, "shut off")
+    wait_domain(env.libvirt, &domain, "shut off").await
 }
 
 fn state(host: &Host) -> Option<HostState> {
@@ -285,23 +287,27 @@ async fn wait_host(
 }
 
 /// Waits for the first console line containing one of `patterns`; returns it from there.
-fn wait_console(domain: &Domain, patterns: &[&str]) -> Result<String> {
-    siteboot_tests::wait::until(
+/// (Async: the scenarios share one task.)
+async fn wait_console(domain: &Domain, patterns: &[&str]) -> Result<String> {
+    siteboot_tests::wait::until_async(
         &format!("{patterns:?} on {}'s console", domain.name),
         PHASE_TIMEOUT,
         Duration::from_secs(1),
-        || {
+        || async {
             domain.console().lines().find_map(|line| {
                 patterns.iter().find_map(|p| line.find(p).map(|i| line[i..].trim().to_owned()))
             })
         },
     )
+    .await
 }
 
-fn wait_domain(libvirt: &Libvirt, domain: &Domain, want: &str) -> Result<()> {
-    siteboot_tests::wait::for_(&format!("{} {want}", domain.name), POWER_TIMEOUT, || {
+async fn wait_domain(libvirt: &Libvirt, domain: &Domain, want: &str) -> Result<()> {
+    let what = format!("{} {want}", domain.name);
+    siteboot_tests::wait::until_async(&what, POWER_TIMEOUT, Duration::from_secs(1), || async {
         (libvirt.state(domain).ok()? == want).then_some(())
     })
+    .await
 }
 
 /// `error` with the domain's console (the lab prints them all only when the test panics).
