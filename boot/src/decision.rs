@@ -321,7 +321,7 @@ mod tests {
         let mac = "52:54:00:00:00:01".parse().unwrap();
         let exit =
             ipxe_script(&BootAction::LocalDisk(LocalBoot::Exit), mac, &endpoints(), &agent());
-        assert!(exit.ends_with("\nexit\n"), "{exit}");
+        assert!(exit.ends_with("\nexit 1\n"), "{exit}");
         let san =
             ipxe_script(&BootAction::LocalDisk(LocalBoot::Sanboot), mac, &endpoints(), &agent());
         assert!(san.ends_with("\nsanboot --no-describe --drive 0x80\n"), "{san}");

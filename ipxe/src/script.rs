@@ -140,9 +140,11 @@ impl Script {
         self.line("boot", &[])
     }
 
-    /// `exit`: return to the firmware, which tries its next boot entry (usually the local disk).
+    /// `exit 1`: return to the firmware, which tries its next boot entry (usually the local
+    /// disk). A failure status: UEFI firmware that gets success back from a boot option stops
+    /// at its boot menu instead (UEFI spec, boot manager); a BIOS goes on either way.
     pub fn exit(&mut self) -> &mut Self {
-        self.line("exit", &[])
+        self.line("exit 1", &[])
     }
 
     /// Boot the first local disk through the BIOS/UEFI SAN interface.

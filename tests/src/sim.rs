@@ -241,7 +241,7 @@ fn boot(s: &Shared, host: &ClientHost) -> Result<()> {
         std::thread::sleep(Duration::from_secs(1));
     };
     s.boots.fetch_add(1, Ordering::AcqRel);
-    if script.lines().any(|l| l.trim() == "exit") {
+    if script.lines().any(|l| l.split_whitespace().next() == Some("exit")) {
         s.note("booting the local disk".into());
         s.set_phase(Phase::Os);
         while !s.interrupted() {

@@ -118,7 +118,8 @@ async fn steps(lab: &mut ProviderLab, target: KubeEnv, source_ctl: &Clusterctl) 
     let mut scripts = BTreeMap::new();
     for machine in &before {
         let script = boot_script(&sims[&machine.host])?;
-        ensure!(script.lines().any(|l| l.trim() == "exit"), "not the local disk:\n{script}");
+        let exits = script.lines().any(|l| l.split_whitespace().next() == Some("exit"));
+        ensure!(exits, "not the local disk:\n{script}");
         scripts.insert(machine.host.clone(), script);
     }
 

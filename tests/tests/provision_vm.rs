@@ -333,20 +333,20 @@ fn sha256_file(path: &Path) -> Result<String> {
     Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// The disk holds the image: byte for byte, but for its first and last MiB (the partition
-/// tables, which the seed partition changed).
+/// The disk holds the image: byte for byte over its BIOS boot partition and ESP (MiB 1 to 18
+/// of scripts/build-test-os-image's layout), which the test OS never writes; its root file
+/// system changes once mounted, and the partition tables got the seed.
 fn same_bytes(disk: &Path, image: &Path) -> Result<()> {
     use std::io::{Read, Seek, SeekFrom};
-    let len = std::fs::metadata(image)?.len();
     let (mut a, mut b) = (std::fs::File::open(disk)?, std::fs::File::open(image)?);
     let (mut x, mut y) = (vec![0; MIB as usize], vec![0; MIB as usize]);
-    for offset in (MIB..len - MIB).step_by(MIB as usize) {
+    for mib in 1..18 {
         for (file, buf) in [(&mut a, &mut x), (&mut b, &mut y)] {
-            file.seek(SeekFrom::Start(offset))?;
+            file.seek(SeekFrom::Start(mib * MIB))?;
             file.read_exact(buf)?;
         }
         if x != y {
-            bail!("{} differs from the image at MiB {}", disk.display(), offset / MIB);
+            bail!("{} differs from the image at MiB {mib}", disk.display());
         }
     }
     Ok(())
