@@ -6,7 +6,7 @@
 //! wrong token is refused and the bootstrap data goes out once; the served image is the
 //! cache's verified copy; an appliance killed mid-operation (SIGKILL) carries the operation,
 //! the token and "delivered" over; a provisioned host stays wipe-required until a deprovision
-//! succeeds.
+//! succeeds. A second test runs an inspection with the simulated ramdisk on its own.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -268,4 +268,51 @@ fn a_listed_host_is_provisioned_and_wiped_without_kubernetes() {
         assert_eq!(record(&app)["wipe_required"], json!(false));
         assert_eq!(listed_state(&config_path), "Available");
     }
+}
+
+/// `siteboot host inspect` with the simulated ramdisk running on its own (as the real agent
+/// does): the hardware it reports is recorded, and a host not listed is refused.
+#[test]
+fn a_listed_host_is_inspected_by_a_ramdisk_that_runs_on_its_own() {
+    let lab = lab_network("standalone-insp").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = lab_config("full");
+    config.as_object_mut().unwrap().remove("unknown_hosts");
+    config["profiles"]["disk"] = json!({ "local_boot": "exit" });
+    config["ramdisk_profile"] = json!(LAB_PROFILE);
+    config["hosts"] = json!([{ "mac": MAC, "name": NAME, "profile": "disk" }]);
+    let app = Appliance::start(&lab, config).unwrap();
+    let config_path: PathBuf = dir.path().join("siteboot.yaml");
+    std::fs::write(&config_path, app.config()).unwrap();
+    std::fs::create_dir_all(app.http_root().join("lab")).unwrap();
+    for file in ["vmlinuz", "initrd.img"] {
+        std::fs::write(app.http_root().join("lab").join(file), b"not a kernel").unwrap();
+    }
+    let sim = SimHost::start(&lab, BRIDGE, MAC, app.base_url()).unwrap();
+    wait::until("the host to boot its disk", STEP, POLL, || {
+        (sim.phase() == Phase::Os).then_some(())
+    })
+    .unwrap();
+
+    let (ok, _, err) = cli(&config_path, &["inspect", "nosuch"]);
+    assert!(!ok && err.contains("no host named \"nosuch\""), "{err}");
+    let (ok, _, err) = cli(&config_path, &["provision", NAME]);
+    assert!(!ok && err.contains("has no image"), "{err}");
+
+    let inspect = Cli::start(&config_path, &["inspect", NAME]);
+    inspect.wait_for_line("Inspect operation");
+    sim.reboot();
+    let (ok, out, err) = inspect.finish();
+    assert!(ok, "inspect failed:\n{out}\n{err}");
+    assert!(out.contains("Inspect succeeded; now Available"), "{out}");
+    let saved = record(&app);
+    assert_eq!(saved["hardware"]["cpus"], json!(4), "{saved}");
+    assert_eq!(saved["hardware"]["nics"][0]["mac"], json!(MAC), "{saved}");
+    assert_eq!(saved["wipe_required"], json!(false), "inspection writes nothing");
+    // With the operation over, the ramdisk is told to wait, and the host boots its disk again.
+    sim.reboot();
+    wait::until("the inspected host to boot its disk", STEP, POLL, || {
+        (sim.phase() == Phase::Os).then_some(())
+    })
+    .unwrap();
 }
