@@ -220,7 +220,13 @@ impl StaticInventory {
     fn action(&self, request: BootRequest) -> Option<BootAction> {
         let Some(host) = self.hosts.get(&request.mac) else { return self.default.clone() };
         let Some(ops) = &self.operations else { return Some(host.action.clone()) };
-        if ops.records.lock().expect("records lock").get(&request.mac)?.operation.is_none() {
+        let pending = ops
+            .records
+            .lock()
+            .expect("records lock")
+            .get(&request.mac)
+            .is_some_and(|r| r.operation.is_some());
+        if !pending {
             return Some(host.action.clone());
         }
         if !request.remote_holds_mac {
