@@ -171,8 +171,8 @@ pub struct HostFile {
     pub name: Option<String>,
     /// The image `siteboot host provision` writes.
     pub image: Option<ImageFile>,
-    /// A file with the bootstrap data (cloud-init user-data) provisioning hands the host, read
-    /// when the ramdisk asks for it. Unset: empty user-data.
+    /// A file (absolute path) with the bootstrap data (cloud-init user-data) provisioning hands
+    /// the host, read when the ramdisk asks for it. Unset: empty user-data.
     pub user_data: Option<PathBuf>,
     /// Which disk to write (every field optional; the same fields as a Host's
     /// `spec.rootDeviceHints`: `name`, `serial`, `wwn`, `model`, `minSizeBytes`,
@@ -518,8 +518,9 @@ fn check_host_name(name: &str, field: &str) -> Result<(), FieldError> {
     }
 }
 
-/// A host's provisioning, checked: an http(s) image with a SHA-256, and user-data that can be
-/// read now (it is read again, fresh, when the ramdisk asks for it).
+/// A host's provisioning, checked: an http(s) image with a SHA-256, and an absolute user-data
+/// path (the file is read when an operation starts and when the ramdisk asks for it, so it may
+/// be written after the config).
 fn provisioning(image: &ImageFile, host: &HostFile, at: &str) -> Result<Provisioning, FieldError> {
     let url: siteboot_image::ImageUrl = image
         .url
@@ -537,10 +538,13 @@ fn provisioning(image: &ImageFile, host: &HostFile, at: &str) -> Result<Provisio
             format!("{:?}: {e} (sha256:<64 hex digits>)", image.checksum),
         )
     })?;
-    if let Some(path) = &host.user_data {
-        std::fs::File::open(path).map_err(|e| {
-            FieldError::new(format!("{at}.user_data"), format!("{}: {e}", path.display()))
-        })?;
+    if let Some(path) = &host.user_data
+        && !path.is_absolute()
+    {
+        return Err(FieldError::new(
+            format!("{at}.user_data"),
+            format!("{}: give an absolute path", path.display()),
+        ));
     }
     Ok(Provisioning {
         image: Image {
@@ -834,7 +838,7 @@ unknown_hosts:
         let cases: &[(String, &str)] = &[
             (host("").replace("'http://10.99", "'file:///10.99"), "hosts[0].image.url"),
             (host("").replace(&sum, "sha256:12"), "hosts[0].image.checksum"),
-            (host("").replace(user_data.to_str().unwrap(), "/nonexistent"), "hosts[0].user_data"),
+            (host("").replace(user_data.to_str().unwrap(), "relative/path"), "hosts[0].user_data"),
             (host("    wipe: sometimes\n"), "hosts[0].wipe"),
             (
                 host("    root_device_hints: { serial: S1, bogus: 1 }\n"),
@@ -910,7 +914,6 @@ unknown_hosts:
     fn examples_load() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("undionly.kpxe"), b"x").unwrap();
-        std::fs::write(dir.path().join("node-b.user-data"), b"#cloud-config\n").unwrap();
         for name in ["standalone.yaml", "kubernetes.yaml"] {
             let here = dir.path().to_str().unwrap();
             let text = example(name).replace("/srv/siteboot", here).replace("/usr/lib/ipxe", here);

@@ -108,6 +108,8 @@ pub enum ControlError {
     UnknownHost(String),
     NoRamdisk,
     NoImage(String),
+    /// The host's `user_data` file cannot be read.
+    UserData(String),
     Start(StartError),
     Store(StoreError),
 }
@@ -120,6 +122,7 @@ impl std::fmt::Display for ControlError {
                 f.write_str("the config has no ramdisk_profile: host operations are off")
             }
             ControlError::NoImage(name) => write!(f, "host {name:?} has no image to provision"),
+            ControlError::UserData(why) => write!(f, "user_data {why}"),
             ControlError::Start(e) => e.fmt(f),
             ControlError::Store(e) => e.fmt(f),
         }
@@ -169,8 +172,14 @@ impl StaticInventory {
     pub fn start(&self, name: &str, kind: OperationKind) -> Result<HostView, ControlError> {
         let (mac, host) = self.listed(name)?;
         let ops = self.operations.as_ref().ok_or(ControlError::NoRamdisk)?;
-        if kind == OperationKind::Provision && host.provisioning.is_none() {
-            return Err(ControlError::NoImage(name.to_owned()));
+        if kind == OperationKind::Provision {
+            let provisioning =
+                host.provisioning.as_ref().ok_or_else(|| ControlError::NoImage(name.to_owned()))?;
+            // Read again when the ramdisk asks; checked here so a missing file fails now.
+            if let Some(path) = &provisioning.user_data {
+                std::fs::File::open(path)
+                    .map_err(|e| ControlError::UserData(format!("{}: {e}", path.display())))?;
+            }
         }
         let (record, ()) =
             ops.update(mac, true, |r| r.start(kind, now()).map(|_| ())).map_err(|e| match e {
@@ -557,5 +566,123 @@ impl Inventory for StaticInventory {
 
     fn agent(&self, request: AgentRequest) -> BoxFuture<'_, AgentResponse> {
         Box::pin(self.agent_request(request))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use siteboot_boot::Endpoints;
+    use siteboot_boot::inventory::{LocalBoot, Source};
+
+    use super::*;
+
+    const HOST: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 5);
+
+    fn mac() -> MacAddr {
+        "52:54:00:00:00:01".parse().unwrap()
+    }
+
+    /// One listed host (`node-a`, booting the local disk) with operations on, its records in
+    /// `dir`.
+    fn inventory(dir: &std::path::Path) -> StaticInventory {
+        let host = ListedHost {
+            action: BootAction::LocalDisk(LocalBoot::Exit),
+            profile: "disk".into(),
+            name: "node-a".into(),
+            reservation: None,
+            provisioning: None,
+            wipe: WipePolicy::Quick,
+        };
+        let mut inventory = StaticInventory::new(HashMap::from([(mac(), host)]), None);
+        let ramdisk = LinuxBoot {
+            kernel: Source::File(Word::new("vmlinuz").unwrap()),
+            initrds: vec![],
+            cmdline: vec![],
+        };
+        let cache = siteboot_image_cache::Cache::open(&dir.join("images"), 1 << 20).unwrap();
+        let endpoints = Endpoints { address: Ipv4Addr::new(10, 0, 0, 1), http_port: 8080 };
+        let images = Arc::new(ImageService::new(cache, endpoints));
+        let store = Store::open(dir).unwrap();
+        inventory.enable_operations(store, ramdisk, images, Duration::from_secs(3600)).unwrap();
+        inventory
+    }
+
+    fn boot(inventory: &StaticInventory, remote_holds_mac: bool) -> Vec<String> {
+        let request = BootRequest { mac: mac(), remote: HOST, remote_holds_mac };
+        match inventory.action(request) {
+            Some(BootAction::Linux(linux)) => {
+                linux.cmdline.iter().map(|w| w.as_str().to_owned()).collect()
+            }
+            other => vec![format!("{other:?}")],
+        }
+    }
+
+    fn agent(
+        inventory: &StaticInventory,
+        method: http::Method,
+        path: &str,
+        token: Option<&str>,
+        remote_mac: Option<MacAddr>,
+    ) -> (u16, String) {
+        let request = AgentRequest {
+            method,
+            path: path.into(),
+            token: token.map(str::to_owned),
+            remote: HOST,
+            remote_mac,
+            body: bytes::Bytes::from_static(b"{\"cpus\": 2}"),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let response = runtime.block_on(inventory.agent_request(request));
+        (response.status.as_u16(), String::from_utf8_lossy(&response.body).into_owned())
+    }
+
+    #[test]
+    fn the_ramdisk_gets_a_token_only_while_an_operation_waits_and_only_from_its_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let inventory = inventory(dir.path());
+        assert_eq!(boot(&inventory, true), vec!["Some(LocalDisk(Exit))".to_owned()], "its profile");
+        inventory.start("node-a", OperationKind::Inspect).unwrap();
+        let stranger = boot(&inventory, false);
+        assert!(stranger.iter().all(|a| !a.starts_with("siteboot.token=")), "{stranger:?}");
+        let args = boot(&inventory, true);
+        let token = args.iter().find_map(|a| a.strip_prefix("siteboot.token=")).unwrap();
+
+        // The same refusals as Kubernetes mode.
+        let get = http::Method::GET;
+        let post = http::Method::POST;
+        let other: MacAddr = "52:54:00:00:00:02".parse().unwrap();
+        for (mac, token, path, expected) in [
+            (None, Some(token), "v1/task", (403, "refused: no MAC is known for this address\n")),
+            (Some(other), Some(token), "v1/task", (403, "refused: no Host has this MAC\n")),
+            (Some(mac()), Some("00"), "v1/inspection", (403, "refused: wrong token\n")),
+            (Some(mac()), None, "v1/inspection", (401, "refused: no token\n")),
+            (Some(mac()), Some(token), "v1/complete", (400, "")),
+        ] {
+            let method = if path == "v1/task" { get.clone() } else { post.clone() };
+            let (status, body) = agent(&inventory, method, path, token, mac);
+            assert_eq!(status, expected.0, "{path}: {body}");
+            if !expected.1.is_empty() {
+                assert_eq!(body, expected.1);
+            }
+        }
+        let (status, body) = agent(&inventory, get.clone(), "v1/task", Some("00"), Some(mac()));
+        assert_eq!((status, body.as_str()), (200, r#"{"action":"reboot"}"#), "boot again");
+        let (status, body) = agent(&inventory, get.clone(), "v1/task", Some(token), Some(mac()));
+        assert_eq!(status, 200);
+        assert!(body.contains(r#""action":"inspect""#), "{body}");
+        let (status, body) = agent(&inventory, get, "v1/bootstrap", Some(token), Some(mac()));
+        assert_eq!((status, body.as_str()), (403, "refused: not allowed during Inspect\n"));
+        let (status, _) = agent(&inventory, post, "v1/inspection", Some(token), Some(mac()));
+        assert_eq!(status, 200);
+        assert_eq!(boot(&inventory, true), vec!["Some(LocalDisk(Exit))".to_owned()], "done");
+
+        // What it found was written, and is read back by the next appliance.
+        let again = self::inventory(dir.path());
+        let view = again.show("node-a").unwrap();
+        assert_eq!(view.record.hardware.map(|h| h.cpus), Some(2));
+        assert!(view.record.last.is_some_and(|l| l.ok && l.kind == OperationKind::Inspect));
     }
 }
