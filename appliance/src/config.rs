@@ -179,7 +179,8 @@ pub struct HostFile {
     /// `maxSizeBytes`). Unset: the smallest disk that holds the image.
     pub root_device_hints: Option<RootDeviceHintsFile>,
     /// How `siteboot host deprovision` wipes the disks: `quick` (partition tables and
-    /// signatures) or `full` (every block).
+    /// signatures), `full` (every block) or `none` (nothing written: disposable test
+    /// hosts only).
     #[serde(default = "default_wipe")]
     pub wipe: WipePolicy,
 }
