@@ -264,7 +264,13 @@ impl StaticInventory {
     }
 
     async fn agent_request(&self, req: AgentRequest) -> AgentResponse {
-        let (Some(ops), Some(endpoint)) = (&self.operations, Endpoint::of(&req)) else {
+        let Some(ops) = &self.operations else {
+            return AgentResponse::text(
+                StatusCode::NOT_FOUND,
+                "no host operations here (the config has no ramdisk_profile)\n",
+            );
+        };
+        let Some(endpoint) = Endpoint::of(&req) else {
             return AgentResponse::text(StatusCode::NOT_FOUND, "no such agent endpoint\n");
         };
         match self.answer(ops, endpoint, &req).await {
