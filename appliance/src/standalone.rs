@@ -29,9 +29,9 @@ use siteboot_controller::agent::{
 };
 use siteboot_controller::crd::{Hardware, Image, OperationKind, RootDeviceHints, WipePolicy};
 use siteboot_controller::images::{ImageService, Readiness};
-use siteboot_ipxe::Word;
 
 use crate::operations::{HostRecord, StartError, Store, StoreError, now};
+use siteboot_controller::token::ramdisk_boot;
 
 /// A host listed under `hosts`.
 #[derive(Debug)]
@@ -240,21 +240,18 @@ impl StaticInventory {
         }
         if !request.remote_holds_mac {
             tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host.name, "boot script asked for by an address that does not hold this MAC; no token issued");
-            return Some(ops.ramdisk(&[]));
+            return Some(ramdisk_boot(&ops.ramdisk, None));
         }
         let issued =
             ops.update(request.mac, true, |r| r.issue_token(request.remote, now()).ok_or(()));
         match issued {
             Ok((_, (token, operation))) => {
                 tracing::info!(mac = %request.mac, host = %host.name, %operation, "issued a ramdisk token");
-                Some(ops.ramdisk(&[
-                    format!("siteboot.token={token}"),
-                    format!("siteboot.operation={operation}"),
-                ]))
+                Some(ramdisk_boot(&ops.ramdisk, Some((&token, &operation))))
             }
             Err(Ok(())) => {
                 tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host.name, "boot script asked for after the operation's bootstrap data was delivered; no new token");
-                Some(ops.ramdisk(&[]))
+                Some(ramdisk_boot(&ops.ramdisk, None))
             }
             Err(Err(e)) => {
                 tracing::error!(host = %host.name, error = %e, "cannot issue a ramdisk token");
@@ -445,12 +442,6 @@ impl Operations {
         self.token_max_age.as_secs()
     }
 
-    fn ramdisk(&self, extra: &[String]) -> BootAction {
-        let mut linux = self.ramdisk.clone();
-        linux.cmdline.extend(extra.iter().map(|a| Word::new(a).expect("token and id are hex")));
-        BootAction::Linux(linux)
-    }
-
     /// Applies `change` to a copy of `mac`'s record; if it succeeds, writes the copy (when
     /// `persist`) and only then makes it the record. Returns the record as it now is, with
     /// what `change` returned.
@@ -581,6 +572,7 @@ mod tests {
 
     use siteboot_boot::Endpoints;
     use siteboot_boot::inventory::{LocalBoot, Source};
+    use siteboot_ipxe::Word;
 
     use super::*;
 
