@@ -19,10 +19,11 @@ use siteboot_boot::files::check_relative;
 use siteboot_boot::http::HttpSettings;
 use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::tftp::TftpSettings;
+use siteboot_controller::crd::{Image, RootDeviceHints, WipePolicy};
 use siteboot_ipxe::{IpxeBinaries, Word};
 
 use crate::fd_limit;
-use crate::standalone::{ListedHost, StaticInventory};
+use crate::standalone::{ListedHost, Provisioning, StaticInventory};
 
 /// The file as written.
 #[derive(Debug, Deserialize)]
@@ -52,6 +53,10 @@ pub struct ConfigFile {
     #[serde(default)]
     pub hosts: Vec<HostFile>,
     pub unknown_hosts: Option<UnknownHostsFile>,
+    /// The profile (kernel + initrds) of the deploy ramdisk that inspects, provisions and
+    /// wipes the hosts under `hosts` (`siteboot host inspect|provision|deprovision`); siteboot
+    /// adds the operation's token to its command line. Unset: no host operations.
+    pub ramdisk_profile: Option<String>,
     /// Kubernetes mode: Hosts come from the management cluster instead of `hosts`.
     pub kubernetes: Option<KubernetesFile>,
 }
@@ -159,7 +164,73 @@ pub struct ProfileFile {
 #[serde(deny_unknown_fields)]
 pub struct HostFile {
     pub mac: MacAddr,
+    /// What the host boots when no operation is under way.
     pub profile: String,
+    /// The name `siteboot host` commands use. Default: its DHCP reservation's `hostname`,
+    /// else its MAC.
+    pub name: Option<String>,
+    /// The image `siteboot host provision` writes.
+    pub image: Option<ImageFile>,
+    /// A file (absolute path) with the bootstrap data (cloud-init user-data) provisioning hands
+    /// the host, read when the ramdisk asks for it. Unset: empty user-data.
+    pub user_data: Option<PathBuf>,
+    /// Which disk to write (every field optional; the same fields as a Host's
+    /// `spec.rootDeviceHints`: `name`, `serial`, `wwn`, `model`, `minSizeBytes`,
+    /// `maxSizeBytes`). Unset: the smallest disk that holds the image.
+    pub root_device_hints: Option<RootDeviceHintsFile>,
+    /// How `siteboot host deprovision` wipes the disks: `quick` (partition tables and
+    /// signatures), `full` (every block) or `none` (nothing written: disposable test
+    /// hosts only).
+    #[serde(default = "default_wipe")]
+    pub wipe: WipePolicy,
+}
+
+fn default_wipe() -> WipePolicy {
+    WipePolicy::Quick
+}
+
+/// Root device hints: the fields of a Host's `spec.rootDeviceHints`, every one optional. A
+/// field siteboot does not know is an error (ignored, it could let the wrong disk be written).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RootDeviceHintsFile {
+    /// `/dev/sdb` or `sdb`.
+    pub name: Option<String>,
+    pub serial: Option<String>,
+    /// Compared without its notation (`0x…`, `naa.…`, `eui.…`).
+    pub wwn: Option<String>,
+    /// Compared without case or padding.
+    pub model: Option<String>,
+    /// 0: no hint.
+    pub min_size_bytes: Option<u64>,
+    /// 0: no hint.
+    pub max_size_bytes: Option<u64>,
+}
+
+impl From<&RootDeviceHintsFile> for RootDeviceHints {
+    fn from(h: &RootDeviceHintsFile) -> Self {
+        Self {
+            name: h.name.clone(),
+            serial: h.serial.clone(),
+            wwn: h.wwn.clone(),
+            model: h.model.clone(),
+            min_size_bytes: h.min_size_bytes,
+            max_size_bytes: h.max_size_bytes,
+        }
+    }
+}
+
+/// An OS image: the shape of a Host's `spec.provisioning.image`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageFile {
+    /// Where the appliance fetches it (http or https) into its image cache.
+    pub url: String,
+    /// `sha256:<64 hex digits>` of the image as served.
+    pub checksum: String,
+    /// Grow the image's last partition to fill the disk.
+    #[serde(default)]
+    pub grow_last_partition: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -186,6 +257,8 @@ pub struct Config {
     pub images: ImagesSettings,
     pub binaries: IpxeBinaries,
     pub inventory: StaticInventory,
+    /// `ramdisk_profile`: the deploy ramdisk of standalone host operations.
+    pub ramdisk: Option<LinuxBoot>,
     pub kubernetes: Option<KubernetesConfig>,
 }
 
@@ -303,16 +376,65 @@ impl Config {
         };
         let reservations: HashMap<MacAddr, _> =
             file.dhcp.reservations.iter().map(|r| (r.mac, r)).collect();
+        let ramdisk = match &file.ramdisk_profile {
+            None => None,
+            Some(_) if file.kubernetes.is_some() => {
+                return Err(FieldError::new(
+                    "ramdisk_profile",
+                    "Kubernetes mode takes kubernetes.ramdisk_profile",
+                ));
+            }
+            Some(name) => Some(ramdisk_boot(&profiles, name, "ramdisk_profile")?),
+        };
         let mut hosts = HashMap::new();
+        let mut names = HashMap::new();
         for (i, host) in file.hosts.iter().enumerate() {
+            let at = format!("hosts[{i}]");
+            let reservation = reservations.get(&host.mac).map(|r| (*r).clone());
+            let name = match &host.name {
+                Some(name) => {
+                    check_host_name(name, &format!("{at}.name"))?;
+                    name.clone()
+                }
+                None => reservation
+                    .as_ref()
+                    .and_then(|r| r.hostname.clone())
+                    .unwrap_or_else(|| host.mac.to_string()),
+            };
+            if let Some(other) = names.insert(name.clone(), i) {
+                return Err(FieldError::new(
+                    format!("{at}.name"),
+                    format!("{name:?} is also the name of hosts[{other}]"),
+                ));
+            }
+            let operations = host.image.is_some()
+                || host.user_data.is_some()
+                || host.root_device_hints.is_some();
+            if operations && ramdisk.is_none() {
+                return Err(FieldError::new(
+                    at.clone(),
+                    "image, user_data and root_device_hints need a ramdisk_profile (top level) to provision with",
+                ));
+            }
+            if host.user_data.is_some() && host.image.is_none() {
+                return Err(FieldError::new(
+                    format!("{at}.user_data"),
+                    "user_data goes with an image",
+                ));
+            }
+            let provisioning =
+                host.image.as_ref().map(|image| provisioning(image, host, &at)).transpose()?;
             let listed = ListedHost {
-                action: profile(&host.profile, format!("hosts[{i}].profile"))?,
+                action: profile(&host.profile, format!("{at}.profile"))?,
                 profile: host.profile.clone(),
-                reservation: reservations.get(&host.mac).map(|r| (*r).clone()),
+                name,
+                reservation,
+                provisioning,
+                wipe: host.wipe,
             };
             if hosts.insert(host.mac, listed).is_some() {
                 return Err(FieldError::new(
-                    format!("hosts[{i}].mac"),
+                    format!("{at}.mac"),
                     format!("{} is listed twice", host.mac),
                 ));
             }
@@ -334,21 +456,8 @@ impl Config {
                 if let Some(site) = &k.site {
                     check_site_name(site, "kubernetes.site")?;
                 }
-                let ramdisk = match profiles.get(&k.ramdisk_profile) {
-                    Some(BootAction::Linux(linux)) => linux.clone(),
-                    Some(_) => {
-                        return Err(FieldError::new(
-                            "kubernetes.ramdisk_profile",
-                            format!("profile {:?} must boot a kernel", k.ramdisk_profile),
-                        ));
-                    }
-                    None => {
-                        return Err(FieldError::new(
-                            "kubernetes.ramdisk_profile",
-                            format!("no profile named {:?}", k.ramdisk_profile),
-                        ));
-                    }
-                };
+                let ramdisk =
+                    ramdisk_boot(&profiles, &k.ramdisk_profile, "kubernetes.ramdisk_profile")?;
                 Some(KubernetesConfig {
                     site: k.site.clone(),
                     ramdisk,
@@ -375,8 +484,79 @@ impl Config {
             images: file.images,
             binaries,
             inventory: StaticInventory::new(hosts, default),
+            ramdisk,
         })
     }
+}
+
+/// The deploy ramdisk's boot: profile `name`, which must boot a kernel.
+fn ramdisk_boot(
+    profiles: &HashMap<String, BootAction>,
+    name: &str,
+    field: &str,
+) -> Result<LinuxBoot, FieldError> {
+    match profiles.get(name) {
+        Some(BootAction::Linux(linux)) => Ok(linux.clone()),
+        Some(_) => Err(FieldError::new(field, format!("profile {name:?} must boot a kernel"))),
+        None => Err(FieldError::new(field, format!("no profile named {name:?}"))),
+    }
+}
+
+/// Host names are what `siteboot host` commands take and what a provisioned host calls itself
+/// (`local-hostname`): DNS labels.
+fn check_host_name(name: &str, field: &str) -> Result<(), FieldError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        && !name.starts_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(FieldError::new(
+            field,
+            format!("{name:?} is not a host name (letters, digits and '-', at most 63)"),
+        ))
+    }
+}
+
+/// A host's provisioning, checked: an http(s) image with a SHA-256, and an absolute user-data
+/// path (the file is read when an operation starts and when the ramdisk asks for it, so it may
+/// be written after the config).
+fn provisioning(image: &ImageFile, host: &HostFile, at: &str) -> Result<Provisioning, FieldError> {
+    let url: siteboot_image::ImageUrl = image
+        .url
+        .parse()
+        .map_err(|e| FieldError::new(format!("{at}.image.url"), format!("{:?}: {e}", image.url)))?;
+    if !matches!(url, siteboot_image::ImageUrl::Http(_)) {
+        return Err(FieldError::new(
+            format!("{at}.image.url"),
+            format!("{:?}: the image cache fetches http:// and https:// only", image.url),
+        ));
+    }
+    image.checksum.parse::<siteboot_image::Digest>().map_err(|e| {
+        FieldError::new(
+            format!("{at}.image.checksum"),
+            format!("{:?}: {e} (sha256:<64 hex digits>)", image.checksum),
+        )
+    })?;
+    if let Some(path) = &host.user_data
+        && !path.is_absolute()
+    {
+        return Err(FieldError::new(
+            format!("{at}.user_data"),
+            format!("{}: give an absolute path", path.display()),
+        ));
+    }
+    Ok(Provisioning {
+        image: Image {
+            url: image.url.clone(),
+            checksum: image.checksum.clone(),
+            format: None,
+            grow_last_partition: image.grow_last_partition,
+        },
+        user_data: host.user_data.clone(),
+        root_device_hints: host.root_device_hints.as_ref().map(Into::into).unwrap_or_default(),
+    })
 }
 
 /// Site names are label values and object names: DNS-1123 labels.
@@ -639,6 +819,46 @@ unknown_hosts:
     }
 
     #[test]
+    fn provisioned_hosts_are_checked_field_by_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let user_data = dir.path().join("user-data");
+        std::fs::write(&user_data, b"#cloud-config\n").unwrap();
+        let sum = format!("sha256:{}", "ab".repeat(32));
+        let host = |extra: &str| {
+            GOOD.replace(
+                "    profile: linux\n",
+                &format!(
+                    "    profile: linux\n    name: node-a\n    image: {{ url: 'http://10.99.0.1:8080/files/os.img', checksum: '{sum}' }}\n    user_data: {}\n{extra}",
+                    user_data.display()
+                ),
+            ) + "ramdisk_profile: linux\n"
+        };
+        let (_ipxe, text) = with_ipxe(&host("    wipe: full\n"));
+        let config = Config::parse(&text).unwrap();
+        assert!(config.ramdisk.is_some());
+        let cases: &[(String, &str)] = &[
+            (host("").replace("'http://10.99", "'file:///10.99"), "hosts[0].image.url"),
+            (host("").replace(&sum, "sha256:12"), "hosts[0].image.checksum"),
+            (host("").replace(user_data.to_str().unwrap(), "relative/path"), "hosts[0].user_data"),
+            (host("    wipe: sometimes\n"), "hosts[0].wipe"),
+            (
+                host("    root_device_hints: { serial: S1, bogus: 1 }\n"),
+                "hosts[0].root_device_hints.bogus",
+            ),
+            (host("").replace("name: node-a", "name: node_a"), "hosts[0].name"),
+            (
+                host("").replace("ramdisk_profile: linux", "ramdisk_profile: disk"),
+                "ramdisk_profile",
+            ),
+            (host("").replace("ramdisk_profile: linux\n", ""), "hosts[0]"),
+        ];
+        for (text, field) in cases {
+            let e = error_of(text);
+            assert_eq!(&e.field, field, "got {e}\n{text}");
+        }
+    }
+
+    #[test]
     fn connection_caps_and_deadlines_are_checked() {
         let (_dir, text) = with_ipxe(GOOD);
         let config = Config::parse(&text).unwrap();
@@ -720,6 +940,7 @@ unknown_hosts:
         "profiles",
         "hosts",
         "unknown_hosts",
+        "ramdisk_profile",
         "kubernetes.site",
         "kubernetes.ramdisk_profile",
     ];

@@ -1,8 +1,11 @@
 //! `siteboot`: a per-site network-boot appliance. See `siteboot --help`.
 
 mod config;
+mod control;
 mod fd_limit;
+mod host;
 mod image;
+mod operations;
 #[cfg(test)]
 mod serde_keys;
 mod serve;
@@ -32,7 +35,7 @@ enum Command {
     /// Serve DHCP, TFTP and HTTP as configured in FILE (standalone mode, no Kubernetes).
     ///
     /// Logs go to stderr; set SITEBOOT_LOG (e.g. `debug`, `siteboot_boot=debug`) to change the
-    /// level. Needs root (or CAP_NET_BIND_SERVICE + CAP_NET_RAW) for ports 67, 69 and 4011.
+    /// level. Needs root or CAP_NET_BIND_SERVICE for ports 67, 69 and 4011 (nothing else).
     ///
     /// With --kubeconfig or --site (or a `kubernetes:` config section), it also runs the Cluster
     /// API provider for that site: Hosts come from the management cluster and their state
@@ -94,6 +97,32 @@ enum Command {
         #[command(subcommand)]
         command: ImageCommand,
     },
+    /// Standalone host operations: ask the running `siteboot serve` (through the control
+    /// socket in <state_dir>/control, root only) to inspect, provision or wipe a host listed
+    /// under `hosts`, and follow it until it ends. The host boots the ramdisk
+    /// (`ramdisk_profile`) at its next network boot: power-cycle it.
+    Host {
+        /// The configuration file the appliance runs with (for state_dir).
+        #[arg(long, short, global = true, default_value = "/etc/siteboot/siteboot.yaml")]
+        config: PathBuf,
+        /// How long to follow an operation before giving up (it keeps running).
+        #[arg(long, global = true, default_value = "2h", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+        #[command(subcommand)]
+        command: HostCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum HostCommand {
+    /// Each host's state, profile and last operation.
+    List,
+    /// Boot the ramdisk and record the host's hardware.
+    Inspect { name: String },
+    /// Write the host's image and user-data (its `image`, `user_data`, `root_device_hints`).
+    Provision { name: String },
+    /// Wipe the host's disks (its `wipe` policy).
+    Deprovision { name: String },
 }
 
 #[derive(Subcommand)]
@@ -153,6 +182,32 @@ fn main() -> ExitCode {
                     ImageCommand::Pull { url, sha256 } => image::pull(&config, &url, &sha256),
                     ImageCommand::List => image::list(&config),
                     ImageCommand::Rm { digest } => image::rm(&config, &digest),
+                }
+            };
+            match run() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Host { config, timeout, command } => {
+            use siteboot_controller::crd::OperationKind;
+            let run = || -> anyhow::Result<()> {
+                let config = Config::load(&config)?;
+                let dir = &config.state_dir;
+                match command {
+                    HostCommand::List => host::list(dir),
+                    HostCommand::Inspect { name } => {
+                        host::run(dir, &name, OperationKind::Inspect, timeout)
+                    }
+                    HostCommand::Provision { name } => {
+                        host::run(dir, &name, OperationKind::Provision, timeout)
+                    }
+                    HostCommand::Deprovision { name } => {
+                        host::run(dir, &name, OperationKind::Deprovision, timeout)
+                    }
                 }
             };
             match run() {

@@ -94,7 +94,26 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         None => {
             let known = config.inventory.known_hosts().to_string();
             let site = format!("standalone ({interface}, {})", config.address);
-            (Arc::new(config.inventory), known, site)
+            let mut inventory = config.inventory;
+            if let Some(ramdisk) = config.ramdisk.clone() {
+                let store = crate::operations::Store::open(&config.state_dir)
+                    .context("opening the host records (<state_dir>/hosts)")?;
+                let images = siteboot_controller::images::ImageService::new(
+                    images.clone(),
+                    endpoints.clone(),
+                );
+                inventory.enable_operations(
+                    store,
+                    ramdisk,
+                    Arc::new(images),
+                    siteboot_controller::context::TOKEN_MAX_AGE,
+                )?;
+            }
+            let inventory = Arc::new(inventory);
+            let listener = crate::control::bind(&config.state_dir)?;
+            let stop = shutdown.clone();
+            tokio::spawn(crate::control::serve(listener, inventory.clone(), stop));
+            (inventory, known, site)
         }
         Some(kube) => {
             let k = config.kubernetes.as_ref().context("Kubernetes mode needs a kubernetes: section in the config (kubernetes.ramdisk_profile)")?;

@@ -1,10 +1,37 @@
-//! The standalone inventory: what each MAC boots, straight from the config file.
+//! The standalone inventory: what each MAC boots, from the config file, and the host operations
+//! (inspect, provision, deprovision) that `siteboot host` starts without Kubernetes.
+//!
+//! | host | boot |
+//! |---|---|
+//! | an operation under way, asked from the address that holds its MAC | the ramdisk (`ramdisk_profile`) with a fresh token |
+//! | an operation under way, asked from elsewhere, or after its bootstrap data went out | the ramdisk with no token: it waits |
+//! | no operation | its profile |
+//!
+//! The agent API answers as in Kubernetes mode (the same endpoints, tasks and refusals: the
+//! pure parts are `siteboot_controller::agent`'s); records live in [`Operations`].
 
 use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
+use http::StatusCode;
+use serde_json::json;
 use siteboot_boot::dhcp::settings::Reservation;
-use siteboot_boot::inventory::{BootRequest, BoxFuture, HostSummary, Inventory};
+use siteboot_boot::inventory::{
+    AgentRequest, AgentResponse, BootRequest, BoxFuture, ByteProgress, HostSummary, Inventory,
+    LinuxBoot, OperationSummary,
+};
 use siteboot_boot::{BootAction, MacAddr};
+use siteboot_controller::agent::{
+    self, Complete, Endpoint, MetaData, Progress, Refusal, deprovision_task, needs_new_token,
+    provision_task, task_without_token,
+};
+use siteboot_controller::crd::{Hardware, Image, OperationKind, RootDeviceHints, WipePolicy};
+use siteboot_controller::images::{ImageService, Readiness};
+
+use crate::operations::{HostRecord, StartError, Store, StoreError, now};
+use siteboot_controller::token::ramdisk_boot;
 
 /// A host listed under `hosts`.
 #[derive(Debug)]
@@ -12,9 +39,23 @@ pub struct ListedHost {
     pub action: BootAction,
     /// The profile `action` comes from.
     pub profile: String,
+    /// What `siteboot host` commands call it.
+    pub name: String,
     /// Its DHCP reservation (`dhcp.reservations`), if it has one: the status page shows its
     /// host name and address.
     pub reservation: Option<Reservation>,
+    /// What `siteboot host provision` writes; `None`: it cannot be provisioned.
+    pub provisioning: Option<Provisioning>,
+    pub wipe: WipePolicy,
+}
+
+/// A host's image and bootstrap data.
+#[derive(Debug, Clone)]
+pub struct Provisioning {
+    pub image: Image,
+    /// Read when the ramdisk asks; `None`: empty user-data.
+    pub user_data: Option<PathBuf>,
+    pub root_device_hints: RootDeviceHints,
 }
 
 #[derive(Debug)]
@@ -22,25 +63,466 @@ pub struct StaticInventory {
     hosts: HashMap<MacAddr, ListedHost>,
     /// What MACs not listed boot (`unknown_hosts`); `None`: they get no boot information.
     default: Option<BootAction>,
+    /// Host operations; `None` until [`enable_operations`](Self::enable_operations) (no
+    /// `ramdisk_profile`, or `check-config`).
+    operations: Option<Operations>,
+}
+
+/// The host operations' runtime: records, the ramdisk, the image cache.
+pub struct Operations {
+    store: Store,
+    records: Mutex<HashMap<MacAddr, HostRecord>>,
+    ramdisk: LinuxBoot,
+    images: Arc<ImageService>,
+    token_max_age: Duration,
+}
+
+impl std::fmt::Debug for Operations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Operations").field("store", &self.store).finish_non_exhaustive()
+    }
+}
+
+/// Why an agent request gets no answer of its own.
+enum Failure {
+    Refused(Refusal),
+    /// A record could not be written: nothing was promised, the ramdisk tries again.
+    Store(StoreError),
+}
+
+impl From<Refusal> for Failure {
+    fn from(r: Refusal) -> Self {
+        Failure::Refused(r)
+    }
+}
+
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Self {
+        Failure::Store(e)
+    }
+}
+
+/// Why `siteboot host ...` cannot start an operation.
+#[derive(Debug)]
+pub enum ControlError {
+    UnknownHost(String),
+    NoRamdisk,
+    NoImage(String),
+    /// The host's `user_data` file cannot be read.
+    UserData(String),
+    Start(StartError),
+    Store(StoreError),
+}
+
+impl std::fmt::Display for ControlError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ControlError::UnknownHost(name) => write!(f, "no host named {name:?} under hosts"),
+            ControlError::NoRamdisk => {
+                f.write_str("the config has no ramdisk_profile: host operations are off")
+            }
+            ControlError::NoImage(name) => write!(f, "host {name:?} has no image to provision"),
+            ControlError::UserData(why) => write!(f, "user_data {why}"),
+            ControlError::Start(e) => e.fmt(f),
+            ControlError::Store(e) => e.fmt(f),
+        }
+    }
 }
 
 impl StaticInventory {
     pub fn new(hosts: HashMap<MacAddr, ListedHost>, default: Option<BootAction>) -> Self {
-        Self { hosts, default }
-    }
-
-    fn lookup(&self, mac: MacAddr) -> Option<&BootAction> {
-        self.hosts.get(&mac).map(|h| &h.action).or(self.default.as_ref())
+        Self { hosts, default, operations: None }
     }
 
     pub fn known_hosts(&self) -> usize {
         self.hosts.len()
     }
+
+    /// Turns host operations on: reads every listed host's record from `store`.
+    pub fn enable_operations(
+        &mut self,
+        store: Store,
+        ramdisk: LinuxBoot,
+        images: Arc<ImageService>,
+        token_max_age: Duration,
+    ) -> Result<(), StoreError> {
+        let mut records = HashMap::new();
+        for mac in self.hosts.keys() {
+            records.insert(*mac, store.load(*mac)?);
+        }
+        self.operations = Some(Operations {
+            store,
+            records: Mutex::new(records),
+            ramdisk,
+            images,
+            token_max_age,
+        });
+        Ok(())
+    }
+
+    fn listed(&self, name: &str) -> Result<(MacAddr, &ListedHost), ControlError> {
+        self.hosts
+            .iter()
+            .find(|(_, h)| h.name == name)
+            .map(|(mac, h)| (*mac, h))
+            .ok_or_else(|| ControlError::UnknownHost(name.to_owned()))
+    }
+
+    /// Starts (or follows, if one of that kind is under way) an operation on host `name`.
+    pub fn start(&self, name: &str, kind: OperationKind) -> Result<HostView, ControlError> {
+        let (mac, host) = self.listed(name)?;
+        let ops = self.operations.as_ref().ok_or(ControlError::NoRamdisk)?;
+        if kind == OperationKind::Provision {
+            let provisioning =
+                host.provisioning.as_ref().ok_or_else(|| ControlError::NoImage(name.to_owned()))?;
+            // Read again when the ramdisk asks; checked here so a missing file fails now.
+            if let Some(path) = &provisioning.user_data {
+                std::fs::File::open(path)
+                    .map_err(|e| ControlError::UserData(format!("{}: {e}", path.display())))?;
+            }
+        }
+        let (record, ()) =
+            ops.update(mac, true, |r| r.start(kind, now()).map(|_| ())).map_err(|e| match e {
+                Ok(e) => ControlError::Start(e),
+                Err(e) => ControlError::Store(e),
+            })?;
+        if let Some(op) = &record.operation {
+            tracing::info!(host = %name, %mac, operation = %op.id, kind = ?op.kind, "host operation started");
+        }
+        Ok(self.view(mac, host, record))
+    }
+
+    /// Host `name` as `siteboot host` shows it.
+    pub fn show(&self, name: &str) -> Result<HostView, ControlError> {
+        let (mac, host) = self.listed(name)?;
+        Ok(self.view(mac, host, self.record(mac)))
+    }
+
+    /// Every listed host, by name.
+    pub fn list(&self) -> Vec<HostView> {
+        let mut views: Vec<HostView> =
+            self.hosts.iter().map(|(mac, h)| self.view(*mac, h, self.record(*mac))).collect();
+        views.sort_by(|a, b| a.name.cmp(&b.name));
+        views
+    }
+
+    fn record(&self, mac: MacAddr) -> HostRecord {
+        self.operations
+            .as_ref()
+            .and_then(|ops| ops.records.lock().expect("records lock").get(&mac).cloned())
+            .unwrap_or_default()
+    }
+
+    fn view(&self, mac: MacAddr, host: &ListedHost, mut record: HostRecord) -> HostView {
+        if let Some(op) = record.operation.as_mut() {
+            op.token_hash = None;
+        }
+        HostView {
+            name: host.name.clone(),
+            mac: mac.to_string(),
+            profile: host.profile.clone(),
+            state: record.state(),
+            record,
+        }
+    }
+
+    fn action(&self, request: BootRequest) -> Option<BootAction> {
+        let Some(host) = self.hosts.get(&request.mac) else { return self.default.clone() };
+        let Some(ops) = &self.operations else { return Some(host.action.clone()) };
+        let pending = ops
+            .records
+            .lock()
+            .expect("records lock")
+            .get(&request.mac)
+            .is_some_and(|r| r.operation.is_some());
+        if !pending {
+            return Some(host.action.clone());
+        }
+        if !request.remote_holds_mac {
+            tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host.name, "boot script asked for by an address that does not hold this MAC; no token issued");
+            return Some(ramdisk_boot(&ops.ramdisk, None));
+        }
+        let issued =
+            ops.update(request.mac, true, |r| r.issue_token(request.remote, now()).ok_or(()));
+        match issued {
+            Ok((_, (token, operation))) => {
+                tracing::info!(mac = %request.mac, host = %host.name, %operation, "issued a ramdisk token");
+                Some(ramdisk_boot(&ops.ramdisk, Some((&token, &operation))))
+            }
+            Err(Ok(())) => {
+                tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host.name, "boot script asked for after the operation's bootstrap data was delivered; no new token");
+                Some(ramdisk_boot(&ops.ramdisk, None))
+            }
+            Err(Err(e)) => {
+                tracing::error!(host = %host.name, error = %e, "cannot issue a ramdisk token");
+                None
+            }
+        }
+    }
+
+    async fn agent_request(&self, req: AgentRequest) -> AgentResponse {
+        let Some(ops) = &self.operations else {
+            return AgentResponse::text(
+                StatusCode::NOT_FOUND,
+                "no host operations here (the config has no ramdisk_profile)\n",
+            );
+        };
+        let Some(endpoint) = Endpoint::of(&req) else {
+            return AgentResponse::text(StatusCode::NOT_FOUND, "no such agent endpoint\n");
+        };
+        match self.answer(ops, endpoint, &req).await {
+            Ok(response) => response,
+            Err(Failure::Refused(refusal)) => agent::refused(&req, &refusal),
+            Err(Failure::Store(e)) => {
+                tracing::error!(remote = %req.remote, path = %req.path, error = %e, "agent request failed");
+                AgentResponse::text(StatusCode::SERVICE_UNAVAILABLE, "try again\n")
+            }
+        }
+    }
+
+    async fn answer(
+        &self,
+        ops: &Operations,
+        endpoint: Endpoint,
+        req: &AgentRequest,
+    ) -> Result<AgentResponse, Failure> {
+        let mac = req.remote_mac.ok_or(Refusal::UnknownAddress)?;
+        let host = self.hosts.get(&mac).ok_or(Refusal::UnknownHost)?;
+        let ok = || AgentResponse::json(&json!({ "ok": true }));
+        match endpoint {
+            Endpoint::Task => self.task(ops, mac, host, req).await,
+            Endpoint::Inspection => {
+                let hardware: Hardware = agent::body(req)?;
+                ops.finish(
+                    mac,
+                    req,
+                    Some(OperationKind::Inspect),
+                    true,
+                    String::new(),
+                    Some(hardware),
+                    None,
+                )?;
+                Ok(ok())
+            }
+            Endpoint::Complete => {
+                let body: Complete = agent::body(req)?;
+                let image = host.provisioning.as_ref().map(|p| &p.image);
+                let image = image.map(|i| (i.url.as_str(), i.checksum.as_str()));
+                ops.finish(mac, req, None, body.ok, body.message(), None, image)?;
+                Ok(ok())
+            }
+            Endpoint::Progress => {
+                let body: Progress = agent::body(req)?;
+                let step = body.step();
+                // A ramdisk reports every second or so: write the record when the step
+                // changes or every few seconds, keep the rest in memory.
+                let op = ops.authenticated(mac, req)?;
+                let persist = op.step.as_deref() != Some(step.as_str())
+                    || op.last_heard.is_none_or(|t| now().saturating_sub(t) >= PROGRESS_WRITE_SECS);
+                ops.update(mac, persist, |r| {
+                    r.authenticate(req.token.as_deref(), req.remote, now(), ops.max_age())?;
+                    r.progress(step.clone(), body.bytes, now());
+                    Ok::<_, Refusal>(())
+                })
+                .map_err(flatten)?;
+                Ok(ok())
+            }
+            Endpoint::Bootstrap => {
+                let op = ops.authenticated(mac, req)?;
+                if op.kind != OperationKind::Provision {
+                    return Err(Refusal::WrongOperation(op.kind).into());
+                }
+                let provisioning = host.provisioning.as_ref().ok_or(Refusal::NoOperation)?;
+                let data = match &provisioning.user_data {
+                    None => Vec::new(),
+                    Some(path) => match std::fs::read(path) {
+                        Ok(data) => data,
+                        Err(e) => {
+                            tracing::error!(host = %host.name, file = %path.display(), error = %e, "cannot read the host's user_data");
+                            return Ok(AgentResponse::text(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                "bootstrap data not ready\n",
+                            ));
+                        }
+                    },
+                };
+                // Marked delivered (and written) before it leaves: once per operation.
+                ops.update(mac, true, |r| {
+                    r.authenticate(req.token.as_deref(), req.remote, now(), ops.max_age())?;
+                    r.deliver_bootstrap()
+                })
+                .map_err(|e| {
+                    if matches!(e, Ok(Refusal::Replayed)) {
+                        tracing::warn!(host = %host.name, operation = %op.id, remote = %req.remote, "bootstrap data asked for again after it was delivered; refused");
+                    }
+                    flatten(e)
+                })?;
+                tracing::info!(host = %host.name, operation = %op.id, "bootstrap data delivered");
+                Ok(AgentResponse {
+                    status: StatusCode::OK,
+                    content_type: "text/cloud-config",
+                    body: bytes::Bytes::from(data),
+                })
+            }
+        }
+    }
+
+    async fn task(
+        &self,
+        ops: &Operations,
+        mac: MacAddr,
+        host: &ListedHost,
+        req: &AgentRequest,
+    ) -> Result<AgentResponse, Failure> {
+        let op = match ops.authenticated(mac, req) {
+            Ok(found) => found,
+            Err(refusal) if needs_new_token(&refusal) => {
+                let pending = ops
+                    .records
+                    .lock()
+                    .expect("records lock")
+                    .get(&mac)
+                    .is_some_and(|r| r.operation.is_some());
+                return Ok(AgentResponse::json(&task_without_token(pending)));
+            }
+            Err(refusal) => return Err(refusal.into()),
+        };
+        let answer = match op.kind {
+            OperationKind::Inspect => json!({ "action": "inspect", "operation": op.id }),
+            OperationKind::Deprovision => deprovision_task(&op.id, host.wipe),
+            OperationKind::Provision => {
+                let p = host.provisioning.as_ref().ok_or(Refusal::NoOperation)?;
+                let (url, size) = match ops.images.prepare(&op.id, &p.image).await {
+                    Readiness::Ready { url, size } => (url, size),
+                    Readiness::Fetching { why } => {
+                        tracing::info!(host = %host.name, operation = %op.id, %why, "the ramdisk waits for its image");
+                        return Ok(AgentResponse::json(&json!({ "action": "wait", "seconds": 5 })));
+                    }
+                    Readiness::Failed { why } => {
+                        ops.finish(
+                            mac,
+                            req,
+                            Some(OperationKind::Provision),
+                            false,
+                            why,
+                            None,
+                            None,
+                        )?;
+                        return Ok(AgentResponse::json(
+                            &json!({ "action": "wait", "seconds": 10 }),
+                        ));
+                    }
+                };
+                let provider_id = format!("siteboot://standalone/{}", host.name);
+                let meta = MetaData {
+                    instance_id: &op.id,
+                    local_hostname: &host.name,
+                    provider_id: Some(&provider_id),
+                };
+                provision_task(&op.id, &p.image, (&url, size), &p.root_device_hints, &meta)
+            }
+        };
+        Ok(AgentResponse::json(&answer))
+    }
+}
+
+/// Seconds between two writes of one step's progress.
+const PROGRESS_WRITE_SECS: u64 = 5;
+
+/// A refusal or a store error, from [`Operations::update`].
+fn flatten(e: Result<Refusal, StoreError>) -> Failure {
+    match e {
+        Ok(refusal) => refusal.into(),
+        Err(e) => e.into(),
+    }
+}
+
+impl Operations {
+    fn max_age(&self) -> u64 {
+        self.token_max_age.as_secs()
+    }
+
+    /// Applies `change` to a copy of `mac`'s record; if it succeeds, writes the copy (when
+    /// `persist`) and only then makes it the record. Returns the record as it now is, with
+    /// what `change` returned.
+    fn update<T, E>(
+        &self,
+        mac: MacAddr,
+        persist: bool,
+        change: impl FnOnce(&mut HostRecord) -> Result<T, E>,
+    ) -> Result<(HostRecord, T), Result<E, StoreError>> {
+        let mut records = self.records.lock().expect("records lock");
+        let current = records.get(&mac).cloned().unwrap_or_default();
+        let mut next = current.clone();
+        let value = change(&mut next).map_err(Ok)?;
+        if persist && next != current {
+            self.store.save(mac, &next).map_err(Err)?;
+        }
+        records.insert(mac, next.clone());
+        Ok((next, value))
+    }
+
+    /// The operation `req`'s token acts for (with whether one is under way at all).
+    fn authenticated(
+        &self,
+        mac: MacAddr,
+        req: &AgentRequest,
+    ) -> Result<crate::operations::Operation, Refusal> {
+        let records = self.records.lock().expect("records lock");
+        let record = records.get(&mac).ok_or(Refusal::NoOperation)?;
+        let op = record.authenticate(req.token.as_deref(), req.remote, now(), self.max_age())?;
+        Ok(op.clone())
+    }
+
+    /// Ends `mac`'s operation (of kind `kind`, if given; inspections end only by their report,
+    /// the others only by `complete`).
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &self,
+        mac: MacAddr,
+        req: &AgentRequest,
+        kind: Option<OperationKind>,
+        ok: bool,
+        message: String,
+        hardware: Option<Hardware>,
+        image: Option<(&str, &str)>,
+    ) -> Result<(), Failure> {
+        let (record, id) = self
+            .update(mac, true, |r| {
+                let op = r.authenticate(req.token.as_deref(), req.remote, now(), self.max_age())?;
+                let allowed = match kind {
+                    Some(kind) => op.kind == kind,
+                    None => op.kind != OperationKind::Inspect,
+                };
+                if !allowed {
+                    return Err(Refusal::WrongOperation(op.kind));
+                }
+                let id = op.id.clone();
+                r.finish(ok, message, hardware, image, now());
+                Ok(id)
+            })
+            .map_err(flatten)?;
+        self.images.release(&id);
+        if let Some(last) = &record.last {
+            tracing::info!(%mac, operation = %last.operation, kind = ?last.kind, ok, message = %last.message, state = %record.state(), "ramdisk finished an operation");
+        }
+        Ok(())
+    }
+}
+
+/// One host as `siteboot host` shows it (no token hash).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct HostView {
+    pub name: String,
+    pub mac: String,
+    pub profile: String,
+    pub state: String,
+    pub record: HostRecord,
 }
 
 impl Inventory for StaticInventory {
     fn boots(&self, mac: MacAddr) -> bool {
-        self.lookup(mac).is_some()
+        self.hosts.contains_key(&mac) || self.default.is_some()
     }
 
     /// Listed under `hosts`: `unknown_hosts` does not make a MAC known.
@@ -49,22 +531,156 @@ impl Inventory for StaticInventory {
     }
 
     fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
-        let action = self.lookup(request.mac).cloned();
+        let action = self.action(request);
         Box::pin(async move { action })
     }
 
-    /// The hosts under `hosts`, each with the profile it boots as its state.
+    /// The hosts under `hosts`: the profile each boots, or its operation.
     fn hosts(&self) -> Vec<HostSummary> {
         self.hosts
             .iter()
-            .map(|(mac, host)| HostSummary {
-                mac: *mac,
-                name: host.reservation.as_ref().and_then(|r| r.hostname.clone()),
-                state: format!("profile {}", host.profile),
-                address: host.reservation.as_ref().map(|r| r.address),
-                consumer: None,
-                operation: None,
+            .map(|(mac, host)| {
+                let record = self.record(*mac);
+                let state = match (&record.operation, &record.installed, record.wipe_required) {
+                    (None, None, false) => format!("profile {}", host.profile),
+                    _ => format!("{} (profile {})", record.state(), host.profile),
+                };
+                HostSummary {
+                    mac: *mac,
+                    name: Some(host.name.clone()),
+                    state,
+                    address: host.reservation.as_ref().map(|r| r.address),
+                    consumer: None,
+                    operation: record.operation.map(|op| OperationSummary {
+                        kind: format!("{:?}", op.kind),
+                        step: op.step,
+                        bytes: op.bytes.map(|b| ByteProgress { done: b.done, total: b.total }),
+                    }),
+                }
             })
             .collect()
+    }
+
+    fn agent(&self, request: AgentRequest) -> BoxFuture<'_, AgentResponse> {
+        Box::pin(self.agent_request(request))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use siteboot_boot::Endpoints;
+    use siteboot_boot::inventory::{LocalBoot, Source};
+    use siteboot_ipxe::Word;
+
+    use super::*;
+
+    const HOST: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 5);
+
+    fn mac() -> MacAddr {
+        "52:54:00:00:00:01".parse().unwrap()
+    }
+
+    /// One listed host (`node-a`, booting the local disk) with operations on, its records in
+    /// `dir`.
+    fn inventory(dir: &std::path::Path) -> StaticInventory {
+        let host = ListedHost {
+            action: BootAction::LocalDisk(LocalBoot::Exit),
+            profile: "disk".into(),
+            name: "node-a".into(),
+            reservation: None,
+            provisioning: None,
+            wipe: WipePolicy::Quick,
+        };
+        let mut inventory = StaticInventory::new(HashMap::from([(mac(), host)]), None);
+        let ramdisk = LinuxBoot {
+            kernel: Source::File(Word::new("vmlinuz").unwrap()),
+            initrds: vec![],
+            cmdline: vec![],
+        };
+        let cache = siteboot_image_cache::Cache::open(&dir.join("images"), 1 << 20).unwrap();
+        let endpoints = Endpoints { address: Ipv4Addr::new(10, 0, 0, 1), http_port: 8080 };
+        let images = Arc::new(ImageService::new(cache, endpoints));
+        let store = Store::open(dir).unwrap();
+        inventory.enable_operations(store, ramdisk, images, Duration::from_secs(3600)).unwrap();
+        inventory
+    }
+
+    fn boot(inventory: &StaticInventory, remote_holds_mac: bool) -> Vec<String> {
+        let request = BootRequest { mac: mac(), remote: HOST, remote_holds_mac };
+        match inventory.action(request) {
+            Some(BootAction::Linux(linux)) => {
+                linux.cmdline.iter().map(|w| w.as_str().to_owned()).collect()
+            }
+            other => vec![format!("{other:?}")],
+        }
+    }
+
+    fn agent(
+        inventory: &StaticInventory,
+        method: http::Method,
+        path: &str,
+        token: Option<&str>,
+        remote_mac: Option<MacAddr>,
+    ) -> (u16, String) {
+        let request = AgentRequest {
+            method,
+            path: path.into(),
+            token: token.map(str::to_owned),
+            remote: HOST,
+            remote_mac,
+            body: bytes::Bytes::from_static(b"{\"cpus\": 2}"),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let response = runtime.block_on(inventory.agent_request(request));
+        (response.status.as_u16(), String::from_utf8_lossy(&response.body).into_owned())
+    }
+
+    #[test]
+    fn the_ramdisk_gets_a_token_only_while_an_operation_waits_and_only_from_its_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let inventory = inventory(dir.path());
+        assert_eq!(boot(&inventory, true), vec!["Some(LocalDisk(Exit))".to_owned()], "its profile");
+        inventory.start("node-a", OperationKind::Inspect).unwrap();
+        let stranger = boot(&inventory, false);
+        assert!(stranger.iter().all(|a| !a.starts_with("siteboot.token=")), "{stranger:?}");
+        let args = boot(&inventory, true);
+        let token = args.iter().find_map(|a| a.strip_prefix("siteboot.token=")).unwrap();
+
+        // The same refusals as Kubernetes mode.
+        let get = http::Method::GET;
+        let post = http::Method::POST;
+        let other: MacAddr = "52:54:00:00:00:02".parse().unwrap();
+        for (mac, token, path, expected) in [
+            (None, Some(token), "v1/task", (403, "refused: no MAC is known for this address\n")),
+            (Some(other), Some(token), "v1/task", (403, "refused: no Host has this MAC\n")),
+            (Some(mac()), Some("00"), "v1/inspection", (403, "refused: wrong token\n")),
+            (Some(mac()), None, "v1/inspection", (401, "refused: no token\n")),
+            (Some(mac()), Some(token), "v1/complete", (400, "")),
+        ] {
+            let method = if path == "v1/task" { get.clone() } else { post.clone() };
+            let (status, body) = agent(&inventory, method, path, token, mac);
+            assert_eq!(status, expected.0, "{path}: {body}");
+            if !expected.1.is_empty() {
+                assert_eq!(body, expected.1);
+            }
+        }
+        let (status, body) = agent(&inventory, get.clone(), "v1/task", Some("00"), Some(mac()));
+        assert_eq!((status, body.as_str()), (200, r#"{"action":"reboot"}"#), "boot again");
+        let (status, body) = agent(&inventory, get.clone(), "v1/task", Some(token), Some(mac()));
+        assert_eq!(status, 200);
+        assert!(body.contains(r#""action":"inspect""#), "{body}");
+        let (status, body) = agent(&inventory, get, "v1/bootstrap", Some(token), Some(mac()));
+        assert_eq!((status, body.as_str()), (403, "refused: not allowed during Inspect\n"));
+        let (status, _) = agent(&inventory, post, "v1/inspection", Some(token), Some(mac()));
+        assert_eq!(status, 200);
+        assert_eq!(boot(&inventory, true), vec!["Some(LocalDisk(Exit))".to_owned()], "done");
+
+        // What it found was written, and is read back by the next appliance.
+        let again = self::inventory(dir.path());
+        let view = again.show("node-a").unwrap();
+        assert_eq!(view.record.hardware.map(|h| h.cpus), Some(2));
+        assert!(view.record.last.is_some_and(|l| l.ok && l.kind == OperationKind::Inspect));
     }
 }

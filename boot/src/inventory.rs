@@ -167,10 +167,8 @@ pub trait Inventory: Send + Sync + 'static {
         Vec::new()
     }
 
-    /// Serves the deploy ramdisk's API under `/agent/`. The standalone inventory has none.
+    /// Serves the deploy ramdisk's API under `/agent/`. The default has none (404).
     fn agent(&self, _request: AgentRequest) -> BoxFuture<'_, AgentResponse> {
-        Box::pin(async {
-            AgentResponse::text(http::StatusCode::NOT_FOUND, "no agent API in standalone mode\n")
-        })
+        Box::pin(async { AgentResponse::text(http::StatusCode::NOT_FOUND, "no agent API here\n") })
     }
 }

@@ -25,7 +25,7 @@ use crate::context::{Ctx, host_key, owner_machine_ref, update_host_status};
 use crate::crd::capi::Machine;
 use crate::crd::{
     ByteCount, Hardware, Host, HostState, Image, MachineAddress, Operation, OperationKind,
-    SitebootMachine, WipePolicy, now,
+    RootDeviceHints, SitebootMachine, WipePolicy, now,
 };
 use crate::host::lifecycle::{completed, older_than};
 use crate::images::Readiness;
@@ -33,25 +33,105 @@ use crate::machine::plan::provider_id;
 use crate::token;
 
 pub async fn handle(ctx: Arc<Ctx>, req: AgentRequest) -> AgentResponse {
-    let result = match (&req.method, req.path.as_str()) {
-        (&Method::GET, "v1/task") => task(&ctx, &req).await,
-        (&Method::POST, "v1/inspection") => inspection(&ctx, &req).await,
-        (&Method::GET, "v1/bootstrap") => bootstrap(&ctx, &req).await,
-        (&Method::POST, "v1/progress") => progress(&ctx, &req).await,
-        (&Method::POST, "v1/complete") => complete(&ctx, &req).await,
-        _ => return AgentResponse::text(StatusCode::NOT_FOUND, "no such agent endpoint\n"),
+    let Some(endpoint) = Endpoint::of(&req) else {
+        return AgentResponse::text(StatusCode::NOT_FOUND, "no such agent endpoint\n");
+    };
+    let result = match endpoint {
+        Endpoint::Task => task(&ctx, &req).await,
+        Endpoint::Inspection => inspection(&ctx, &req).await,
+        Endpoint::Bootstrap => bootstrap(&ctx, &req).await,
+        Endpoint::Progress => progress(&ctx, &req).await,
+        Endpoint::Complete => complete(&ctx, &req).await,
     };
     match result {
         Ok(response) => response,
-        Err(Failure::Refused(refusal)) => {
-            tracing::warn!(remote = %req.remote, mac = ?req.remote_mac, path = %req.path, reason = %refusal, "agent request refused");
-            AgentResponse::text(refusal.status(), format!("refused: {refusal}\n"))
-        }
+        Err(Failure::Refused(refusal)) => refused(&req, &refusal),
         Err(Failure::Api(e)) => {
             tracing::error!(remote = %req.remote, path = %req.path, error = %e, "agent request failed");
             AgentResponse::text(StatusCode::SERVICE_UNAVAILABLE, "try again\n")
         }
     }
+}
+
+/// The endpoints of the agent API; both modes serve the same ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Task,
+    Inspection,
+    Bootstrap,
+    Progress,
+    Complete,
+}
+
+impl Endpoint {
+    /// The endpoint `req` asks for; `None`: no such endpoint (404).
+    pub fn of(req: &AgentRequest) -> Option<Self> {
+        Some(match (&req.method, req.path.as_str()) {
+            (&Method::GET, "v1/task") => Endpoint::Task,
+            (&Method::POST, "v1/inspection") => Endpoint::Inspection,
+            (&Method::GET, "v1/bootstrap") => Endpoint::Bootstrap,
+            (&Method::POST, "v1/progress") => Endpoint::Progress,
+            (&Method::POST, "v1/complete") => Endpoint::Complete,
+            _ => return None,
+        })
+    }
+}
+
+/// Logs a refused request and answers it, saying no more than the reason.
+pub fn refused(req: &AgentRequest, refusal: &Refusal) -> AgentResponse {
+    tracing::warn!(remote = %req.remote, mac = ?req.remote_mac, path = %req.path, reason = %refusal, "agent request refused");
+    AgentResponse::text(refusal.status(), format!("refused: {refusal}\n"))
+}
+
+/// The answer to `GET task` from a ramdisk whose token is not (or no longer) good: "reboot"
+/// when it should boot again (an operation waits for its token, or the host's disk is now
+/// what it boots); else "wait".
+pub fn task_without_token(boot_again: bool) -> serde_json::Value {
+    if boot_again {
+        json!({ "action": "reboot" })
+    } else {
+        json!({ "action": "wait", "seconds": 10 })
+    }
+}
+
+/// The refusals after which `GET task` answers [`task_without_token`] rather than refuse.
+pub fn needs_new_token(refusal: &Refusal) -> bool {
+    matches!(
+        refusal,
+        Refusal::NoToken | Refusal::WrongToken | Refusal::Expired | Refusal::NoOperation
+    )
+}
+
+/// What an operation's token was issued as.
+#[derive(Debug, Clone, Copy)]
+pub struct Grant<'a> {
+    /// The SHA-256 of the token (none issued yet: every token is wrong).
+    pub token_hash: Option<&'a str>,
+    /// The address it was issued to.
+    pub address: Option<&'a str>,
+    /// Whether it was issued less than the token lifetime ago.
+    pub fresh: bool,
+}
+
+/// Checks a request's token against its host's operation (`None`: no operation).
+pub fn check_token(
+    token: Option<&str>,
+    grant: Option<Grant<'_>>,
+    remote: std::net::Ipv4Addr,
+) -> Result<(), Refusal> {
+    let token = token.ok_or(Refusal::NoToken)?;
+    let grant = grant.ok_or(Refusal::NoOperation)?;
+    let hash = grant.token_hash.ok_or(Refusal::WrongToken)?;
+    if !token::matches(token, hash) {
+        return Err(Refusal::WrongToken);
+    }
+    if grant.address != Some(remote.to_string().as_str()) {
+        return Err(Refusal::WrongAddress);
+    }
+    if !grant.fresh {
+        return Err(Refusal::Expired);
+    }
+    Ok(())
 }
 
 /// Why an agent request is refused.
@@ -82,7 +162,7 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    fn status(&self) -> StatusCode {
+    pub fn status(&self) -> StatusCode {
         match self {
             Refusal::NoToken => StatusCode::UNAUTHORIZED,
             Refusal::Replayed => StatusCode::CONFLICT,
@@ -144,28 +224,26 @@ async fn host_of(ctx: &Ctx, req: &AgentRequest) -> Result<(Api<Host>, Host), Fai
 
 /// Checks the token against `host`'s operation.
 fn authenticate(ctx: &Ctx, req: &AgentRequest, host: &Host) -> Result<Operation, Refusal> {
-    let token = req.token.as_deref().ok_or(Refusal::NoToken)?;
-    let op = host.status.as_ref().and_then(|s| s.operation.clone()).ok_or(Refusal::NoOperation)?;
-    let hash = op.token_hash.as_deref().ok_or(Refusal::WrongToken)?;
-    if !token::matches(token, hash) {
-        return Err(Refusal::WrongToken);
-    }
-    if op.token_address.as_deref() != Some(req.remote.to_string().as_str()) {
-        return Err(Refusal::WrongAddress);
-    }
-    if op.token_issued.as_ref().is_none_or(|t| older_than(t, ctx.token_max_age.as_secs() as i64)) {
-        return Err(Refusal::Expired);
-    }
-    Ok(op)
+    let op = host.status.as_ref().and_then(|s| s.operation.clone());
+    let grant = op.as_ref().map(|op| Grant {
+        token_hash: op.token_hash.as_deref(),
+        address: op.token_address.as_deref(),
+        fresh: op
+            .token_issued
+            .as_ref()
+            .is_some_and(|t| !older_than(t, ctx.token_max_age.as_secs() as i64)),
+    });
+    check_token(req.token.as_deref(), grant, req.remote)?;
+    Ok(op.expect("checked: an operation"))
 }
 
 async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
     let (_, host) = host_of(ctx, req).await?;
     let op = match authenticate(ctx, req, &host) {
         Ok(op) => op,
-        // No token, or one from before: an operation waiting means "boot again for its token".
-        Err(Refusal::NoToken | Refusal::WrongToken | Refusal::Expired | Refusal::NoOperation) => {
-            return Ok(AgentResponse::json(&idle_task(&host)));
+        // No token, or one from before.
+        Err(refusal) if needs_new_token(&refusal) => {
+            return Ok(AgentResponse::json(&task_without_token(boots_again(&host))));
         }
         Err(other) => return Err(other.into()),
     };
@@ -189,54 +267,69 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
                 }
             };
             let hostname = machine_name(ctx, &host).await?;
-            provision_task(&op.id, &host, &p.image, (&url, size), &hostname)
+            let hints = host.spec.root_device_hints.clone().unwrap_or_default();
+            let meta = MetaData {
+                instance_id: &op.id,
+                local_hostname: &hostname,
+                provider_id: Some(&provider_id(&host)),
+            };
+            provision_task(&op.id, &p.image, (&url, size), &hints, &meta)
         }
-        OperationKind::Deprovision => json!({
-            "action": "deprovision",
-            "operation": op.id,
-            "wipe": host.spec.wipe.unwrap_or(WipePolicy::Quick),
-        }),
+        OperationKind::Deprovision => {
+            deprovision_task(&op.id, host.spec.wipe.unwrap_or(WipePolicy::Quick))
+        }
     };
     Ok(AgentResponse::json(&answer))
 }
 
-/// The task of a ramdisk with no operation to do (no token, or one from before): reboot when
-/// an operation waits (for its token), or when the host is Provisioned (the ramdisk that just
-/// wrote its disk: the boot script now says the local disk), else wait.
-fn idle_task(host: &Host) -> serde_json::Value {
+/// Whether a ramdisk without a good token should reboot: an operation waits (boot again for
+/// its token), or the host is Provisioned (the ramdisk that just wrote its disk: the boot
+/// script now says the local disk).
+fn boots_again(host: &Host) -> bool {
     let status = host.status.as_ref();
     let pending = status.is_some_and(|s| s.operation.is_some());
-    let provisioned = status.and_then(|s| s.state) == Some(HostState::Provisioned);
-    if pending || provisioned {
-        json!({ "action": "reboot" })
-    } else {
-        json!({ "action": "wait", "seconds": 10 })
-    }
+    pending || status.and_then(|s| s.state) == Some(HostState::Provisioned)
+}
+
+/// The NoCloud meta-data written beside the bootstrap data.
+pub struct MetaData<'a> {
+    /// New with each provisioning (the operation's id): cloud-init runs the user-data of a new
+    /// instance.
+    pub instance_id: &'a str,
+    pub local_hostname: &'a str,
+    pub provider_id: Option<&'a str>,
 }
 
 /// The provision task (docs/agent-api.md): the image at `url` (the appliance's copy, or its
 /// source) and its size (0: unknown), how to pick the disk, and the NoCloud meta-data that
 /// goes beside the bootstrap data.
-fn provision_task(
+pub fn provision_task(
     operation: &str,
-    host: &Host,
     image: &Image,
     (url, size): (&str, u64),
-    hostname: &str,
+    hints: &RootDeviceHints,
+    meta: &MetaData<'_>,
 ) -> serde_json::Value {
+    let mut meta_data = json!({
+        "instance-id": meta.instance_id,
+        "local-hostname": meta.local_hostname,
+    });
+    if let Some(provider_id) = meta.provider_id {
+        meta_data["provider-id"] = json!(provider_id);
+    }
     json!({
         "action": "provision",
         "operation": operation,
         "image": { "url": url, "checksum": image.checksum, "sizeBytes": size },
-        "rootDeviceHints": host.spec.root_device_hints.clone().unwrap_or_default(),
+        "rootDeviceHints": hints,
         "growLastPartition": image.grow_last_partition,
-        "metaData": {
-            // New with each provisioning: cloud-init runs the user-data of a new instance.
-            "instance-id": operation,
-            "local-hostname": hostname,
-            "provider-id": provider_id(host),
-        },
+        "metaData": meta_data,
     })
+}
+
+/// The deprovision task: wipe the disks per `wipe`.
+pub fn deprovision_task(operation: &str, wipe: WipePolicy) -> serde_json::Value {
+    json!({ "action": "deprovision", "operation": operation, "wipe": wipe })
 }
 
 /// The host name a provisioned host gets: its Machine's name (what CAPI expects the Node to be
@@ -250,27 +343,33 @@ async fn machine_name(ctx: &Ctx, host: &Host) -> Result<String, Failure> {
 }
 
 async fn inspection(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
-    let hardware: Hardware =
-        serde_json::from_slice(&req.body).map_err(|e| Refusal::BadRequest(e.to_string()))?;
+    let hardware: Hardware = body(req)?;
     finish(ctx, req, OperationKind::Inspect, true, "", Some(hardware)).await
 }
 
+/// The body of `POST complete`.
 #[derive(Deserialize)]
-struct Complete {
-    ok: bool,
+pub struct Complete {
+    pub ok: bool,
     #[serde(default)]
-    message: String,
+    pub message: String,
+}
+
+impl Complete {
+    /// The message as kept: at most 512 characters.
+    pub fn message(&self) -> String {
+        self.message.chars().take(512).collect()
+    }
 }
 
 async fn complete(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
-    let body: Complete =
-        serde_json::from_slice(&req.body).map_err(|e| Refusal::BadRequest(e.to_string()))?;
+    let body: Complete = body(req)?;
     let (_, host) = host_of(ctx, req).await?;
     let op = authenticate(ctx, req, &host)?;
     if op.kind == OperationKind::Inspect {
         return Err(Refusal::WrongOperation(op.kind).into());
     }
-    finish(ctx, req, op.kind, body.ok, &body.message, None).await
+    finish(ctx, req, op.kind, body.ok, &body.message(), None).await
 }
 
 /// Ends the operation of kind `kind` (checked again against the fresh Host while writing).
@@ -328,18 +427,30 @@ async fn finish(
 /// Seconds between two writes of one step's progress (see [`progress`]).
 const PROGRESS_WRITE_INTERVAL: i64 = 5;
 
+/// The body of `POST progress`.
 #[derive(Deserialize)]
-struct Progress {
-    step: String,
+pub struct Progress {
+    pub step: String,
     #[serde(default)]
-    bytes: Option<ByteCount>,
+    pub bytes: Option<ByteCount>,
+}
+
+impl Progress {
+    /// The step as kept: at most 200 characters.
+    pub fn step(&self) -> String {
+        self.step.chars().take(200).collect()
+    }
+}
+
+/// Reads a request body as `T`, or refuses it.
+pub fn body<T: serde::de::DeserializeOwned>(req: &AgentRequest) -> Result<T, Refusal> {
+    serde_json::from_slice(&req.body).map_err(|e| Refusal::BadRequest(e.to_string()))
 }
 
 async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
-    let body: Progress =
-        serde_json::from_slice(&req.body).map_err(|e| Refusal::BadRequest(e.to_string()))?;
+    let body: Progress = body(req)?;
     let (api, host) = host_of(ctx, req).await?;
-    let step: String = body.step.chars().take(200).collect();
+    let step = body.step();
     let op = authenticate(ctx, req, &host)?;
     // A ramdisk writing an image reports every second or so; a rack of them must not turn
     // into a write per host per second. The same step within a few seconds is taken as heard.
@@ -474,7 +585,28 @@ async fn bootstrap_secret(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{HostSpec, RootDeviceHints};
+    use crate::crd::HostSpec;
+
+    #[test]
+    fn a_token_is_good_only_as_issued_to_its_address_and_in_time() {
+        let (token, hash) = token::mint();
+        let remote: std::net::Ipv4Addr = "10.0.0.5".parse().unwrap();
+        let grant = Grant { token_hash: Some(&hash), address: Some("10.0.0.5"), fresh: true };
+        assert_eq!(check_token(Some(&token), Some(grant), remote), Ok(()));
+        let refusal = |token: Option<&str>, grant: Option<Grant<'_>>, remote| {
+            check_token(token, grant, remote).unwrap_err()
+        };
+        assert_eq!(refusal(None, Some(grant), remote), Refusal::NoToken);
+        assert_eq!(refusal(Some(&token), None, remote), Refusal::NoOperation);
+        assert_eq!(refusal(Some(&hash), Some(grant), remote), Refusal::WrongToken);
+        let unissued = Grant { token_hash: None, ..grant };
+        assert_eq!(refusal(Some(&token), Some(unissued), remote), Refusal::WrongToken);
+        let elsewhere = "10.0.0.6".parse().unwrap();
+        assert_eq!(refusal(Some(&token), Some(grant), elsewhere), Refusal::WrongAddress);
+        let stale = Grant { fresh: false, ..grant };
+        assert_eq!(refusal(Some(&token), Some(stale), remote), Refusal::Expired);
+        assert!(needs_new_token(&Refusal::Expired) && !needs_new_token(&Refusal::WrongAddress));
+    }
 
     #[test]
     fn the_provision_task_carries_the_served_url_hints_and_meta_data() {
@@ -489,7 +621,13 @@ mod tests {
             grow_last_partition: true,
         };
         let served = format!("http://10.0.0.1:8080/images/sha256/{}", "ab".repeat(32));
-        let task = provision_task("op-7", &host, &image, (&served, 4096), "worker-a");
+        let hints = host.spec.root_device_hints.clone().unwrap_or_default();
+        let meta = MetaData {
+            instance_id: "op-7",
+            local_hostname: "worker-a",
+            provider_id: Some(&provider_id(&host)),
+        };
+        let task = provision_task("op-7", &image, (&served, 4096), &hints, &meta);
         assert_eq!(
             task,
             json!({
@@ -515,7 +653,7 @@ mod tests {
             let operation = operation.then_some(OperationKind::Deprovision);
             let transition = Transition { to, operation, reason: "Test", message: String::new() };
             host.status = Some(apply(&host, &transition));
-            idle_task(&host)["action"].clone()
+            task_without_token(boots_again(&host))["action"].clone()
         };
         assert_eq!(with(HostState::Deprovisioning, true), "reboot");
         assert_eq!(with(HostState::Provisioned, false), "reboot");
@@ -545,7 +683,18 @@ mod tests {
             }),
         ] {
             host.spec.root_device_hints = hints.clone();
-            let task = provision_task("op-7", &host, &image, ("http://a/i", 4096), "worker-a");
+            let meta = MetaData {
+                instance_id: "op-7",
+                local_hostname: "worker-a",
+                provider_id: Some(&provider_id(&host)),
+            };
+            let task = provision_task(
+                "op-7",
+                &image,
+                ("http://a/i", 4096),
+                &hints.clone().unwrap_or_default(),
+                &meta,
+            );
             let Ok(Task::Provision(read)) = serde_json::from_value::<Task>(task.clone()) else {
                 panic!("the agent cannot read {task}");
             };
@@ -553,8 +702,7 @@ mod tests {
             assert_eq!(read.root_device_hints.wwn, hints.and_then(|h| h.wwn));
             assert_eq!(read.meta_data["provider-id"], "siteboot://metal/node-1");
         }
-        let deprovision =
-            json!({ "action": "deprovision", "operation": "op-8", "wipe": WipePolicy::Quick });
+        let deprovision = deprovision_task("op-8", WipePolicy::Quick);
         assert!(matches!(
             serde_json::from_value::<Task>(deprovision),
             Ok(Task::Deprovision { .. })

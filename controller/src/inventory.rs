@@ -22,15 +22,14 @@ use std::sync::Arc;
 use siteboot_boot::MacAddr;
 use siteboot_boot::inventory::{
     AgentRequest, AgentResponse, BootAction, BootRequest, BoxFuture, ByteProgress, HostSummary,
-    Inventory, LinuxBoot, LocalBoot, OperationSummary,
+    Inventory, LocalBoot, OperationSummary,
 };
-use siteboot_ipxe::Word;
 
 use crate::conditions::paused_itself;
 use crate::context::{Ctx, host_key, update_host_status};
 use crate::crd::{Host, HostState, now};
 use crate::host::record;
-use crate::token;
+use crate::token::{self, ramdisk_boot};
 
 pub struct KubeInventory {
     ctx: Arc<Ctx>,
@@ -51,7 +50,7 @@ impl KubeInventory {
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning)
                 if paused_itself(&*host) =>
             {
-                Some(self.ramdisk(&[]))
+                Some(ramdisk_boot(&self.ctx.ramdisk, None))
             }
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning) => {
                 if !request.remote_holds_mac {
@@ -61,21 +60,20 @@ impl KubeInventory {
                         request.remote
                     );
                     self.ctx.event(&*host, true, "TokenRefused", note).await;
-                    return Some(self.ramdisk(&[]));
+                    return Some(ramdisk_boot(&self.ctx.ramdisk, None));
                 }
                 match self.issue_token(&host, request).await {
-                    Ok(Some((token, operation))) => Some(self.ramdisk(&[
-                        format!("siteboot.token={token}"),
-                        format!("siteboot.operation={operation}"),
-                    ])),
-                    Ok(None) => Some(self.ramdisk(&[])),
+                    Ok(Some((token, operation))) => {
+                        Some(ramdisk_boot(&self.ctx.ramdisk, Some((&token, &operation))))
+                    }
+                    Ok(None) => Some(ramdisk_boot(&self.ctx.ramdisk, None)),
                     Err(e) => {
                         tracing::error!(host = %host_key(&host), error = %e, "cannot issue a ramdisk token");
                         None
                     }
                 }
             }
-            _ => Some(self.ramdisk(&[])),
+            _ => Some(ramdisk_boot(&self.ctx.ramdisk, None)),
         }
     }
 
@@ -120,12 +118,6 @@ impl KubeInventory {
             }
             _ => None,
         })
-    }
-
-    fn ramdisk(&self, extra: &[String]) -> BootAction {
-        let mut linux: LinuxBoot = self.ctx.ramdisk.clone();
-        linux.cmdline.extend(extra.iter().map(|a| Word::new(a).expect("token and id are hex")));
-        BootAction::Linux(linux)
     }
 }
 

@@ -582,6 +582,11 @@ pub const CLUSTERCTL_PROVIDER: &str = "infrastructure-siteboot";
 /// (KubeadmControlPlane, the default control plane provider of `clusterctl init`) and a
 /// MachineDeployment of workers joined by siteboot's bootstrap provider, all on siteboot hosts.
 const CLUSTER_TEMPLATE: &str = include_str!("manifests/cluster-template.yaml");
+/// The same on a ClusterClass (`--flavor clusterclass`), and the class, which clusterctl adds
+/// to that flavor's output by the class's name.
+const CLUSTER_TEMPLATE_CLUSTERCLASS: &str =
+    include_str!("manifests/cluster-template-clusterclass.yaml");
+const CLUSTERCLASS: &str = include_str!("manifests/clusterclass-siteboot-kubeadm.yaml");
 
 /// A clusterctl release: the files clusterctl reads from a provider repository, in the folder
 /// `<repository>/infrastructure-siteboot/<version>/` of a local one.
@@ -596,7 +601,8 @@ pub struct ClusterctlRelease {
 /// API contract it implements), `infrastructure-components.yaml` (the CRDs, the RBAC, and the
 /// example site's appliance with clusterctl variables for what differs per install, every
 /// object labelled `cluster.x-k8s.io/provider: infrastructure-siteboot`) and
-/// `cluster-template.yaml` (for `clusterctl generate cluster`).
+/// `cluster-template.yaml` (for `clusterctl generate cluster`), `cluster-template-clusterclass.yaml`
+/// with `clusterclass-siteboot-kubeadm.yaml` (for `--flavor clusterclass`).
 ///
 /// clusterctl puts every namespaced object in one target namespace, so the per-namespace Roles
 /// for bootstrap data Secrets cannot be expressed: the appliance gets `get`/`create` on Secrets
@@ -630,6 +636,8 @@ releaseSeries:
             ("metadata.yaml", metadata),
             ("infrastructure-components.yaml", to_yaml(&objects)),
             ("cluster-template.yaml", CLUSTER_TEMPLATE.to_owned()),
+            ("cluster-template-clusterclass.yaml", CLUSTER_TEMPLATE_CLUSTERCLASS.to_owned()),
+            ("clusterclass-siteboot-kubeadm.yaml", CLUSTERCLASS.to_owned()),
         ],
     }
 }

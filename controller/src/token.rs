@@ -3,6 +3,9 @@
 
 use rand::RngCore;
 use sha2::{Digest, Sha256};
+use siteboot_boot::BootAction;
+use siteboot_boot::inventory::LinuxBoot;
+use siteboot_ipxe::Word;
 
 /// A fresh random token: 32 bytes, hex. Returns the token and its hash.
 pub fn mint() -> (String, String) {
@@ -22,6 +25,19 @@ pub fn matches(token: &str, expected_hash: &str) -> bool {
     let actual = hash(token);
     actual.len() == expected_hash.len()
         && actual.bytes().zip(expected_hash.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// The deploy ramdisk `ramdisk` booted for an operation: with the token issued for this boot
+/// and the operation's id on its kernel command line (`siteboot.token=`,
+/// `siteboot.operation=`), or with none (it then asks for its task and is told to wait).
+pub fn ramdisk_boot(ramdisk: &LinuxBoot, issued: Option<(&str, &str)>) -> BootAction {
+    let mut linux = ramdisk.clone();
+    if let Some((token, operation)) = issued {
+        for arg in [format!("siteboot.token={token}"), format!("siteboot.operation={operation}")] {
+            linux.cmdline.push(Word::new(&arg).expect("tokens and operation ids are hex"));
+        }
+    }
+    BootAction::Linux(linux)
 }
 
 #[cfg(test)]

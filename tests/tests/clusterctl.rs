@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use kube::api::{DynamicObject, Patch, PatchParams};
+use kube::api::{DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 use siteboot_controller::manifests::{CLUSTERCTL_PROVIDER, crds};
 use siteboot_tests::kube::KubeEnv;
@@ -54,7 +54,13 @@ async fn steps(env: &KubeEnv) -> Result<()> {
         .join(CLUSTERCTL_PROVIDER)
         .join(format!("v{}", env!("CARGO_PKG_VERSION")));
     let committed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(&release);
-    for file in ["metadata.yaml", "infrastructure-components.yaml", "cluster-template.yaml"] {
+    for file in [
+        "metadata.yaml",
+        "infrastructure-components.yaml",
+        "cluster-template.yaml",
+        "cluster-template-clusterclass.yaml",
+        "clusterclass-siteboot-kubeadm.yaml",
+    ] {
         let generated =
             std::fs::read_to_string(dir.path().join("deploy").join(&release).join(file))?;
         let in_git = std::fs::read_to_string(committed.join(file)).unwrap_or_default();
@@ -132,21 +138,7 @@ async fn steps(env: &KubeEnv) -> Result<()> {
     )?;
     ensure!(generated.status.success(), "clusterctl generate cluster failed");
     create_namespace(env, "metal").await?;
-    let params = PatchParams::apply("clusterctl-test").force();
-    let mut applied = Vec::new();
-    for document in serde_yaml::Deserializer::from_slice(&generated.stdout) {
-        let object: Value = serde::Deserialize::deserialize(document)?;
-        let (api_version, kind) = (
-            object["apiVersion"].as_str().context("apiVersion")?,
-            object["kind"].as_str().context("kind")?,
-        );
-        let name = object["metadata"]["name"].as_str().context("name")?;
-        env.api(api_version, kind, Some("metal"))
-            .patch(name, &params, &Patch::Apply(&object))
-            .await
-            .with_context(|| format!("applying {kind} {name}"))?;
-        applied.push(format!("{kind}/{name}"));
-    }
+    let applied = apply(env, &generated.stdout).await?;
     ensure!(
         applied
             == [
@@ -160,7 +152,112 @@ async fn steps(env: &KubeEnv) -> Result<()> {
             ],
         "applied {applied:?}"
     );
-    check_workload_cluster(env).await
+    check_workload_cluster(env).await?;
+
+    // The ClusterClass flavor: clusterctl adds the class to the Cluster, and the topology
+    // controller makes the control plane and the workers from the class's templates.
+    let generated = clusterctl.run(
+        clusterctl
+            .command(&[
+                "generate",
+                "cluster",
+                "edge-2",
+                "--infrastructure",
+                "siteboot",
+                "--flavor",
+                "clusterclass",
+                "--target-namespace",
+                "metal",
+                "--kubernetes-version",
+                "v1.36.3",
+                "--control-plane-machine-count",
+                "3",
+                "--worker-machine-count",
+                "2",
+            ])
+            .env("SITEBOOT_CONTROL_PLANE_ENDPOINT_HOST", "10.99.0.51")
+            .env("SITEBOOT_IMAGE_URL", "http://10.99.0.1:8080/files/os.raw")
+            .env("SITEBOOT_IMAGE_CHECKSUM", CHECKSUM),
+    )?;
+    ensure!(
+        generated.status.success(),
+        "clusterctl generate cluster --flavor clusterclass failed: {}",
+        String::from_utf8_lossy(&generated.stderr)
+    );
+    let applied = apply(env, &generated.stdout).await?;
+    ensure!(
+        applied.contains(&"ClusterClass/siteboot-kubeadm".to_owned())
+            && applied.contains(&"Cluster/edge-2".to_owned()),
+        "applied {applied:?}"
+    );
+    check_cluster_class_cluster(env).await
+}
+
+/// Applies every object of a `clusterctl generate cluster` output in namespace metal; returns
+/// `Kind/name` of each, in order.
+async fn apply(env: &KubeEnv, generated: &[u8]) -> Result<Vec<String>> {
+    let params = PatchParams::apply("clusterctl-test").force();
+    let mut applied = Vec::new();
+    for document in serde_yaml::Deserializer::from_slice(generated) {
+        let object: Value = serde::Deserialize::deserialize(document)?;
+        let (api_version, kind) = (
+            object["apiVersion"].as_str().context("apiVersion")?,
+            object["kind"].as_str().context("kind")?,
+        );
+        let name = object["metadata"]["name"].as_str().context("name")?;
+        env.api(api_version, kind, Some("metal"))
+            .patch(name, &params, &Patch::Apply(&object))
+            .await
+            .with_context(|| format!("applying {kind} {name}"))?;
+        applied.push(format!("{kind}/{name}"));
+    }
+    Ok(applied)
+}
+
+/// The topology of edge-2 (class siteboot-kubeadm): a KubeadmControlPlane of 3 whose kubelets
+/// get their providerID from the meta-data, on a clone of the class's control-plane machine
+/// template, and the MachineDeployment md-0 of 2 joined by SitebootConfigs, with the image.
+async fn check_cluster_class_cluster(env: &KubeEnv) -> Result<()> {
+    let ns = Some("metal");
+    let of_edge_2 = ListParams::default().labels("cluster.x-k8s.io/cluster-name=edge-2");
+    let kcps = env.api("controlplane.cluster.x-k8s.io/v1beta2", "KubeadmControlPlane", ns);
+    let kcp = siteboot_tests::wait::for_async("edge-2's KubeadmControlPlane", TIMEOUT, || async {
+        kcps.list(&of_edge_2).await.ok()?.items.into_iter().next()
+    })
+    .await?;
+    ensure!(kcp.data["spec"]["replicas"] == 3 && kcp.data["spec"]["version"] == "v1.36.3");
+    ensure!(
+        kcp.data["spec"]["kubeadmConfigSpec"]["joinConfiguration"]["nodeRegistration"]["kubeletExtraArgs"]
+            == json!([{ "name": "provider-id", "value": "{{ ds.meta_data.provider_id }}" }]),
+        "{}",
+        kcp.data["spec"]
+    );
+    let infra = &kcp.data["spec"]["machineTemplate"]["spec"]["infrastructureRef"];
+    ensure!(infra["kind"] == "SitebootMachineTemplate", "{infra}");
+    let templates = env.api(INFRA, "SitebootMachineTemplate", ns);
+    let template = templates.get(infra["name"].as_str().context("its name")?).await?;
+    let spec = &template.data["spec"]["template"]["spec"];
+    ensure!(spec["hostSelector"]["matchLabels"]["siteboot.dev/role"] == "control-plane", "{spec}");
+    ensure!(spec["image"]["checksum"] == CHECKSUM, "{spec}");
+
+    let mds = env.api(CAPI, "MachineDeployment", ns);
+    let md_0 = ListParams::default().labels(
+        "cluster.x-k8s.io/cluster-name=edge-2,topology.cluster.x-k8s.io/deployment-name=md-0",
+    );
+    let md =
+        siteboot_tests::wait::for_async("edge-2's MachineDeployment md-0", TIMEOUT, || async {
+            mds.list(&md_0).await.ok()?.items.into_iter().next()
+        })
+        .await?;
+    ensure!(md.data["spec"]["replicas"] == 2);
+    let template = &md.data["spec"]["template"]["spec"];
+    ensure!(template["bootstrap"]["configRef"]["kind"] == "SitebootConfigTemplate", "{template}");
+    let workers = templates.get(template["infrastructureRef"]["name"].as_str().context("name")?);
+    let workers = workers.await?;
+    let spec = &workers.data["spec"]["template"]["spec"];
+    ensure!(spec["hostSelector"]["matchLabels"]["siteboot.dev/role"] == "worker", "{spec}");
+    ensure!(spec["image"]["url"] == "http://10.99.0.1:8080/files/os.raw", "{spec}");
+    Ok(())
 }
 
 /// Every `pattern` (regular expression) in a schema: each ends in `$`, which clusterctl's

@@ -357,6 +357,45 @@ async fn kubernetes_mode_lists_the_host_cache_and_follows_host_changes() {
         json!({ "text": format!("Inspect: {step}"), "indeterminate": true, "scripts": 0, "pwned": null })
     );
 
+    // Byte counts make the bar determinate, with the percentage.
+    let report = json!({ "step": "writing image", "bytes": { "done": 1 << 20, "total": 4 << 20 } });
+    let (status, body) =
+        inspecting.http("POST", "/agent/v1/progress", Some(&token), Some(&report)).unwrap();
+    assert_eq!(status, 200, "{body}");
+    let writing = browse(&mut || {
+        browser.wait(
+            "host-0's byte progress",
+            &format!(
+                "const r = {}; const p = r.querySelector('.imaging progress');
+                 return p && p.hasAttribute('value')
+                     ? {{ text: r.cells[5].textContent, value: p.value, max: p.max }} : null;",
+                row(&provider::sim_mac(0))
+            ),
+            PAGE_TIMEOUT,
+        )
+    })
+    .unwrap();
+    assert_eq!(writing["value"], json!(1 << 20), "{writing}");
+    assert_eq!(writing["max"], json!(4 << 20), "{writing}");
+    assert!(writing["text"].as_str().unwrap().contains("writing image (25%"), "{writing}");
+
+    // A claim shows its consumer.
+    let claim = json!({ "spec": { "consumerRef": { "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+        "kind": "SitebootMachine", "namespace": "metal", "name": "<b>worker-0</b>", "uid": "u-1" } } });
+    lab.hosts().patch("host-1", &PatchParams::default(), &Patch::Merge(&claim)).await.unwrap();
+    let consumer = browse(&mut || {
+        browser.wait(
+            "host-1's consumer",
+            &format!(
+                "const c = {}.cells[4].textContent; return c.includes('worker-0') ? c : null;",
+                row(&provider::sim_mac(1))
+            ),
+            PAGE_TIMEOUT,
+        )
+    })
+    .unwrap();
+    assert_eq!(consumer, "SitebootMachine metal/<b>worker-0</b>");
+
     // A cordon shows in the state.
     let patch = json!({ "spec": { "maintenance": true } });
     lab.hosts().patch("host-2", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();

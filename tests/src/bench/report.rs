@@ -24,6 +24,15 @@ pub struct Results {
     pub http: Vec<http::Sample>,
     pub tftp: Vec<tftp::Sample>,
     pub dhcp: Vec<dhcp::Sample>,
+    /// Benchmarks that failed, with why: the others' results are kept and written.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed: Vec<Failure>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    pub benchmark: String,
+    pub error: String,
 }
 
 const MIB: f64 = (1 << 20) as f64;
@@ -73,6 +82,10 @@ impl Results {
         }
         if !self.dhcp.is_empty() {
             self.dhcp_table(&mut md);
+        }
+        for failure in &self.failed {
+            let error = failure.error.replace('\n', " ");
+            let _ = writeln!(md, "**{} failed in this run:** {error}\n", failure.benchmark);
         }
         let _ = writeln!(md, "{END}");
         md
@@ -206,4 +219,30 @@ pub fn write(results: &Results, json: &std::path::Path, markdown: &std::path::Pa
     let doc = std::fs::read_to_string(markdown).unwrap_or_default();
     std::fs::write(markdown, splice(&doc, &results.markdown()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_benchmark_is_named_with_its_error_beside_the_others() {
+        let results = Results {
+            command: "scripts/bench".into(),
+            cpus: 2,
+            kernel: "6.1".into(),
+            finished: 0,
+            versions: vec![],
+            settings: Settings::smoke(),
+            http: vec![],
+            tftp: vec![],
+            dhcp: vec![],
+            failed: vec![Failure { benchmark: "dhcp".into(), error: "Kea never\nanswered".into() }],
+        };
+        let md = results.markdown();
+        assert!(md.contains("**dhcp failed in this run:** Kea never answered"), "{md}");
+        let json = serde_json::to_string(&results).unwrap();
+        let read: Results = serde_json::from_str(&json).unwrap();
+        assert_eq!(read.failed, results.failed);
+    }
 }

@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use siteboot_tests::bench::report::{self, Results};
+use siteboot_tests::bench::report::{self, Failure, Results};
 use siteboot_tests::bench::{self, Settings};
 
 fn main() -> Result<()> {
@@ -53,12 +53,11 @@ fn main() -> Result<()> {
         unsafe { std::env::set_var("SITEBOOT_LOG", "warn") };
     }
     let dir = tempfile::Builder::new().prefix("siteboot-bench-").tempdir()?;
-    let http =
-        if settings.wants("http") { bench::http::run(&settings, dir.path())? } else { vec![] };
-    let tftp =
-        if settings.wants("tftp") { bench::tftp::run(&settings, dir.path())? } else { vec![] };
-    let dhcp =
-        if settings.wants("dhcp") { bench::dhcp::run(&settings, dir.path())? } else { vec![] };
+    // A benchmark that fails costs its own table only: the others' results are still written.
+    let mut failed = Vec::new();
+    let http = attempt(&settings, "http", &mut failed, || bench::http::run(&settings, dir.path()));
+    let tftp = attempt(&settings, "tftp", &mut failed, || bench::tftp::run(&settings, dir.path()));
+    let dhcp = attempt(&settings, "dhcp", &mut failed, || bench::dhcp::run(&settings, dir.path()));
     let results = Results {
         command,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -69,8 +68,30 @@ fn main() -> Result<()> {
         http,
         tftp,
         dhcp,
+        failed,
     };
     report::write(&results, &json, &markdown)?;
     println!("{}", results.markdown());
+    if !results.failed.is_empty() {
+        let names: Vec<&str> = results.failed.iter().map(|f| f.benchmark.as_str()).collect();
+        bail!("failed: {} (the other results are written)", names.join(", "));
+    }
     Ok(())
+}
+
+/// The samples of benchmark `name` if it is wanted and succeeds; a failure is recorded instead.
+fn attempt<T>(
+    settings: &Settings,
+    name: &str,
+    failed: &mut Vec<Failure>,
+    benchmark: impl FnOnce() -> Result<Vec<T>>,
+) -> Vec<T> {
+    if !settings.wants(name) {
+        return Vec::new();
+    }
+    benchmark().unwrap_or_else(|e| {
+        eprintln!("bench: {name} failed: {e:#}");
+        failed.push(Failure { benchmark: name.to_owned(), error: format!("{e:#}") });
+        Vec::new()
+    })
 }

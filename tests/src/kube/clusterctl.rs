@@ -80,6 +80,9 @@ impl KubeEnv {
                     format!("--health-addr=127.0.0.1:{health}"),
                     format!("--diagnostics-address=127.0.0.1:{diagnostics}"),
                     "--insecure-diagnostics=true".to_owned(),
+                    // As the core manager: clusterctl's CLUSTER_TOPOLOGY=true turns it on for
+                    // every provider, and KCP accepts KubeadmControlPlaneTemplates only with it.
+                    "--feature-gates=ClusterTopology=true".to_owned(),
                 ]);
                 command.env_remove("POD_NAMESPACE").env_remove("POD_NAME").env_remove("POD_UID");
                 let mut proc = Supervised::spawn(provider.binary, &mut command, logs)?;
