@@ -377,13 +377,14 @@ impl StaticInventory {
         let op = match ops.authenticated(mac, req) {
             Ok(found) => found,
             Err(refusal) if needs_new_token(&refusal) => {
-                let pending = ops
+                // Boot again for an operation's token, or, just provisioned, into the disk.
+                let boot_again = ops
                     .records
                     .lock()
                     .expect("records lock")
                     .get(&mac)
-                    .is_some_and(|r| r.operation.is_some());
-                return Ok(AgentResponse::json(&task_without_token(pending)));
+                    .is_some_and(|r| r.operation.is_some() || r.installed.is_some());
+                return Ok(AgentResponse::json(&task_without_token(boot_again)));
             }
             Err(refusal) => return Err(refusal.into()),
         };

@@ -238,6 +238,9 @@ fn a_listed_host_is_provisioned_and_wiped_without_kubernetes() {
     // The token ended with the operation; the host boots its disk again.
     let (status, body) = post(&sim, "/agent/v1/progress", &token, progress(total));
     assert_eq!((status, body.as_str()), (403, "refused: no operation in progress\n"));
+    // The agent that finished is told to reboot (into the disk), not to wait for ever.
+    let (status, body) = sim.http("GET", "/agent/v1/task", Some(&token), None).unwrap();
+    assert_eq!((status, body.as_str()), (200, r#"{"action":"reboot"}"#));
     let boots = sim.boots();
     sim.reboot();
     wait::until("the provisioned host to boot its disk", STEP, POLL, || {
