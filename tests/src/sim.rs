@@ -381,7 +381,18 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
                 // The image as the agent would write it: from the URL the task names, checked
                 // against its checksum.
                 let url = task["image"]["url"].as_str().context("a provision task has an image")?;
-                let (status, image) = http(&host.ns, url, "GET", "", None, None)?;
+                // Like the agent's resumed download, a connection the appliance dropped (it
+                // restarted, say) is tried again rather than ending the operation.
+                let deadline = Instant::now() + Duration::from_secs(60);
+                let (status, image) = loop {
+                    match http(&host.ns, url, "GET", "", None, None) {
+                        Err(e) if Instant::now() < deadline && !s.interrupted() => {
+                            s.note(format!("GET {url}: {e:#}; again in 1 s"));
+                            std::thread::sleep(Duration::from_secs(1));
+                        }
+                        result => break result?,
+                    }
+                };
                 let digest = format!("sha256:{:x}", Sha256::digest(image.as_bytes()));
                 let result = if status != 200 {
                     json!({ "ok": false, "message": format!("{url} answered {status}") })
