@@ -284,10 +284,12 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
 
 /// Whether a ramdisk without a good token should reboot: an operation waits (boot again for
 /// its token), or the host is Provisioned (the ramdisk that just wrote its disk: the boot
-/// script now says the local disk).
+/// script now says the local disk). Not for an operation whose bootstrap data was delivered:
+/// it gets no new token, so booting again would only loop until the silence timeout.
 fn boots_again(host: &Host) -> bool {
     let status = host.status.as_ref();
-    let pending = status.is_some_and(|s| s.operation.is_some());
+    let pending =
+        status.and_then(|s| s.operation.as_ref()).is_some_and(|op| !op.bootstrap_delivered);
     pending || status.and_then(|s| s.state) == Some(HostState::Provisioned)
 }
 
@@ -449,15 +451,22 @@ pub fn body<T: serde::de::DeserializeOwned>(req: &AgentRequest) -> Result<T, Ref
 
 async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
     let body: Progress = body(req)?;
-    let (api, host) = host_of(ctx, req).await?;
     let step = body.step();
-    let op = authenticate(ctx, req, &host)?;
     // A ramdisk writing an image reports every second or so; a rack of them must not turn
-    // into a write per host per second. The same step within a few seconds is taken as heard.
-    let recent = op.last_heard.as_ref().is_some_and(|t| !older_than(t, PROGRESS_WRITE_INTERVAL));
-    if recent && op.step.as_deref() == Some(step.as_str()) {
+    // into a read and a write per host per second. The same step within a few seconds of the
+    // last one the Host cache shows is taken as heard (a stale cache only means more writes).
+    let cached = req.remote_mac.and_then(|mac| ctx.hosts.get(mac));
+    let heard = cached.filter(|h| !paused_itself(&**h)).is_some_and(|h| {
+        authenticate(ctx, req, &h).is_ok_and(|op| {
+            op.step.as_deref() == Some(step.as_str())
+                && op.last_heard.as_ref().is_some_and(|t| !older_than(t, PROGRESS_WRITE_INTERVAL))
+        })
+    });
+    if heard {
         return Ok(AgentResponse::json(&json!({ "ok": true })));
     }
+    let (api, host) = host_of(ctx, req).await?;
+    authenticate(ctx, req, &host)?;
     update_host_status(&api, host.metadata.name.as_deref().unwrap_or_default(), |current| {
         authenticate(ctx, req, current)?;
         let mut status = current.status.clone().unwrap_or_default();
@@ -657,6 +666,17 @@ mod tests {
         };
         assert_eq!(with(HostState::Deprovisioning, true), "reboot");
         assert_eq!(with(HostState::Provisioned, false), "reboot");
+        let mut delivered = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
+        let transition = Transition {
+            to: HostState::Provisioning,
+            operation: Some(OperationKind::Provision),
+            reason: "Test",
+            message: String::new(),
+        };
+        delivered.status = Some(apply(&delivered, &transition));
+        assert_eq!(task_without_token(boots_again(&delivered))["action"], "reboot");
+        delivered.status.as_mut().unwrap().operation.as_mut().unwrap().bootstrap_delivered = true;
+        assert_eq!(task_without_token(boots_again(&delivered))["action"], "wait");
         assert_eq!(with(HostState::Available, false), "wait");
         assert_eq!(with(HostState::Quarantined, false), "wait");
     }

@@ -51,7 +51,8 @@ static LABS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Sims {
     pub count: usize,
-    /// The first `manual` hosts stop in the ramdisk and leave the agent API to the test.
+    /// The first `manual` hosts stop in the ramdisk once it holds a token and leave the agent
+    /// API to the test (see [`SimHost::start_manual`]).
     pub manual: usize,
 }
 

@@ -29,6 +29,9 @@ pub const SUSHY_TOOLS: &str = "2.2.0";
 pub const LIBVIRT_PYTHON: &str = "9.0.0";
 /// libvirtd's URI; its socket is the machine's one.
 const LIBVIRT_URI: &str = "qemu:///system";
+/// The firmware sushy-tools gives a domain whose boot mode is set to Legacy (the one QEMU's
+/// `pc` machine loads by default); UEFI gets the lab's OVMF.
+const SEABIOS: &str = "/usr/share/seabios/bios-256k.bin";
 /// Held while a lab's libvirtd runs: one per machine.
 const LOCK: &str = "/run/siteboot-test-libvirtd.lock";
 /// How long a test may queue for the lab.
@@ -257,7 +260,10 @@ impl Sushy {
             "SUSHY_EMULATOR_LISTEN_IP = '127.0.0.1'\n\
              SUSHY_EMULATOR_LISTEN_PORT = {port}\n\
              SUSHY_EMULATOR_LIBVIRT_URI = '{LIBVIRT_URI}'\n\
-             SUSHY_EMULATOR_AUTH_FILE = '{}'\n",
+             SUSHY_EMULATOR_AUTH_FILE = '{}'\n\
+             SUSHY_EMULATOR_BOOT_LOADER_MAP = {{\
+                 'UEFI': {{'x86_64': '{OVMF_CODE}'}}, 'Legacy': {{'x86_64': '{SEABIOS}'}}}}\n\
+             SUSHY_EMULATOR_SECURE_BOOT_DISABLED_NVRAM = '{OVMF_VARS}'\n",
             users.display()
         );
         if let Some((cert, key)) = &options.tls {

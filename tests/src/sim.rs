@@ -97,7 +97,8 @@ impl SimHost {
         Self::spawn(lab, bridge, mac, base_url, false)
     }
 
-    /// A host that boots into the ramdisk and stops there: the test drives the agent API.
+    /// A host that boots into the ramdisk and, once it holds a token, stops there: the test
+    /// drives the agent API. A ramdisk without a token waits for work as the agent does.
     pub fn start_manual(lab: &Netns, bridge: &str, mac: &str, base_url: &str) -> Result<Self> {
         Self::spawn(lab, bridge, mac, base_url, true)
     }
@@ -265,7 +266,9 @@ fn boot(s: &Shared, host: &ClientHost) -> Result<()> {
     // trust_controller.rs counts these lines: keep "(token: ...)" as it is.
     s.note(format!("in the ramdisk (token: {}) agent API {}", token.is_some(), agent.url()));
     s.set_phase(Phase::Ramdisk);
-    if s.manual {
+    // A manual host leaves its token's calls to the test; without a token it waits for work
+    // as the agent does (and boots again when told: its Host was still Registering, say).
+    if s.manual && token.is_some() {
         while !s.interrupted() {
             std::thread::sleep(Duration::from_millis(200));
         }

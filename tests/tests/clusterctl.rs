@@ -115,30 +115,9 @@ async fn steps(env: &KubeEnv) -> Result<()> {
         ensure!(listed.contains(variable), "{variable} is not listed:\n{listed}");
     }
 
-    let generated = clusterctl.run(
-        clusterctl
-            .command(&[
-                "generate",
-                "cluster",
-                "edge-1",
-                "--infrastructure",
-                "siteboot",
-                "--target-namespace",
-                "metal",
-                "--kubernetes-version",
-                "v1.36.3",
-                "--control-plane-machine-count",
-                "3",
-                "--worker-machine-count",
-                "2",
-            ])
-            .env("SITEBOOT_CONTROL_PLANE_ENDPOINT_HOST", "10.99.0.50")
-            .env("SITEBOOT_IMAGE_URL", "http://10.99.0.1:8080/files/os.raw")
-            .env("SITEBOOT_IMAGE_CHECKSUM", CHECKSUM),
-    )?;
-    ensure!(generated.status.success(), "clusterctl generate cluster failed");
+    let generated = generate_cluster(&clusterctl, "edge-1", None, "10.99.0.50")?;
     create_namespace(env, "metal").await?;
-    let applied = apply(env, &generated.stdout).await?;
+    let applied = apply(env, &generated).await?;
     ensure!(
         applied
             == [
@@ -156,41 +135,50 @@ async fn steps(env: &KubeEnv) -> Result<()> {
 
     // The ClusterClass flavor: clusterctl adds the class to the Cluster, and the topology
     // controller makes the control plane and the workers from the class's templates.
-    let generated = clusterctl.run(
-        clusterctl
-            .command(&[
-                "generate",
-                "cluster",
-                "edge-2",
-                "--infrastructure",
-                "siteboot",
-                "--flavor",
-                "clusterclass",
-                "--target-namespace",
-                "metal",
-                "--kubernetes-version",
-                "v1.36.3",
-                "--control-plane-machine-count",
-                "3",
-                "--worker-machine-count",
-                "2",
-            ])
-            .env("SITEBOOT_CONTROL_PLANE_ENDPOINT_HOST", "10.99.0.51")
-            .env("SITEBOOT_IMAGE_URL", "http://10.99.0.1:8080/files/os.raw")
-            .env("SITEBOOT_IMAGE_CHECKSUM", CHECKSUM),
-    )?;
-    ensure!(
-        generated.status.success(),
-        "clusterctl generate cluster --flavor clusterclass failed: {}",
-        String::from_utf8_lossy(&generated.stderr)
-    );
-    let applied = apply(env, &generated.stdout).await?;
+    let generated = generate_cluster(&clusterctl, "edge-2", Some("clusterclass"), "10.99.0.51")?;
+    let applied = apply(env, &generated).await?;
     ensure!(
         applied.contains(&"ClusterClass/siteboot-kubeadm".to_owned())
             && applied.contains(&"Cluster/edge-2".to_owned()),
         "applied {applied:?}"
     );
     check_cluster_class_cluster(env).await
+}
+
+/// `clusterctl generate cluster <name>` (in `--flavor`) with 3 control-plane machines and 2
+/// workers in namespace metal: the YAML it printed.
+fn generate_cluster(
+    clusterctl: &Clusterctl,
+    name: &str,
+    flavor: Option<&str>,
+    endpoint: &str,
+) -> Result<Vec<u8>> {
+    let mut args = vec!["generate", "cluster", name, "--infrastructure", "siteboot"];
+    args.extend(flavor.map(|f| ["--flavor", f]).into_iter().flatten());
+    args.extend([
+        "--target-namespace",
+        "metal",
+        "--kubernetes-version",
+        "v1.36.3",
+        "--control-plane-machine-count",
+        "3",
+        "--worker-machine-count",
+        "2",
+    ]);
+    let generated = clusterctl.run(
+        clusterctl
+            .command(&args)
+            .env("SITEBOOT_CONTROL_PLANE_ENDPOINT_HOST", endpoint)
+            .env("SITEBOOT_IMAGE_URL", "http://10.99.0.1:8080/files/os.raw")
+            .env("SITEBOOT_IMAGE_CHECKSUM", CHECKSUM),
+    )?;
+    ensure!(
+        generated.status.success(),
+        "clusterctl {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&generated.stderr)
+    );
+    Ok(generated.stdout)
 }
 
 /// Applies every object of a `clusterctl generate cluster` output in namespace metal; returns

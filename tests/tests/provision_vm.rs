@@ -11,7 +11,9 @@
 //!
 //! One lab (one management cluster, one libvirt + sushy-tools) for every VM, and the VMs run
 //! at once: a BIOS VM, a UEFI (OVMF) VM, and a UEFI VM with two disks whose Host's root
-//! device hints pick the second (the first stays byte for byte as it was).
+//! device hints pick the second (the first stays byte for byte as it was). A fourth BIOS VM
+//! goes through what fails ([`failures`]): an unreachable BMC, an image that does not match
+//! its sha256, a ramdisk that dies during an operation.
 //!
 //! Failures panic while the lab is alive, so the VM consoles and the appliance's log get
 //! printed.
@@ -24,13 +26,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use sha2::Digest;
 use siteboot_controller::conditions::BMC_READY;
 use siteboot_controller::crd::{
-    Bmc, Host, HostSpec, HostState, RootDeviceHints, SITE_LABEL, condition,
+    Bmc, BootMode, Host, HostSpec, HostState, OperationKind, RootDeviceHints, SITE_LABEL, condition,
 };
+use siteboot_controller::host::lifecycle::{FORCE_DELETE_ANNOTATION, RETRY_ANNOTATION};
 use siteboot_tests::appliance;
 use siteboot_tests::os_images;
 use siteboot_tests::provider::{NS, ProviderLab, SITE};
@@ -49,6 +52,11 @@ const VM_LABEL: &str = "e2e.siteboot.dev/vm";
 const PHASE_TIMEOUT: Duration = Duration::from_secs(12 * 60);
 const POWER_TIMEOUT: Duration = Duration::from_secs(120);
 const MIB: u64 = 1 << 20;
+/// How long a ramdisk may say nothing during an operation: far longer than a TCG ramdisk takes
+/// from its boot script to its first call, short enough to wait for in the failure scenario.
+const SILENCE: Duration = Duration::from_secs(150);
+/// The failure scenario's Host, domain, template and MachineDeployment.
+const FAILURES: &str = "failures";
 
 /// One VM's run through the whole lifecycle.
 struct Scenario {
@@ -60,6 +68,8 @@ struct Scenario {
     hints: Option<RootDeviceHints>,
     /// The disk the image must land on (index into `disks_mib`).
     root: usize,
+    /// `spec.bmc.bootMode` (sushy-tools sets the domain's firmware to match it).
+    boot_mode: Option<BootMode>,
 }
 
 fn scenarios() -> [Scenario; 3] {
@@ -71,6 +81,7 @@ fn scenarios() -> [Scenario; 3] {
             disks_mib: &[1024],
             hints: None,
             root: 0,
+            boot_mode: Some(BootMode::Legacy),
         },
         Scenario {
             name: "uefi",
@@ -79,6 +90,7 @@ fn scenarios() -> [Scenario; 3] {
             disks_mib: &[1024],
             hints: None,
             root: 0,
+            boot_mode: Some(BootMode::Uefi),
         },
         // Without the hint the agent would take the smaller disk that holds the image: vda.
         // UEFI: OVMF tries each disk in boot order; SeaBIOS boots only the first hard disk.
@@ -89,6 +101,7 @@ fn scenarios() -> [Scenario; 3] {
             disks_mib: &[512, 1024],
             hints: Some(RootDeviceHints { name: Some("/dev/vdb".into()), ..Default::default() }),
             root: 1,
+            boot_mode: None,
         },
     ]
 }
@@ -97,7 +110,11 @@ fn scenarios() -> [Scenario; 3] {
 async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     let ramdisk = os_images::ramdisk(None).unwrap();
     let os = os_images::test_os_image().unwrap();
-    let lab = ProviderLab::start(0, |_| {}).await.unwrap();
+    let lab = ProviderLab::start(0, |config| {
+        config["kubernetes"]["ramdisk_silence_timeout"] = json!(format!("{}s", SILENCE.as_secs()));
+    })
+    .await
+    .unwrap();
     lab.install_ramdisk(&ramdisk).unwrap();
     let image = lab.serve_image("test-os", &os).unwrap();
     let libvirt = Libvirt::start(&lab.lab).unwrap();
@@ -119,12 +136,17 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
 
     let scenarios = scenarios();
     let env = Env { lab: &lab, libvirt: &libvirt, sushy: &sushy, image: &image, os: &os.disk };
-    let results = futures_util::future::join_all(scenarios.iter().map(|s| async {
+    let lifecycles = scenarios.iter().map(|s| {
+        Box::pin(async {
+            let started = Instant::now();
+            (s.name, run(&env, s).await, started.elapsed())
+        }) as std::pin::Pin<Box<dyn std::future::Future<Output = _>>>
+    });
+    let failures = Box::pin(async {
         let started = Instant::now();
-        let result = run(&env, s).await;
-        (s.name, result, started.elapsed())
-    }))
-    .await;
+        (FAILURES, failures(&env).await, started.elapsed())
+    });
+    let results = futures_util::future::join_all(lifecycles.chain([failures as _])).await;
     let mut failed = Vec::new();
     for (name, result, took) in &results {
         match result {
@@ -175,6 +197,7 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
         address: env.sushy.address(&domain),
         credentials_name: CREDENTIALS.into(),
         certificate_fingerprint: None,
+        boot_mode: s.boot_mode,
     });
     host.spec.root_device_hints = s.hints.clone();
     hosts.create(&PostParams::default(), &host).await?;
@@ -255,12 +278,127 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     wait_domain(env.libvirt, &domain, "shut off").await
 }
 
+/// What goes wrong, on one BIOS VM: a BMC that does not answer (a clear condition, nothing
+/// powered, then the fixed address goes on), an image that does not match its sha256
+/// (Quarantined with the reason, nothing written, nothing booted), and a ramdisk that dies
+/// during an operation (Quarantined as silent once the timeout passes).
+async fn failures(env: &Env<'_>) -> Result<()> {
+    let machine = Machine { firmware: Firmware::Bios, disks_mib: &[512] };
+    let domain =
+        env.libvirt.define_with(FAILURES, "52:54:00:00:09:04", appliance::BRIDGE, &machine)?;
+    let empty = sha256_file(&domain.disks[0])?;
+    let hosts = env.lab.hosts();
+
+    // The BMC's address names a port nothing listens on.
+    let dead = format!(
+        "redfish+http://127.0.0.1:{}/redfish/v1/Systems/{}",
+        siteboot_tests::redfish::free_port()?,
+        domain.uuid
+    );
+    let mut host = Host::new(FAILURES, HostSpec::new(&domain.mac));
+    host.metadata.labels = Some(BTreeMap::from([
+        (SITE_LABEL.to_owned(), SITE.to_owned()),
+        (VM_LABEL.to_owned(), FAILURES.to_owned()),
+    ]));
+    host.spec.bmc = Some(Bmc {
+        address: dead,
+        credentials_name: CREDENTIALS.into(),
+        certificate_fingerprint: None,
+        boot_mode: None,
+    });
+    hosts.create(&PostParams::default(), &host).await?;
+    let host = wait_host(&hosts, FAILURES, "BMCReady False", POWER_TIMEOUT, |h| {
+        h.status.as_ref().is_some_and(|s| {
+            condition(&s.conditions, BMC_READY).is_some_and(|c| c.status == "False")
+        })
+    })
+    .await?;
+    let status = host.status.unwrap_or_default();
+    let bmc = condition(&status.conditions, BMC_READY).context("no BMCReady")?;
+    ensure!(
+        bmc.reason == "BMCUnreachable" && bmc.message.contains("unreachable after"),
+        "BMCReady: {bmc:?}"
+    );
+    ensure!(status.state == Some(HostState::Registering), "state {:?}", status.state);
+    ensure!(env.libvirt.state(&domain)? == "shut off", "powered on through a BMC that failed");
+    let fixed = json!({ "spec": { "bmc": { "address": env.sushy.address(&domain) } } });
+    hosts.patch(FAILURES, &PatchParams::default(), &Patch::Merge(&fixed)).await?;
+    wait_host(&hosts, FAILURES, "Available", PHASE_TIMEOUT, |h| {
+        state(h) == Some(HostState::Available)
+    })
+    .await
+    .map_err(|e| with_console(e, &domain))?;
+
+    // Claimed with an image whose sha256 is not the published one.
+    let mut image = env.image.clone();
+    image["checksum"] = json!(format!("sha256:{:x}", sha2::Sha256::digest(b"another image")));
+    let spec = json!({ "image": image, "hostSelector": { "matchLabels": { VM_LABEL: FAILURES } } });
+    env.lab.create_template_spec(FAILURES, spec).await?;
+    env.lab.create_machine_deployment(FAILURES, CLUSTER, FAILURES, 1).await?;
+    let host = until_host(&hosts, FAILURES, "Quarantined", PHASE_TIMEOUT, |h| {
+        state(h) == Some(HostState::Quarantined)
+    })
+    .await
+    .map_err(|e| with_console(e, &domain))?;
+    let reason = host.status.and_then(|s| s.quarantine_reason).unwrap_or_default();
+    ensure!(reason.contains("test-os.raw") && reason.contains("discarded"), "reason: {reason}");
+    ensure!(sha256_file(&domain.disks[0])? == empty, "the disk was written");
+    ensure!(!domain.console().contains("siteboot-test-os"), "an OS booted");
+
+    // Released, then retried: the wipe its claim requires starts, and the VM dies in it.
+    env.lab.scale(FAILURES, 0).await?;
+    until_host(&hosts, FAILURES, "released", PHASE_TIMEOUT, |h| h.spec.consumer_ref.is_none())
+        .await?;
+    let retry = json!({ "metadata": { "annotations": { RETRY_ANNOTATION: "" } } });
+    hosts.patch(FAILURES, &PatchParams::default(), &Patch::Merge(&retry)).await?;
+    until_host(&hosts, FAILURES, "a token for the wipe", PHASE_TIMEOUT, |h| {
+        let op = h.status.as_ref().and_then(|s| s.operation.as_ref());
+        op.is_some_and(|op| op.kind == OperationKind::Deprovision && op.token_issued.is_some())
+    })
+    .await
+    .map_err(|e| with_console(e, &domain))?;
+    env.libvirt.virsh(&["destroy", &domain.name])?;
+    let host = until_host(&hosts, FAILURES, "Quarantined", SILENCE + POWER_TIMEOUT, |h| {
+        state(h) == Some(HostState::Quarantined)
+    })
+    .await?;
+    let reason = host.status.and_then(|s| s.quarantine_reason).unwrap_or_default();
+    ensure!(reason.starts_with("RamdiskSilent:"), "reason: {reason}");
+
+    // Forced out: the test is done with it.
+    let force = json!({ "metadata": { "annotations": { FORCE_DELETE_ANNOTATION: "" } } });
+    hosts.patch(FAILURES, &PatchParams::default(), &Patch::Merge(&force)).await?;
+    hosts.delete(FAILURES, &DeleteParams::default()).await?;
+    siteboot_tests::wait::for_async("the Host to go", POWER_TIMEOUT, || async {
+        hosts.get_opt(FAILURES).await.ok()?.is_none().then_some(())
+    })
+    .await
+}
+
 fn state(host: &Host) -> Option<HostState> {
     host.status.as_ref()?.state
 }
 
-/// Waits until Host `name` satisfies `done`; fails at once if it is Quarantined.
+/// Waits until Host `name` satisfies `done`; a Quarantined Host that does not is an error
+/// at once, with its reason.
 async fn wait_host(
+    hosts: &Api<Host>,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    done: impl Fn(&Host) -> bool,
+) -> Result<Host> {
+    let quarantined = |h: &Host| state(h) == Some(HostState::Quarantined);
+    let host = until_host(hosts, name, what, timeout, |h| done(h) || quarantined(h)).await?;
+    if !done(&host) {
+        let reason = host.status.as_ref().and_then(|s| s.quarantine_reason.clone());
+        bail!("Host {name} Quarantined: {reason:?}");
+    }
+    Ok(host)
+}
+
+/// Waits until Host `name` satisfies `done`, whatever its state on the way.
+async fn until_host(
     hosts: &Api<Host>,
     name: &str,
     what: &str,
@@ -271,19 +409,12 @@ async fn wait_host(
     let result =
         siteboot_tests::wait::for_async(&format!("Host {name} {what}"), timeout, || async {
             let host = hosts.get(name).await.ok()?;
-            let quarantined = state(&host) == Some(HostState::Quarantined);
             *last.lock().unwrap() = Some(host.clone());
-            if quarantined {
-                return Some(Err(anyhow::anyhow!(
-                    "Host {name} Quarantined: {:?}",
-                    host.status.as_ref().and_then(|s| s.quarantine_reason.clone())
-                )));
-            }
-            done(&host).then_some(Ok(host))
+            done(&host).then_some(host)
         })
         .await;
     let last = last.into_inner().unwrap();
-    result.and_then(|r| r).with_context(|| format!("the Host last: {:?}", last.map(|h| h.status)))
+    result.with_context(|| format!("the Host last: {:?}", last.map(|h| h.status)))
 }
 
 /// Waits for the first console line containing one of `patterns`; returns it from there.

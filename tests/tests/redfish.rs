@@ -15,13 +15,15 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use siteboot_agent::Fingerprint;
-use siteboot_controller::bmc::redfish::protocol::{BootOverride, ResetType};
+use siteboot_controller::bmc::redfish::protocol::ResetType;
 use siteboot_controller::bmc::redfish::retry::RetryPolicy;
 use siteboot_controller::bmc::{
     BmcDriver, BmcError, Credentials, Identity, Redfish, RedfishAddress, RedfishClient,
 };
 use siteboot_controller::conditions::BMC_READY;
-use siteboot_controller::crd::{Bmc, Host, HostSpec, HostState, PowerState, SITE_LABEL, condition};
+use siteboot_controller::crd::{
+    Bmc, BootMode, Host, HostSpec, HostState, PowerState, SITE_LABEL, condition,
+};
 use siteboot_controller::host::lifecycle::{FORCE_DELETE_ANNOTATION, REBOOT_ANNOTATION};
 use siteboot_tests::appliance::{self, Appliance};
 use siteboot_tests::initramfs;
@@ -73,9 +75,11 @@ fn power_on_with_a_one_time_network_boot_boots_the_ramdisk() {
     rt.block_on(driver.boot_from_network()).unwrap();
     // sushy-tools takes the override but not its Once: it sets libvirt's boot device for good
     // and reports Continuous. A real BMC clears the override after one boot.
+    let boot = rt.block_on(driver.client().boot_override()).unwrap();
     assert_eq!(
-        rt.block_on(driver.client().boot_override()).unwrap(),
-        BootOverride { target: Some("Pxe".into()), enabled: Some("Continuous".into()) }
+        (boot.target.as_deref(), boot.enabled.as_deref()),
+        (Some("Pxe"), Some("Continuous")),
+        "{boot:?}"
     );
     assert_eq!(rt.block_on(driver.power()).unwrap(), PowerState::On);
 
@@ -202,6 +206,7 @@ async fn the_host_reconciler_checks_boots_reboots_and_powers_off_through_the_bmc
         address: sushy.address(&domain),
         credentials_name: "bmc-host-credentials".into(),
         certificate_fingerprint: None,
+        boot_mode: Some(BootMode::Legacy),
     });
     hosts.create(&PostParams::default(), &host).await.unwrap();
 
@@ -229,10 +234,13 @@ async fn the_host_reconciler_checks_boots_reboots_and_powers_off_through_the_bmc
         (domstate() == "running").then_some(())
     })
     .unwrap();
-    // sushy-tools puts the override in libvirt's per-device boot order: the NIC first.
+    // sushy-tools puts the override in libvirt's per-device boot order: the NIC first; and
+    // the Host's boot mode in the firmware loader it defines (Legacy: SeaBIOS's `rom`).
     let xml = libvirt.virsh(&["dumpxml", &domain.name]).unwrap();
     let nic = xml.split("<interface").nth(1).and_then(|rest| rest.split("</interface>").next());
     assert!(nic.is_some_and(|nic| nic.contains("<boot order='1'/>")), "{xml}");
+    let loader = xml.split("<loader").nth(1).and_then(|rest| rest.split("</loader>").next());
+    assert!(loader.is_some_and(|l| l.contains("type='rom'")), "{xml}");
 
     // The reboot annotation powers a machine that is off back on (an operation runs: from
     // the network), then goes.

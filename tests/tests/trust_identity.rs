@@ -102,21 +102,13 @@ async fn provisioning_victim(lab: &ProviderLab) -> (Arc<SimHost>, String) {
     (sim, token)
 }
 
-/// The token on the host's ramdisk command line (other than `not`). A host that booted while
-/// its Host was still Registering got the ramdisk with no token: it is power-cycled.
+/// The token on the host's ramdisk command line (other than `not`).
 async fn wait_token(sim: &SimHost, not: Option<&str>) -> String {
-    for _ in 0..3 {
-        let token =
-            siteboot_tests::wait::for_async("a ramdisk token", Duration::from_secs(20), || async {
-                sim.token().filter(|t| Some(t.as_str()) != not)
-            })
-            .await;
-        if let Ok(token) = token {
-            return token;
-        }
-        sim.reboot();
-    }
-    panic!("no ramdisk token after three boots:\n{}", sim.log());
+    siteboot_tests::wait::for_async("a ramdisk token", Duration::from_secs(60), || async {
+        sim.token().filter(|t| Some(t.as_str()) != not)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}:\n{}", sim.log()))
 }
 
 /// Another machine of the site: a Host object exists for it (so it gets a lease whatever the

@@ -17,7 +17,7 @@ use siteboot_boot::inventory::BoxFuture;
 pub use self::address::{AddressError, RedfishAddress, Transport};
 pub use self::credentials::{Credentials, CredentialsError};
 pub use self::redfish::{Redfish, RedfishClient};
-use crate::crd::{Host, PowerState};
+use crate::crd::{BootMode, Host, PowerState};
 
 /// What went wrong talking to a BMC, or before.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -156,6 +156,7 @@ pub struct BmcSpec {
     pub address: RedfishAddress,
     pub pin: Option<Fingerprint>,
     pub credentials_name: String,
+    pub boot_mode: Option<BootMode>,
 }
 
 /// `host`'s BMC, if it has one; an error when `spec.bmc` cannot be driven at all (no I/O).
@@ -169,6 +170,7 @@ pub fn spec_of(host: &Host) -> Result<Option<BmcSpec>, BmcError> {
         address: bmc.address.parse()?,
         pin,
         credentials_name: bmc.credentials_name.clone(),
+        boot_mode: bmc.boot_mode,
     }))
 }
 
@@ -181,7 +183,7 @@ pub async fn driver_for(
     let namespace = kube::ResourceExt::namespace(host).unwrap_or_default();
     let credentials = load_credentials(client, &namespace, &spec.credentials_name).await?;
     let client = RedfishClient::new(spec.address, credentials, spec.pin)?;
-    Ok(Arc::new(Redfish::new(client)))
+    Ok(Arc::new(Redfish::new(client).with_boot_mode(spec.boot_mode)))
 }
 
 async fn load_credentials(

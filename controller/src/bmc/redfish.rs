@@ -28,10 +28,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
-use self::protocol::{BootMode, BootOverride, ResetType};
+use self::protocol::{BootOverride, ResetType};
 use self::retry::{Next, RetryPolicy};
 use super::{BmcDriver, BmcError, Credentials, Identity, RedfishAddress, Transport};
-use crate::crd::PowerState;
+use crate::crd::{BootMode, PowerState};
 
 /// How long one request may take, connecting and TLS included.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -463,11 +463,18 @@ fn protocol_error(e: protocol::ProtocolError) -> BmcError {
 /// [`BmcDriver`] over a [`RedfishClient`].
 pub struct Redfish {
     client: RedfishClient,
+    /// The firmware path of each network boot (unset: the system's own).
+    boot_mode: Option<BootMode>,
 }
 
 impl Redfish {
     pub fn new(client: RedfishClient) -> Self {
-        Self { client }
+        Self { client, boot_mode: None }
+    }
+
+    /// Network boots take `mode`'s firmware path.
+    pub fn with_boot_mode(self, boot_mode: Option<BootMode>) -> Self {
+        Self { boot_mode, ..self }
     }
 
     pub fn client(&self) -> &RedfishClient {
@@ -482,7 +489,7 @@ impl BmcDriver for Redfish {
 
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>> {
         Box::pin(async {
-            self.client.boot_once_from_network(None).await?;
+            self.client.boot_once_from_network(self.boot_mode).await?;
             self.restart().await
         })
     }

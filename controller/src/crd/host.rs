@@ -115,6 +115,18 @@ pub struct Bmc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^sha256:[0-9a-f]{64}$"))]
     pub certificate_fingerprint: Option<String>,
+    /// The firmware path of the one-time network boot into the ramdisk (Redfish
+    /// `BootSourceOverrideMode`); unset: whatever the BMC's system is set to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_mode: Option<BootMode>,
+}
+
+/// A server firmware's boot path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum BootMode {
+    #[serde(rename = "UEFI")]
+    Uefi,
+    Legacy,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

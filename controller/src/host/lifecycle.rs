@@ -601,6 +601,7 @@ mod tests {
             address: "ipmi://x".into(),
             credentials_name: "c".into(),
             certificate_fingerprint: None,
+            boot_mode: None,
         });
         step(&mut h);
         assert_eq!(step(&mut h), Some(HostState::Quarantined));
@@ -618,6 +619,7 @@ mod tests {
             address: "redfish+https://10.0.0.5/redfish/v1/Systems/1".into(),
             credentials_name: "c".into(),
             certificate_fingerprint: None,
+            boot_mode: None,
         });
         h
     }

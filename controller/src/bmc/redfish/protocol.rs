@@ -5,7 +5,7 @@ use http::StatusCode;
 use serde_json::{Value, json};
 
 use crate::bmc::Credentials;
-use crate::crd::PowerState;
+use crate::crd::{BootMode, PowerState};
 
 /// `ComputerSystem.Reset`'s `ResetType`s siteboot uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,13 +27,6 @@ impl ResetType {
     }
 }
 
-/// `BootSourceOverrideMode`: which firmware path the one-time boot takes, when the BMC is told.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BootMode {
-    Uefi,
-    Legacy,
-}
-
 /// The `ComputerSystem.Reset` action's path for `system`.
 pub fn reset_path(system: &str) -> String {
     format!("{system}/Actions/ComputerSystem.Reset")
@@ -43,7 +36,8 @@ pub fn reset_body(reset: ResetType) -> Value {
     json!({ "ResetType": reset.as_str() })
 }
 
-/// The PATCH of the system that makes its next boot, and only that one, a network boot.
+/// The PATCH of the system that makes its next boot, and only that one, a network boot (in
+/// `mode`'s firmware path, the `BootSourceOverrideMode`, when given).
 pub fn boot_once_from_network_body(mode: Option<BootMode>) -> Value {
     let mut boot = json!({
         "BootSourceOverrideTarget": "Pxe",
@@ -132,11 +126,13 @@ pub fn mac_address(nic: &Value) -> Result<String, ProtocolError> {
     Ok(pairs.join(":"))
 }
 
-/// What the system reports about its boot override (`BootSourceOverrideTarget`, `...Enabled`).
+/// What the system reports about its boot override (`BootSourceOverrideTarget`, `...Enabled`,
+/// `...Mode`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BootOverride {
     pub target: Option<String>,
     pub enabled: Option<String>,
+    pub mode: Option<String>,
 }
 
 pub fn boot_override(system: &Value) -> BootOverride {
@@ -144,6 +140,7 @@ pub fn boot_override(system: &Value) -> BootOverride {
     BootOverride {
         target: field("BootSourceOverrideTarget"),
         enabled: field("BootSourceOverrideEnabled"),
+        mode: field("BootSourceOverrideMode"),
     }
 }
 
@@ -218,7 +215,8 @@ mod tests {
         let system = json!({
             "UUID": "0B5A1C2D-0000-4000-8000-0123456789AB",
             "PowerState": "On",
-            "Boot": {"BootSourceOverrideTarget": "Pxe", "BootSourceOverrideEnabled": "Continuous"},
+            "Boot": {"BootSourceOverrideTarget": "Pxe", "BootSourceOverrideEnabled": "Continuous",
+                     "BootSourceOverrideMode": "UEFI"},
             "EthernetInterfaces": {"@odata.id": "/redfish/v1/Systems/1/EthernetInterfaces"},
         });
         assert_eq!(power_state(&system), Ok(PowerState::On));
@@ -229,7 +227,11 @@ mod tests {
         assert!(system_uuid(&json!({"UUID": "not-a-uuid"})).is_err());
         assert_eq!(
             boot_override(&system),
-            BootOverride { target: Some("Pxe".into()), enabled: Some("Continuous".into()) }
+            BootOverride {
+                target: Some("Pxe".into()),
+                enabled: Some("Continuous".into()),
+                mode: Some("UEFI".into())
+            }
         );
         assert_eq!(
             ethernet_interfaces_path(&system).as_deref(),
