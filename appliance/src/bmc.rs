@@ -14,6 +14,7 @@ use siteboot_boot::MacAddr;
 use siteboot_controller::bmc::{
     BmcDriver, BmcError, Credentials, Redfish, RedfishAddress, RedfishClient, identity_check,
 };
+use siteboot_controller::crd::BootMode;
 
 /// How long checking the BMC and booting the host may take together (each request has its own
 /// deadline and retries; this bounds them all, and what `siteboot host` waits for).
@@ -28,6 +29,8 @@ pub struct HostBmc {
     /// YAML with `username` and `password`; read at each use, so a changed password needs no
     /// restart.
     pub credentials_file: PathBuf,
+    /// The firmware path of the network boot; unset: the system's own.
+    pub boot_mode: Option<BootMode>,
 }
 
 /// Why the BMC could not boot the host.
@@ -97,7 +100,8 @@ pub fn read_credentials(path: &Path) -> Result<Credentials, BmcFailure> {
 /// `mac`.
 pub async fn connect(bmc: &HostBmc, mac: MacAddr) -> Result<Redfish, BmcFailure> {
     let credentials = read_credentials(&bmc.credentials_file)?;
-    let driver = Redfish::new(RedfishClient::new(bmc.address.clone(), credentials, bmc.pin)?);
+    let client = RedfishClient::new(bmc.address.clone(), credentials, bmc.pin)?;
+    let driver = Redfish::new(client).with_boot_mode(bmc.boot_mode);
     let identity = bounded(driver.identity()).await?;
     let (ok, _, why) = identity_check(&mac.to_string(), &identity);
     if !ok {

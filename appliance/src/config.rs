@@ -20,7 +20,7 @@ use siteboot_boot::http::HttpSettings;
 use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::tftp::TftpSettings;
 use siteboot_controller::bmc::AddressError;
-use siteboot_controller::crd::{Image, RootDeviceHints, WipePolicy};
+use siteboot_controller::crd::{BootMode, Image, RootDeviceHints, WipePolicy};
 use siteboot_ipxe::{IpxeBinaries, Word};
 
 use crate::bmc::HostBmc;
@@ -207,6 +207,9 @@ pub struct BmcFile {
     pub credentials_file: PathBuf,
     /// `sha256:<64 hex digits>`: trust exactly this certificate instead of the platform's CAs.
     pub certificate_fingerprint: Option<String>,
+    /// The firmware path of the network boot (`UEFI` or `Legacy`, Redfish
+    /// `BootSourceOverrideMode`). Unset: whatever the system is set to.
+    pub boot_mode: Option<BootMode>,
 }
 
 fn default_wipe() -> WipePolicy {
@@ -611,7 +614,12 @@ fn bmc(bmc: &BmcFile, at: &str) -> Result<HostBmc, FieldError> {
             format!("{}: give an absolute path", bmc.credentials_file.display()),
         ));
     }
-    Ok(HostBmc { address, pin, credentials_file: bmc.credentials_file.clone() })
+    Ok(HostBmc {
+        address,
+        pin,
+        credentials_file: bmc.credentials_file.clone(),
+        boot_mode: bmc.boot_mode,
+    })
 }
 
 /// Site names are label values and object names: DNS-1123 labels.
@@ -925,7 +933,9 @@ unknown_hosts:
         };
         let address = "address: 'redfish+https://10.0.0.5:8443/redfish/v1/Systems/1'";
         let pin = format!("certificate_fingerprint: 'sha256:{}'", "ab".repeat(32));
-        let good = bmc(&format!("{address}, credentials_file: /etc/siteboot/bmc.yaml, {pin}"));
+        let good = bmc(&format!(
+            "{address}, credentials_file: /etc/siteboot/bmc.yaml, {pin}, boot_mode: Legacy"
+        ));
         let (_ipxe, text) = with_ipxe(&good);
         let config = Config::parse(&text).unwrap();
         let view = config.inventory.show("52:54:00:12:34:56").unwrap();
@@ -956,6 +966,11 @@ unknown_hosts:
                 bmc(&format!("{address}, credentials_file: /c, password: x")),
                 "hosts[0].bmc.password",
                 "unknown field",
+            ),
+            (
+                bmc(&format!("{address}, credentials_file: /c, boot_mode: BIOS")),
+                "hosts[0].bmc.boot_mode",
+                "unknown variant",
             ),
             (
                 bmc(&format!("{address}, credentials_file: /c"))

@@ -512,13 +512,15 @@ impl StaticInventory {
         let op = match ops.authenticated(mac, req) {
             Ok(found) => found,
             Err(refusal) if needs_new_token(&refusal) => {
-                // Boot again for an operation's token, or, just provisioned, into the disk.
-                let boot_again = ops
-                    .records
-                    .lock()
-                    .expect("records lock")
-                    .get(&mac)
-                    .is_some_and(|r| r.operation.is_some() || r.installed.is_some());
+                // Boot again for an operation's token (none comes once its bootstrap data
+                // went out: booting again would only loop), or, just provisioned, into the
+                // disk.
+                let boot_again =
+                    ops.records.lock().expect("records lock").get(&mac).is_some_and(|r| {
+                        let pending =
+                            r.operation.as_ref().is_some_and(|op| !op.bootstrap_delivered);
+                        pending || r.installed.is_some()
+                    });
                 return Ok(AgentResponse::json(&task_without_token(boot_again)));
             }
             Err(refusal) => return Err(refusal.into()),
