@@ -121,6 +121,17 @@ fn next_task(sim: &SimHost, token: &str) -> Value {
     .unwrap()
 }
 
+/// Starts `siteboot host provision <host>` and boots `sim` into the ramdisk: (the CLI
+/// following the operation, the ramdisk's token, its provision task).
+fn provision_until_task(config: &Path, host: &str, sim: &SimHost) -> (Cli, String, Value) {
+    let provision = Cli::start(config, &["provision", host]);
+    provision.wait_for_line("Provision operation");
+    let token = boot_ramdisk(sim);
+    let task = next_task(sim, &token);
+    assert_eq!(task["action"], "provision", "{task}");
+    (provision, token, task)
+}
+
 fn post(sim: &SimHost, path: &str, token: &str, body: Value) -> (u16, String) {
     sim.http("POST", path, Some(token), Some(&body)).unwrap()
 }
@@ -207,11 +218,7 @@ fn a_listed_host_is_provisioned_and_wiped_without_kubernetes() {
     assert_eq!(listed_state(&config_path), "Available");
 
     // Provision: the CLI starts the operation and follows it.
-    let provision = Cli::start(&config_path, &["provision", NAME]);
-    provision.wait_for_line("Provision operation");
-    let token = boot_ramdisk(&sim);
-    let task = next_task(&sim, &token);
-    assert_eq!(task["action"], "provision", "{task}");
+    let (provision, token, task) = provision_until_task(&config_path, NAME, &sim);
     let operation = task["operation"].as_str().unwrap().to_owned();
     assert_eq!(
         task["metaData"],
@@ -367,11 +374,7 @@ fn a_silent_ramdisk_fails_its_operation_and_loses_its_token() {
     std::fs::write(app.http_root().join("os.img"), image()).unwrap();
     let sim = SimHost::start_manual(&lab, BRIDGE, MAC, app.base_url()).unwrap();
 
-    let provision = Cli::start(&config_path, &["provision", NAME]);
-    provision.wait_for_line("Provision operation");
-    let token = boot_ramdisk(&sim);
-    let task = next_task(&sim, &token);
-    assert_eq!(task["action"], "provision", "{task}");
+    let (provision, token, task) = provision_until_task(&config_path, NAME, &sim);
     let operation = task["operation"].as_str().unwrap().to_owned();
     let step = json!({ "step": "writing image" });
     assert_eq!(post(&sim, "/agent/v1/progress", &token, step).0, 200);
@@ -418,10 +421,8 @@ fn an_operator_cancels_a_provisioning() {
     let (ok, _, err) = cli(&config_path, &["cancel", "nosuch"]);
     assert!(!ok && err.contains("no host named \"nosuch\""), "{err}");
 
-    let provision = Cli::start(&config_path, &["provision", MAC]);
-    provision.wait_for_line("Provision operation");
-    let token = boot_ramdisk(&sim);
-    let operation = next_task(&sim, &token)["operation"].as_str().unwrap().to_owned();
+    let (provision, token, task) = provision_until_task(&config_path, MAC, &sim);
+    let operation = task["operation"].as_str().unwrap().to_owned();
     let (status, body) = sim.http("GET", "/agent/v1/bootstrap", Some(&token), None).unwrap();
     assert_eq!((status, body.as_str()), (200, USER_DATA));
 
