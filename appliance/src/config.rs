@@ -19,9 +19,11 @@ use siteboot_boot::files::check_relative;
 use siteboot_boot::http::HttpSettings;
 use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::tftp::TftpSettings;
-use siteboot_controller::crd::{Image, RootDeviceHints, WipePolicy};
+use siteboot_controller::bmc::AddressError;
+use siteboot_controller::crd::{BootMode, Image, RootDeviceHints, WipePolicy};
 use siteboot_ipxe::{IpxeBinaries, Word};
 
+use crate::bmc::HostBmc;
 use crate::fd_limit;
 use crate::standalone::{ListedHost, Provisioning, StaticInventory};
 
@@ -57,6 +59,11 @@ pub struct ConfigFile {
     /// wipes the hosts under `hosts` (`siteboot host inspect|provision|deprovision`); siteboot
     /// adds the operation's token to its command line. Unset: no host operations.
     pub ramdisk_profile: Option<String>,
+    /// Standalone host operations: how long a ramdisk that booted for an operation may go
+    /// without reporting before the operation ends as failed ("ramdisk silent for ...") and
+    /// its token stops working. Kubernetes mode takes `kubernetes.ramdisk_silence_timeout`.
+    #[serde(default = "default_ramdisk_silence_timeout", with = "humantime_serde")]
+    pub ramdisk_silence_timeout: std::time::Duration,
     /// Kubernetes mode: Hosts come from the management cluster instead of `hosts`.
     pub kubernetes: Option<KubernetesFile>,
 }
@@ -183,6 +190,26 @@ pub struct HostFile {
     /// hosts only).
     #[serde(default = "default_wipe")]
     pub wipe: WipePolicy,
+    /// The host's Redfish BMC: each `siteboot host inspect|provision|deprovision` boots it
+    /// once from the network (powering it on or restarting it). Unset: power-cycle it by hand.
+    pub bmc: Option<BmcFile>,
+}
+
+/// A host's BMC, as Kubernetes mode's `spec.bmc`, with the credentials in a file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BmcFile {
+    /// `redfish+https://<host>[:port]/redfish/v1/Systems/<id>` (`redfish+http://` only for a
+    /// BMC without TLS).
+    pub address: String,
+    /// A file (absolute path, readable by its owner only) with `username:` and `password:`,
+    /// read each time the BMC is used. Never the password itself in this config.
+    pub credentials_file: PathBuf,
+    /// `sha256:<64 hex digits>`: trust exactly this certificate instead of the platform's CAs.
+    pub certificate_fingerprint: Option<String>,
+    /// The firmware path of the network boot (`UEFI` or `Legacy`, Redfish
+    /// `BootSourceOverrideMode`). Unset: whatever the system is set to.
+    pub boot_mode: Option<BootMode>,
 }
 
 fn default_wipe() -> WipePolicy {
@@ -259,6 +286,7 @@ pub struct Config {
     pub inventory: StaticInventory,
     /// `ramdisk_profile`: the deploy ramdisk of standalone host operations.
     pub ramdisk: Option<LinuxBoot>,
+    pub ramdisk_silence_timeout: std::time::Duration,
     pub kubernetes: Option<KubernetesConfig>,
 }
 
@@ -341,6 +369,9 @@ impl Config {
         if file.drain_timeout.is_zero() {
             return Err(FieldError::new("drain_timeout", "must be longer than 0s"));
         }
+        if file.ramdisk_silence_timeout.is_zero() {
+            return Err(FieldError::new("ramdisk_silence_timeout", "must be longer than 0s"));
+        }
         let binaries = IpxeBinaries::discover(&file.tftp.ipxe_dir);
         if binaries.platforms().next().is_none() {
             return Err(FieldError::new(
@@ -409,11 +440,12 @@ impl Config {
             }
             let operations = host.image.is_some()
                 || host.user_data.is_some()
-                || host.root_device_hints.is_some();
+                || host.root_device_hints.is_some()
+                || host.bmc.is_some();
             if operations && ramdisk.is_none() {
                 return Err(FieldError::new(
                     at.clone(),
-                    "image, user_data and root_device_hints need a ramdisk_profile (top level) to provision with",
+                    "image, user_data, root_device_hints and bmc need a ramdisk_profile (top level) to provision with",
                 ));
             }
             if host.user_data.is_some() && host.image.is_none() {
@@ -431,6 +463,7 @@ impl Config {
                 reservation,
                 provisioning,
                 wipe: host.wipe,
+                bmc: host.bmc.as_ref().map(|b| bmc(b, &format!("{at}.bmc"))).transpose()?,
             };
             if hosts.insert(host.mac, listed).is_some() {
                 return Err(FieldError::new(
@@ -485,6 +518,7 @@ impl Config {
             binaries,
             inventory: StaticInventory::new(hosts, default),
             ramdisk,
+            ramdisk_silence_timeout: file.ramdisk_silence_timeout,
         })
     }
 }
@@ -556,6 +590,35 @@ fn provisioning(image: &ImageFile, host: &HostFile, at: &str) -> Result<Provisio
         },
         user_data: host.user_data.clone(),
         root_device_hints: host.root_device_hints.as_ref().map(Into::into).unwrap_or_default(),
+    })
+}
+
+/// A host's BMC, checked without I/O: a Redfish address, a pin if one is given, an absolute
+/// path to the credentials (read when the BMC is used).
+fn bmc(bmc: &BmcFile, at: &str) -> Result<HostBmc, FieldError> {
+    let address = bmc.address.parse().map_err(|e: AddressError| {
+        FieldError::new(format!("{at}.address"), format!("{:?}: {}", bmc.address, e.why))
+    })?;
+    let pin = bmc
+        .certificate_fingerprint
+        .as_ref()
+        .map(|pin| {
+            pin.parse().map_err(|why| {
+                FieldError::new(format!("{at}.certificate_fingerprint"), format!("{pin:?}: {why}"))
+            })
+        })
+        .transpose()?;
+    if !bmc.credentials_file.is_absolute() {
+        return Err(FieldError::new(
+            format!("{at}.credentials_file"),
+            format!("{}: give an absolute path", bmc.credentials_file.display()),
+        ));
+    }
+    Ok(HostBmc {
+        address,
+        pin,
+        credentials_file: bmc.credentials_file.clone(),
+        boot_mode: bmc.boot_mode,
     })
 }
 
@@ -851,10 +914,75 @@ unknown_hosts:
                 "ramdisk_profile",
             ),
             (host("").replace("ramdisk_profile: linux\n", ""), "hosts[0]"),
+            (host("") + "ramdisk_silence_timeout: 0s\n", "ramdisk_silence_timeout"),
         ];
         for (text, field) in cases {
             let e = error_of(text);
             assert_eq!(&e.field, field, "got {e}\n{text}");
+        }
+        assert_eq!(config.ramdisk_silence_timeout, std::time::Duration::from_secs(15 * 60));
+    }
+
+    #[test]
+    fn a_host_bmc_is_checked_and_keeps_no_secret() {
+        let bmc = |fields: &str| {
+            GOOD.replace(
+                "    profile: linux\n",
+                &format!("    profile: linux\n    bmc: {{ {fields} }}\n"),
+            ) + "ramdisk_profile: linux\n"
+        };
+        let address = "address: 'redfish+https://10.0.0.5:8443/redfish/v1/Systems/1'";
+        let pin = format!("certificate_fingerprint: 'sha256:{}'", "ab".repeat(32));
+        let good = bmc(&format!(
+            "{address}, credentials_file: /etc/siteboot/bmc.yaml, {pin}, boot_mode: Legacy"
+        ));
+        let (_ipxe, text) = with_ipxe(&good);
+        let config = Config::parse(&text).unwrap();
+        let view = config.inventory.show("52:54:00:12:34:56").unwrap();
+        let shown = view.bmc.as_deref();
+        assert_eq!(shown, Some("redfish+https://10.0.0.5:8443/redfish/v1/Systems/1"));
+        let cases: &[(String, &str, &str)] = &[
+            (
+                bmc("address: 'ipmi://10.0.0.5/redfish/v1/Systems/1', credentials_file: /c"),
+                "hosts[0].bmc.address",
+                "the scheme is not redfish",
+            ),
+            (
+                bmc("address: 'redfish://admin:pw@h/redfish/v1/Systems/1', credentials_file: /c"),
+                "hosts[0].bmc.address",
+                "credentials do not belong in the address",
+            ),
+            (
+                bmc(&format!("{address}, credentials_file: bmc.yaml")),
+                "hosts[0].bmc.credentials_file",
+                "absolute",
+            ),
+            (
+                bmc(&format!("{address}, credentials_file: /c, certificate_fingerprint: 'md5:00'")),
+                "hosts[0].bmc.certificate_fingerprint",
+                "sha256:",
+            ),
+            (
+                bmc(&format!("{address}, credentials_file: /c, password: x")),
+                "hosts[0].bmc.password",
+                "unknown field",
+            ),
+            (
+                bmc(&format!("{address}, credentials_file: /c, boot_mode: BIOS")),
+                "hosts[0].bmc.boot_mode",
+                "unknown variant",
+            ),
+            (
+                bmc(&format!("{address}, credentials_file: /c"))
+                    .replace("ramdisk_profile: linux\n", ""),
+                "hosts[0]",
+                "bmc need a ramdisk_profile",
+            ),
+        ];
+        for (text, field, message) in cases {
+            let e = error_of(text);
+            assert_eq!(&e.field, field, "got {e}\n{text}");
+            assert!(e.message.contains(message), "{e}");
         }
     }
 

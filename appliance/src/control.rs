@@ -1,5 +1,5 @@
 //! The control socket of a standalone appliance: `siteboot host ...` asks the running
-//! `siteboot serve` to start an operation and follows it here.
+//! `siteboot serve` to start or cancel an operation and follows it here.
 //!
 //! A Unix socket, `<state_dir>/control/siteboot.sock`, in a directory only root may enter and
 //! itself mode 0600: who may use it is who may read the state directory, with no password or
@@ -24,7 +24,7 @@ use crate::standalone::{HostView, StaticInventory};
 
 /// The longest request read (a host name and a verb).
 const MAX_REQUEST: u64 = 4096;
-/// How long a client has to send its request, and the CLI to get its answer.
+/// How long a client has to send its request, and the CLI to get most answers.
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -35,10 +35,25 @@ pub enum Request {
         host: String,
         kind: OperationKind,
     },
+    /// End the operation under way on a host.
+    Cancel {
+        host: String,
+    },
     Show {
         host: String,
     },
     List,
+}
+
+impl Request {
+    /// How long the CLI waits for the answer: starting an operation may wait for the host's
+    /// BMC.
+    fn answer_within(&self) -> Duration {
+        match self {
+            Request::Start { .. } => crate::bmc::BMC_TIMEOUT + IO_TIMEOUT,
+            Request::Cancel { .. } | Request::Show { .. } | Request::List => IO_TIMEOUT,
+        }
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -100,7 +115,7 @@ pub async fn serve(
             let read = tokio::time::timeout(IO_TIMEOUT, reader.read_line(&mut line)).await;
             let answer = match read {
                 Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
-                    Ok(request) => answer(&inventory, request),
+                    Ok(request) => answer(&inventory, request).await,
                     Err(e) => Answer::Error(format!("bad request: {e}")),
                 },
                 _ => return,
@@ -112,11 +127,12 @@ pub async fn serve(
     }
 }
 
-fn answer(inventory: &StaticInventory, request: Request) -> Answer {
+async fn answer(inventory: &StaticInventory, request: Request) -> Answer {
     let result = match request {
         Request::Start { host, kind } => {
-            inventory.start(&host, kind).map(|h| Answer::Host(Box::new(h)))
+            inventory.start(&host, kind).await.map(|h| Answer::Host(Box::new(h)))
         }
+        Request::Cancel { host } => inventory.cancel(&host).map(|h| Answer::Host(Box::new(h))),
         Request::Show { host } => inventory.show(&host).map(|h| Answer::Host(Box::new(h))),
         Request::List => Ok(Answer::Hosts(inventory.list())),
     };
@@ -129,7 +145,7 @@ pub fn call(state_dir: &Path, request: &Request) -> Result<Answer> {
     let mut stream = std::os::unix::net::UnixStream::connect(&path).with_context(|| {
         format!("connecting to {} (is `siteboot serve` running with this config?)", path.display())
     })?;
-    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    stream.set_read_timeout(Some(request.answer_within()))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
     let mut text = serde_json::to_vec(request)?;
     text.push(b'\n');

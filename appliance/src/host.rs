@@ -1,5 +1,5 @@
-//! `siteboot host list|inspect|provision|deprovision`: standalone host operations from the
-//! command line, through the running appliance's control socket ([`crate::control`]).
+//! `siteboot host list|inspect|provision|deprovision|cancel`: standalone host operations from
+//! the command line, through the running appliance's control socket ([`crate::control`]).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -39,10 +39,8 @@ pub fn list(state_dir: &Path) -> Result<()> {
 pub fn run(state_dir: &Path, name: &str, kind: OperationKind, timeout: Duration) -> Result<()> {
     let host = expect_host(call(state_dir, &Request::Start { host: name.to_owned(), kind })?)?;
     let op = host.record.operation.clone().expect("a started operation");
-    println!(
-        "{name}: {kind:?} operation {} started; power-cycle the host into PXE if it is on",
-        op.id
-    );
+    let boot = op.network_boot.as_deref().unwrap_or("power-cycle the host into PXE if it is on");
+    println!("{name}: {kind:?} operation {} started; {boot}", op.id);
     let deadline = Instant::now() + timeout;
     let mut shown = String::new();
     let mut rate = Rate::default();
@@ -83,6 +81,14 @@ pub fn run(state_dir: &Path, name: &str, kind: OperationKind, timeout: Duration)
             }
         }
     }
+}
+
+/// Cancels host `name`'s operation; prints what it was and the host's state now.
+pub fn cancel(state_dir: &Path, name: &str) -> Result<()> {
+    let host = expect_host(call(state_dir, &Request::Cancel { host: name.to_owned() })?)?;
+    let last = host.record.last.as_ref().expect("a cancelled operation is the last one");
+    println!("{name}: {:?} operation {} cancelled; now {}", last.kind, last.operation, host.state);
+    Ok(())
 }
 
 fn expect_host(answer: Answer) -> Result<HostView> {

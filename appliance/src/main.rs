@@ -1,5 +1,6 @@
 //! `siteboot`: a per-site network-boot appliance. See `siteboot --help`.
 
+mod bmc;
 mod config;
 mod control;
 mod fd_limit;
@@ -99,8 +100,9 @@ enum Command {
     },
     /// Standalone host operations: ask the running `siteboot serve` (through the control
     /// socket in <state_dir>/control, root only) to inspect, provision or wipe a host listed
-    /// under `hosts`, and follow it until it ends. The host boots the ramdisk
-    /// (`ramdisk_profile`) at its next network boot: power-cycle it.
+    /// under `hosts` (by name or MAC), and follow it until it ends; or cancel it. The host
+    /// boots the ramdisk (`ramdisk_profile`) at its next network boot: siteboot boots it
+    /// through its `bmc` if it has one, else power-cycle it.
     Host {
         /// The configuration file the appliance runs with (for state_dir).
         #[arg(long, short, global = true, default_value = "/etc/siteboot/siteboot.yaml")]
@@ -123,6 +125,9 @@ enum HostCommand {
     Provision { name: String },
     /// Wipe the host's disks (its `wipe` policy).
     Deprovision { name: String },
+    /// End the host's operation now: its ramdisk's token stops working. A cancelled
+    /// provisioning leaves the host wipe-required if its ramdisk had booted.
+    Cancel { name: String },
 }
 
 #[derive(Subcommand)]
@@ -208,6 +213,7 @@ fn main() -> ExitCode {
                     HostCommand::Deprovision { name } => {
                         host::run(dir, &name, OperationKind::Deprovision, timeout)
                     }
+                    HostCommand::Cancel { name } => host::cancel(dir, &name),
                 }
             };
             match run() {

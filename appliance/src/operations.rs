@@ -9,11 +9,13 @@
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use siteboot_boot::MacAddr;
 use siteboot_controller::agent::{Grant, Refusal, check_token};
 use siteboot_controller::crd::{ByteCount, Hardware, OperationKind};
+use siteboot_controller::host::lifecycle::{RamdiskContact, ramdisk_silence};
 use siteboot_controller::token;
 
 /// Seconds since the Unix epoch.
@@ -61,6 +63,9 @@ pub struct Operation {
     pub step: Option<String>,
     pub bytes: Option<ByteCount>,
     pub last_heard: Option<u64>,
+    /// What the host's BMC was asked to do to boot it into the ramdisk; none without a BMC.
+    #[serde(default)]
+    pub network_boot: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,6 +85,13 @@ pub struct Installed {
     pub url: String,
     pub checksum: String,
 }
+
+/// The last result of an operation the operator cancelled.
+pub const CANCELLED: &str = "cancelled by operator";
+
+/// There is no operation under way to end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NoOperation;
 
 /// Why an operation cannot start.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,6 +140,7 @@ impl HostRecord {
                 step: None,
                 bytes: None,
                 last_heard: None,
+                network_boot: None,
             });
         }
         Ok(self.operation.as_ref().expect("set above"))
@@ -187,8 +200,12 @@ impl HostRecord {
 
     /// Ends the operation under way: a successful provisioning installed `image`
     /// (`(url, checksum)`), a successful deprovisioning wiped the disks, an inspection
-    /// recorded `hardware`. A failure changes nothing else (a failed provisioning may have
-    /// written part of a disk: the host stays wipe-required).
+    /// recorded `hardware`. An operation that did not succeed (failed, cancelled, silent)
+    /// changes what is known of the disks only by whether its ramdisk booted (took a token):
+    /// a provisioning whose ramdisk never booted wrote nothing, so the host needs no wipe for
+    /// it; one that booted may have written part of a disk, so the host stays wipe-required;
+    /// a deprovisioning whose ramdisk booted may have wiped part of the installed OS, so the
+    /// host is no longer provisioned.
     pub fn finish(
         &mut self,
         ok: bool,
@@ -198,24 +215,51 @@ impl HostRecord {
         now: u64,
     ) -> Option<&Outcome> {
         let op = self.operation.take()?;
-        if ok {
-            match op.kind {
-                OperationKind::Inspect => self.hardware = hardware.or(self.hardware.take()),
-                OperationKind::Provision => {
-                    self.installed = image.map(|(url, checksum)| Installed {
-                        operation: op.id.clone(),
-                        url: url.to_owned(),
-                        checksum: checksum.to_owned(),
-                    });
-                }
-                OperationKind::Deprovision => {
-                    self.installed = None;
-                    self.wipe_required = false;
-                }
+        let booted = op.token_issued.is_some();
+        match (op.kind, ok) {
+            (OperationKind::Inspect, true) => self.hardware = hardware.or(self.hardware.take()),
+            (OperationKind::Provision, true) => {
+                self.installed = image.map(|(url, checksum)| Installed {
+                    operation: op.id.clone(),
+                    url: url.to_owned(),
+                    checksum: checksum.to_owned(),
+                });
             }
+            (OperationKind::Deprovision, true) => {
+                self.installed = None;
+                self.wipe_required = false;
+            }
+            // A provisioning starts only on a host that needs no wipe (see `start`).
+            (OperationKind::Provision, false) if !booted => self.wipe_required = false,
+            (OperationKind::Deprovision, false) if booted => self.installed = None,
+            (_, false) => {}
         }
         self.last = Some(Outcome { operation: op.id, kind: op.kind, ok, message, finished: now });
         self.last.as_ref()
+    }
+
+    /// Ends the operation under way as the operator asked: its token stops working at once.
+    pub fn cancel(&mut self, now: u64) -> Result<&Outcome, NoOperation> {
+        if self.operation.is_none() {
+            return Err(NoOperation);
+        }
+        Ok(self.finish(false, CANCELLED.to_owned(), None, None, now).expect("an operation"))
+    }
+
+    /// Ends the operation under way as failed if its ramdisk has been silent for more than
+    /// `max_silence` (the rule Kubernetes mode quarantines by).
+    pub fn end_if_silent(&mut self, now: u64, max_silence: Duration) -> Option<&Outcome> {
+        let op = self.operation.as_ref()?;
+        let seconds = |t: Option<u64>| t.and_then(|t| i64::try_from(t).ok());
+        let contact = RamdiskContact {
+            kind: op.kind,
+            id: &op.id,
+            token_issued: seconds(op.token_issued),
+            last_heard: seconds(op.last_heard),
+            step: op.step.as_deref(),
+        };
+        let message = ramdisk_silence(&contact, i64::try_from(now).ok()?, max_silence)?;
+        self.finish(false, message, None, None, now)
     }
 
     /// The state an operator reads: the operation under way, else what is on the disks.
@@ -354,6 +398,7 @@ mod tests {
     fn only_a_successful_wipe_clears_wipe_required() {
         let mut record = HostRecord::default();
         record.start(OperationKind::Provision, 1).unwrap();
+        record.issue_token(remote(), 1).unwrap();
         record.finish(false, "digest mismatch".into(), None, Some(("u", "c")), 2);
         assert!(record.wipe_required && record.installed.is_none());
         assert_eq!(record.state(), "WipeRequired");
@@ -369,6 +414,71 @@ mod tests {
         assert!(!record.wipe_required);
         assert_eq!(record.state(), "Available");
         assert!(record.start(OperationKind::Provision, 7).is_ok());
+    }
+
+    #[test]
+    fn a_cancelled_provisioning_revokes_its_token_and_is_not_provisioned() {
+        let mut record = HostRecord::default();
+        record.start(OperationKind::Provision, 1).unwrap();
+        let (token, _) = record.issue_token(remote(), 2).unwrap();
+        record.deliver_bootstrap().unwrap();
+        let outcome = record.cancel(3).unwrap().clone();
+        assert!(!outcome.ok && outcome.message == CANCELLED, "{outcome:?}");
+        assert_eq!(
+            record.authenticate(Some(&token), remote(), 4, HOUR).unwrap_err(),
+            Refusal::NoOperation
+        );
+        assert!(record.installed.is_none());
+        assert_eq!(record.state(), "WipeRequired", "its ramdisk may have written the disk");
+        assert_eq!(record.cancel(5), Err(NoOperation));
+    }
+
+    #[test]
+    fn what_an_unfinished_operation_leaves_depends_on_whether_its_ramdisk_booted() {
+        // Never booted: nothing was written, nothing wiped.
+        let mut record = HostRecord::default();
+        record.start(OperationKind::Provision, 1).unwrap();
+        record.cancel(2).unwrap();
+        assert_eq!(record.state(), "Available");
+        record.start(OperationKind::Provision, 3).unwrap();
+        record.issue_token(remote(), 4).unwrap();
+        record.finish(true, String::new(), None, Some(("u", "c")), 5);
+        record.start(OperationKind::Deprovision, 6).unwrap();
+        record.finish(false, "the BMC refused".into(), None, None, 7);
+        assert_eq!(record.state(), "Provisioned", "the wipe never began");
+        // Booted: the wipe may have begun, the OS may be gone.
+        record.start(OperationKind::Deprovision, 8).unwrap();
+        record.issue_token(remote(), 9).unwrap();
+        record.cancel(10).unwrap();
+        assert!(record.installed.is_none() && record.wipe_required);
+        assert_eq!(record.state(), "WipeRequired");
+    }
+
+    #[test]
+    fn a_ramdisk_that_booted_and_fell_silent_ends_its_operation() {
+        let minute = Duration::from_secs(60);
+        let mut record = HostRecord::default();
+        let id = record.start(OperationKind::Provision, 1000).unwrap().id.clone();
+        assert_eq!(record.end_if_silent(100_000, minute), None, "never booted: it waits");
+        let (token, _) = record.issue_token(remote(), 2000).unwrap();
+        assert_eq!(record.end_if_silent(2060, minute), None);
+        record.progress("writing image".into(), None, 2050);
+        assert_eq!(record.end_if_silent(2110, minute), None, "a report restarts the count");
+        let outcome = record.end_if_silent(2111, minute).unwrap().clone();
+        assert!(!outcome.ok);
+        assert_eq!(
+            outcome.message,
+            format!(
+                "ramdisk silent for more than 1m during Provision operation {id} (its last step: writing image)"
+            )
+        );
+        assert_eq!(
+            record.authenticate(Some(&token), remote(), 2112, HOUR).unwrap_err(),
+            Refusal::NoOperation,
+            "a late ramdisk's token is refused"
+        );
+        assert_eq!(record.state(), "WipeRequired");
+        assert_eq!(record.end_if_silent(3000, minute), None, "nothing left to end");
     }
 
     #[test]

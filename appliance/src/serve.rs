@@ -107,12 +107,13 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
                     ramdisk,
                     Arc::new(images),
                     siteboot_controller::context::TOKEN_MAX_AGE,
+                    config.ramdisk_silence_timeout,
                 )?;
             }
             let inventory = Arc::new(inventory);
             let listener = crate::control::bind(&config.state_dir)?;
-            let stop = shutdown.clone();
-            tokio::spawn(crate::control::serve(listener, inventory.clone(), stop));
+            tokio::spawn(crate::control::serve(listener, inventory.clone(), shutdown.clone()));
+            tokio::spawn(inventory.clone().watch_silence(shutdown.clone()));
             (inventory, known, site)
         }
         Some(kube) => {

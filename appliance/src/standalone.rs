@@ -8,7 +8,10 @@
 //! | no operation | its profile |
 //!
 //! The agent API answers as in Kubernetes mode (the same endpoints, tasks and refusals: the
-//! pure parts are `siteboot_controller::agent`'s); records live in [`Operations`].
+//! pure parts are `siteboot_controller::agent`'s); records live in [`Operations`]. A host
+//! with a BMC is booted into the ramdisk through it when an operation starts ([`crate::bmc`]);
+//! an operation ends when its ramdisk reports, when the operator cancels it, or when its
+//! ramdisk falls silent (Kubernetes mode's rule, checked by [`StaticInventory::watch_silence`]).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -27,10 +30,13 @@ use siteboot_controller::agent::{
     self, Complete, Endpoint, MetaData, Progress, Refusal, deprovision_task, needs_new_token,
     provision_task, task_without_token,
 };
+use siteboot_controller::bmc::Redfish;
 use siteboot_controller::crd::{Hardware, Image, OperationKind, RootDeviceHints, WipePolicy};
 use siteboot_controller::images::{ImageService, Readiness};
+use tokio_util::sync::CancellationToken;
 
-use crate::operations::{HostRecord, StartError, Store, StoreError, now};
+use crate::bmc::{self, BmcFailure, HostBmc};
+use crate::operations::{HostRecord, NoOperation, StartError, Store, StoreError, now};
 use siteboot_controller::token::ramdisk_boot;
 
 /// A host listed under `hosts`.
@@ -47,6 +53,8 @@ pub struct ListedHost {
     /// What `siteboot host provision` writes; `None`: it cannot be provisioned.
     pub provisioning: Option<Provisioning>,
     pub wipe: WipePolicy,
+    /// Its BMC, if siteboot may power-cycle it.
+    pub bmc: Option<HostBmc>,
 }
 
 /// A host's image and bootstrap data.
@@ -75,6 +83,8 @@ pub struct Operations {
     ramdisk: LinuxBoot,
     images: Arc<ImageService>,
     token_max_age: Duration,
+    /// How long a ramdisk that booted may stay silent before its operation ends.
+    max_silence: Duration,
 }
 
 impl std::fmt::Debug for Operations {
@@ -102,7 +112,7 @@ impl From<StoreError> for Failure {
     }
 }
 
-/// Why `siteboot host ...` cannot start an operation.
+/// Why `siteboot host ...` cannot do what it was asked.
 #[derive(Debug)]
 pub enum ControlError {
     UnknownHost(String),
@@ -111,19 +121,29 @@ pub enum ControlError {
     /// The host's `user_data` file cannot be read.
     UserData(String),
     Start(StartError),
+    /// Nothing to cancel.
+    NoOperation(String),
+    /// The host's BMC could not boot it into the ramdisk: `(host, why)`.
+    Bmc(String, BmcFailure),
     Store(StoreError),
 }
 
 impl std::fmt::Display for ControlError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ControlError::UnknownHost(name) => write!(f, "no host named {name:?} under hosts"),
+            ControlError::UnknownHost(name) => {
+                write!(f, "no host named {name:?} (or with that MAC) under hosts")
+            }
             ControlError::NoRamdisk => {
                 f.write_str("the config has no ramdisk_profile: host operations are off")
             }
             ControlError::NoImage(name) => write!(f, "host {name:?} has no image to provision"),
             ControlError::UserData(why) => write!(f, "user_data {why}"),
             ControlError::Start(e) => e.fmt(f),
+            ControlError::NoOperation(name) => {
+                write!(f, "host {name:?} has no operation under way")
+            }
+            ControlError::Bmc(name, e) => write!(f, "host {name:?}: {e}"),
             ControlError::Store(e) => e.fmt(f),
         }
     }
@@ -145,6 +165,7 @@ impl StaticInventory {
         ramdisk: LinuxBoot,
         images: Arc<ImageService>,
         token_max_age: Duration,
+        max_silence: Duration,
     ) -> Result<(), StoreError> {
         let mut records = HashMap::new();
         for mac in self.hosts.keys() {
@@ -156,20 +177,25 @@ impl StaticInventory {
             ramdisk,
             images,
             token_max_age,
+            max_silence,
         });
         Ok(())
     }
 
+    /// The host named `name`, or whose MAC `name` is.
     fn listed(&self, name: &str) -> Result<(MacAddr, &ListedHost), ControlError> {
-        self.hosts
-            .iter()
-            .find(|(_, h)| h.name == name)
+        let by_mac = name.parse::<MacAddr>().ok().and_then(|mac| self.hosts.get_key_value(&mac));
+        by_mac
+            .or_else(|| self.hosts.iter().find(|(_, h)| h.name == name))
             .map(|(mac, h)| (*mac, h))
             .ok_or_else(|| ControlError::UnknownHost(name.to_owned()))
     }
 
-    /// Starts (or follows, if one of that kind is under way) an operation on host `name`.
-    pub fn start(&self, name: &str, kind: OperationKind) -> Result<HostView, ControlError> {
+    /// Starts (or follows, if one of that kind is under way) an operation on host `name`. A
+    /// host with a BMC is then booted into the ramdisk through it: a BMC that cannot be used
+    /// for this host fails the request before the operation starts, one that fails to boot it
+    /// ends the operation with the reason.
+    pub async fn start(&self, name: &str, kind: OperationKind) -> Result<HostView, ControlError> {
         let (mac, host) = self.listed(name)?;
         let ops = self.operations.as_ref().ok_or(ControlError::NoRamdisk)?;
         if kind == OperationKind::Provision {
@@ -181,15 +207,123 @@ impl StaticInventory {
                     .map_err(|e| ControlError::UserData(format!("{}: {e}", path.display())))?;
             }
         }
-        let (record, ()) =
-            ops.update(mac, true, |r| r.start(kind, now()).map(|_| ())).map_err(|e| match e {
-                Ok(e) => ControlError::Start(e),
+        let refused = |e: Result<StartError, StoreError>| match e {
+            Ok(e) => ControlError::Start(e),
+            Err(e) => ControlError::Store(e),
+        };
+        // Refused (busy, wipe required) before the BMC is bothered; followed without it.
+        let mut current = self.record(mac);
+        let following = current.operation.as_ref().is_some_and(|op| op.kind == kind);
+        current.start(kind, now()).map_err(|e| refused(Ok(e)))?;
+        let driver = match &host.bmc {
+            Some(bmc) if !following => Some(
+                bmc::connect(bmc, mac)
+                    .await
+                    .map_err(|e| ControlError::Bmc(host.name.clone(), e))?,
+            ),
+            _ => None,
+        };
+        let (record, started) = ops
+            .update(mac, true, |r| {
+                let before = r.operation.as_ref().map(|op| op.id.clone());
+                let op = r.start(kind, now())?;
+                Ok((before.is_none()).then(|| op.id.clone()))
+            })
+            .map_err(refused)?;
+        let Some(id) = started else { return Ok(self.view(mac, host, record)) };
+        tracing::info!(host = %host.name, %mac, operation = %id, ?kind, "host operation started");
+        let record = match driver {
+            Some(driver) => self.boot_into_ramdisk(ops, mac, host, &id, &driver).await?,
+            None => record,
+        };
+        Ok(self.view(mac, host, record))
+    }
+
+    /// Has the BMC boot the host from the network for operation `id`, and records what it
+    /// did, or ends the operation with why it could not.
+    async fn boot_into_ramdisk(
+        &self,
+        ops: &Operations,
+        mac: MacAddr,
+        host: &ListedHost,
+        id: &str,
+        driver: &Redfish,
+    ) -> Result<HostRecord, ControlError> {
+        let booted = bmc::boot_from_network(driver).await;
+        let (record, ()) = ops
+            .update(mac, true, |r| {
+                let Some(op) = r.operation.as_mut().filter(|op| op.id == id) else {
+                    return Ok(()); // Cancelled meanwhile.
+                };
+                match &booted {
+                    Ok(done) => op.network_boot = Some(done.clone()),
+                    Err(e) => drop(r.finish(false, e.to_string(), None, None, now())),
+                }
+                Ok::<_, std::convert::Infallible>(())
+            })
+            .map_err(|e| match e {
+                Ok(never) => match never {},
                 Err(e) => ControlError::Store(e),
             })?;
-        if let Some(op) = &record.operation {
-            tracing::info!(host = %name, %mac, operation = %op.id, kind = ?op.kind, "host operation started");
+        match booted {
+            Ok(done) => {
+                tracing::info!(host = %host.name, operation = %id, "{done}");
+                Ok(record)
+            }
+            Err(e) => {
+                tracing::warn!(host = %host.name, operation = %id, error = %e, "the BMC did not boot the host into the ramdisk; operation failed");
+                Err(ControlError::Bmc(host.name.clone(), e))
+            }
         }
+    }
+
+    /// Ends host `name`'s operation as the operator asked: its token stops working at once,
+    /// and a ramdisk that asks later is told to wait (or, if the host booted from its disk
+    /// before, to reboot).
+    pub fn cancel(&self, name: &str) -> Result<HostView, ControlError> {
+        let (mac, host) = self.listed(name)?;
+        let ops = self.operations.as_ref().ok_or(ControlError::NoRamdisk)?;
+        let (record, id) = ops
+            .update(mac, true, |r| r.cancel(now()).map(|outcome| outcome.operation.clone()))
+            .map_err(|e| match e {
+                Ok(NoOperation) => ControlError::NoOperation(host.name.clone()),
+                Err(e) => ControlError::Store(e),
+            })?;
+        ops.images.release(&id);
+        tracing::warn!(host = %host.name, %mac, operation = %id, state = %record.state(), "host operation cancelled by the operator");
         Ok(self.view(mac, host, record))
+    }
+
+    /// Ends, as failed, every operation whose ramdisk booted and then fell silent for longer
+    /// than `ramdisk_silence_timeout`; checks every so often until `stop`.
+    pub async fn watch_silence(self: Arc<Self>, stop: CancellationToken) {
+        let Some(ops) = &self.operations else { return };
+        let every = ops.max_silence.min(SILENCE_CHECK);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            self.end_silent_operations(ops);
+        }
+    }
+
+    fn end_silent_operations(&self, ops: &Operations) {
+        for (mac, host) in &self.hosts {
+            let ended = ops
+                .update(*mac, true, |r| r.end_if_silent(now(), ops.max_silence).cloned().ok_or(()));
+            match ended {
+                Ok((record, outcome)) => {
+                    ops.images.release(&outcome.operation);
+                    tracing::warn!(host = %host.name, %mac, operation = %outcome.operation, kind = ?outcome.kind, state = %record.state(), "{}; operation failed, its token revoked", outcome.message);
+                }
+                Err(Ok(())) => {}
+                // Checked again next time.
+                Err(Err(e)) => {
+                    tracing::error!(host = %host.name, error = %e, "cannot end a silent operation")
+                }
+            }
+        }
     }
 
     /// Host `name` as `siteboot host` shows it.
@@ -222,6 +356,7 @@ impl StaticInventory {
             mac: mac.to_string(),
             profile: host.profile.clone(),
             state: record.state(),
+            bmc: host.bmc.as_ref().map(|b| b.address.to_string()),
             record,
         }
     }
@@ -377,13 +512,15 @@ impl StaticInventory {
         let op = match ops.authenticated(mac, req) {
             Ok(found) => found,
             Err(refusal) if needs_new_token(&refusal) => {
-                // Boot again for an operation's token, or, just provisioned, into the disk.
-                let boot_again = ops
-                    .records
-                    .lock()
-                    .expect("records lock")
-                    .get(&mac)
-                    .is_some_and(|r| r.operation.is_some() || r.installed.is_some());
+                // Boot again for an operation's token (none comes once its bootstrap data
+                // went out: booting again would only loop), or, just provisioned, into the
+                // disk.
+                let boot_again =
+                    ops.records.lock().expect("records lock").get(&mac).is_some_and(|r| {
+                        let pending =
+                            r.operation.as_ref().is_some_and(|op| !op.bootstrap_delivered);
+                        pending || r.installed.is_some()
+                    });
                 return Ok(AgentResponse::json(&task_without_token(boot_again)));
             }
             Err(refusal) => return Err(refusal.into()),
@@ -429,6 +566,8 @@ impl StaticInventory {
 
 /// Seconds between two writes of one step's progress.
 const PROGRESS_WRITE_SECS: u64 = 5;
+/// How often operations are checked for a silent ramdisk, at the most.
+const SILENCE_CHECK: Duration = Duration::from_secs(30);
 
 /// A refusal or a store error, from [`Operations::update`].
 fn flatten(e: Result<Refusal, StoreError>) -> Failure {
@@ -511,13 +650,15 @@ impl Operations {
     }
 }
 
-/// One host as `siteboot host` shows it (no token hash).
+/// One host as `siteboot host` shows it (no token hash, no BMC credentials).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct HostView {
     pub name: String,
     pub mac: String,
     pub profile: String,
     pub state: String,
+    /// Its BMC's address, if it has one.
+    pub bmc: Option<String>,
     pub record: HostRecord,
 }
 
@@ -593,6 +734,7 @@ mod tests {
             reservation: None,
             provisioning: None,
             wipe: WipePolicy::Quick,
+            bmc: None,
         };
         let mut inventory = StaticInventory::new(HashMap::from([(mac(), host)]), None);
         let ramdisk = LinuxBoot {
@@ -604,7 +746,8 @@ mod tests {
         let endpoints = Endpoints { address: Ipv4Addr::new(10, 0, 0, 1), http_port: 8080 };
         let images = Arc::new(ImageService::new(cache, endpoints));
         let store = Store::open(dir).unwrap();
-        inventory.enable_operations(store, ramdisk, images, Duration::from_secs(3600)).unwrap();
+        let (hour, minute) = (Duration::from_secs(3600), Duration::from_secs(60));
+        inventory.enable_operations(store, ramdisk, images, hour, minute).unwrap();
         inventory
     }
 
@@ -633,9 +776,12 @@ mod tests {
             remote_mac,
             body: bytes::Bytes::from_static(b"{\"cpus\": 2}"),
         };
-        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-        let response = runtime.block_on(inventory.agent_request(request));
+        let response = block_on(inventory.agent_request(request));
         (response.status.as_u16(), String::from_utf8_lossy(&response.body).into_owned())
+    }
+
+    fn block_on<T>(work: impl Future<Output = T>) -> T {
+        tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(work)
     }
 
     #[test]
@@ -643,7 +789,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let inventory = inventory(dir.path());
         assert_eq!(boot(&inventory, true), vec!["Some(LocalDisk(Exit))".to_owned()], "its profile");
-        inventory.start("node-a", OperationKind::Inspect).unwrap();
+        block_on(inventory.start("node-a", OperationKind::Inspect)).unwrap();
         let stranger = boot(&inventory, false);
         assert!(stranger.iter().all(|a| !a.starts_with("siteboot.token=")), "{stranger:?}");
         let args = boot(&inventory, true);

@@ -50,7 +50,7 @@ impl FromStr for RedfishAddress {
         };
         let (authority, path) = rest.split_at(rest.find('/').ok_or(fail("no system path"))?);
         if authority.contains('@') {
-            return Err(fail("credentials belong in the Secret, not in the address"));
+            return Err(fail("credentials do not belong in the address"));
         }
         let (host, port) = split_host_port(authority).ok_or(fail("not host[:port]"))?;
         let port = match (port, transport) {
@@ -159,7 +159,7 @@ mod tests {
         assert_eq!(parse("redfish://10.0.0.5"), Err("no system path"));
         assert_eq!(
             parse("redfish://admin:pw@10.0.0.5/redfish/v1/Systems/1"),
-            Err("credentials belong in the Secret, not in the address")
+            Err("credentials do not belong in the address")
         );
         assert_eq!(
             parse("redfish://h:99999/redfish/v1/Systems/1"),

@@ -81,6 +81,35 @@ pub struct Identity {
     pub macs: Vec<String>,
 }
 
+/// Whether asking the BMC for its system's identity showed a BMC siteboot can drive for the
+/// host with `boot_mac`: `(ok, reason, message)`, the reason CamelCase. A BMC whose system
+/// does not have the host's boot MAC manages another machine: driving it would power-cycle
+/// that one.
+pub fn identity_check(
+    boot_mac: &str,
+    identity: &Result<Option<Identity>, BmcError>,
+) -> (bool, &'static str, String) {
+    match identity {
+        Err(e) => (false, e.reason(), e.to_string()),
+        Ok(Some(identity))
+            if !identity.macs.is_empty()
+                && !identity.macs.iter().any(|m| m.eq_ignore_ascii_case(boot_mac)) =>
+        {
+            (
+                false,
+                "BMCBootMACMismatch",
+                format!(
+                    "the BMC's system {} has NICs {}, not the boot MAC {boot_mac}: the BMC address names another machine",
+                    identity.uuid,
+                    identity.macs.join(", ")
+                ),
+            )
+        }
+        Ok(Some(identity)) => (true, "BMCReachable", format!("system {}", identity.uuid)),
+        Ok(None) => (true, "BMCReachable", String::new()),
+    }
+}
+
 pub trait BmcDriver: Send + Sync {
     fn power(&self) -> BoxFuture<'_, Result<PowerState, BmcError>>;
     /// Boots the host from the network now (once): an operation needs the ramdisk.

@@ -118,11 +118,9 @@ pub fn next(host: &Host) -> Option<Transition> {
     }
 }
 
-/// Quarantines a host whose ramdisk booted for the operation under way (it took a token) and
-/// has then said nothing for more than `max_silence_secs`: it hung, lost its network or
-/// crashed. A host that never booted the ramdisk is not timed out: without a BMC, siteboot
-/// waits for it to network-boot.
-pub fn silent(host: &Host, max_silence_secs: i64) -> Option<Transition> {
+/// Quarantines a host whose ramdisk fell silent during the operation under way (see
+/// [`ramdisk_silence`]).
+pub fn silent(host: &Host, max_silence: Duration) -> Option<Transition> {
     let status = host.status.as_ref()?;
     if !matches!(
         status.state,
@@ -131,20 +129,55 @@ pub fn silent(host: &Host, max_silence_secs: i64) -> Option<Transition> {
         return None;
     }
     let op = status.operation.as_ref()?;
-    let last = [&op.token_issued, &op.last_heard].into_iter().flatten().max_by_key(|t| t.0)?;
-    if !older_than(last, max_silence_secs) {
-        return None;
-    }
-    let step = op.step.as_deref().map(|s| format!(" (its last step: {s})")).unwrap_or_default();
+    let contact = RamdiskContact {
+        kind: op.kind,
+        id: &op.id,
+        token_issued: op.token_issued.as_ref().map(|t| t.0.as_second()),
+        last_heard: op.last_heard.as_ref().map(|t| t.0.as_second()),
+        step: op.step.as_deref(),
+    };
+    let now = k8s_openapi::jiff::Timestamp::now().as_second();
+    let message = ramdisk_silence(&contact, now, max_silence)?;
     Some(Transition {
         to: HostState::Quarantined,
         operation: None,
         reason: "RamdiskSilent",
-        message: format!(
-            "the ramdisk of {:?} operation {} has not been heard from for more than {max_silence_secs} s{step}",
-            op.kind, op.id
-        ),
+        message,
     })
+}
+
+/// What the silence rule reads of an operation. Both modes keep these, each in its own record
+/// (a Host's status, a standalone host's file); times in seconds since the Unix epoch.
+#[derive(Debug, Clone, Copy)]
+pub struct RamdiskContact<'a> {
+    pub kind: OperationKind,
+    pub id: &'a str,
+    /// When the ramdisk last took a token: it booted for the operation.
+    pub token_issued: Option<i64>,
+    /// When it last reported.
+    pub last_heard: Option<i64>,
+    /// What it last said it was doing.
+    pub step: Option<&'a str>,
+}
+
+/// Why an operation's ramdisk counts as gone, if it does: it booted for the operation (took a
+/// token) and has then said nothing for more than `max_silence`: it hung, lost its network or
+/// crashed. A host that never booted the ramdisk is not timed out: without a BMC, siteboot
+/// waits for it to network-boot. The message depends on the record and the limit, not on
+/// `now`, so checking again a moment later gives the same one.
+pub fn ramdisk_silence(op: &RamdiskContact<'_>, now: i64, max_silence: Duration) -> Option<String> {
+    let last = op.token_issued.into_iter().chain(op.last_heard).max()?;
+    let silent_for = u64::try_from(now.saturating_sub(last)).unwrap_or(0);
+    if silent_for <= max_silence.as_secs() {
+        return None;
+    }
+    let step = op.step.map(|s| format!(" (its last step: {s})")).unwrap_or_default();
+    Some(format!(
+        "ramdisk silent for more than {} during {:?} operation {}{step}",
+        humantime::format_duration(max_silence),
+        op.kind,
+        op.id
+    ))
 }
 
 fn deprovision(host: &Host, reason: &'static str, message: &str) -> Option<Transition> {
@@ -305,26 +338,12 @@ pub fn needs_bmc_check(host: &Host) -> bool {
 }
 
 /// The BMC condition from what asking the BMC for the host's identity gave: `(ok, reason,
-/// message)`. A BMC whose system does not have the host's boot MAC manages another machine.
+/// message)` (see [`crate::bmc::identity_check`]).
 pub fn bmc_check(
     host: &Host,
     identity: &Result<Option<Identity>, BmcError>,
 ) -> (bool, &'static str, String) {
-    let boot_mac = &host.spec.boot_mac_address;
-    match identity {
-        Err(e) => (false, e.reason(), e.to_string()),
-        Ok(Some(identity)) if !identity.macs.is_empty() && !identity.macs.contains(boot_mac) => (
-            false,
-            "BMCBootMACMismatch",
-            format!(
-                "the BMC's system {} has NICs {}, not the boot MAC {boot_mac}: spec.bmc.address names another machine",
-                identity.uuid,
-                identity.macs.join(", ")
-            ),
-        ),
-        Ok(Some(identity)) => (true, "BMCReachable", format!("system {}", identity.uuid)),
-        Ok(None) => (true, "BMCReachable", String::new()),
-    }
+    crate::bmc::identity_check(&host.spec.boot_mac_address, identity)
 }
 
 /// When to check a failing BMC again: after as long as it has been failing (so the checks
@@ -523,15 +542,16 @@ mod tests {
         });
         claim(&mut h, 1);
         assert_eq!(step(&mut h), Some(HostState::Provisioning));
-        assert_eq!(silent(&h, 60), None, "never booted the ramdisk: waits for it");
+        let minute = Duration::from_secs(60);
+        assert_eq!(silent(&h, minute), None, "never booted the ramdisk: waits for it");
         h.status.as_mut().unwrap().operation.as_mut().unwrap().token_issued = Some(ago(30));
-        assert_eq!(silent(&h, 60), None, "booted 30 s ago");
+        assert_eq!(silent(&h, minute), None, "booted 30 s ago");
         h.status.as_mut().unwrap().operation.as_mut().unwrap().token_issued = Some(ago(600));
         h.status.as_mut().unwrap().operation.as_mut().unwrap().last_heard = Some(ago(10));
-        assert_eq!(silent(&h, 60), None, "booted long ago, heard from 10 s ago");
+        assert_eq!(silent(&h, minute), None, "booted long ago, heard from 10 s ago");
         h.status.as_mut().unwrap().operation.as_mut().unwrap().last_heard = Some(ago(120));
         h.status.as_mut().unwrap().operation.as_mut().unwrap().step = Some("writing image".into());
-        let t = silent(&h, 60).expect("silent for 120 s");
+        let t = silent(&h, minute).expect("silent for 120 s");
         assert_eq!((t.to, t.reason), (HostState::Quarantined, "RamdiskSilent"));
         let id = h.status.as_ref().unwrap().operation.as_ref().unwrap().id.clone();
         assert!(t.message.contains(&id) && t.message.contains("writing image"), "{}", t.message);
@@ -540,7 +560,38 @@ mod tests {
             h.status.as_ref().unwrap().wipe_required,
             "a silent provisioning still owes a wipe"
         );
-        assert_eq!(silent(&h, 60), None, "Quarantined: nothing more to time out");
+        assert_eq!(silent(&h, minute), None, "Quarantined: nothing more to time out");
+    }
+
+    #[test]
+    fn the_silence_rule_counts_from_the_last_sign_of_life() {
+        let limit = Duration::from_secs(15 * 60);
+        let op = |token_issued, last_heard| RamdiskContact {
+            kind: OperationKind::Deprovision,
+            id: "0123abcd",
+            token_issued,
+            last_heard,
+            step: None,
+        };
+        assert_eq!(ramdisk_silence(&op(None, None), 1_000_000, limit), None, "never booted");
+        assert_eq!(ramdisk_silence(&op(Some(100), None), 100 + 900, limit), None, "at the limit");
+        let message = ramdisk_silence(&op(Some(100), None), 100 + 901, limit).unwrap();
+        assert_eq!(
+            message,
+            "ramdisk silent for more than 15m during Deprovision operation 0123abcd"
+        );
+        assert_eq!(
+            ramdisk_silence(&op(Some(100), Some(500)), 1001, limit),
+            None,
+            "a report restarts the count"
+        );
+        let later = ramdisk_silence(&op(Some(100), Some(500)), 5000, limit);
+        assert_eq!(later.as_deref(), Some(message.as_str()), "the same message whenever checked");
+        assert_eq!(
+            ramdisk_silence(&op(Some(100), None), 50, limit),
+            None,
+            "a clock that went back"
+        );
     }
 
     #[test]

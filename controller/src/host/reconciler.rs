@@ -80,7 +80,7 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
 
 /// The lifecycle's next step, or quarantine for a ramdisk gone silent.
 fn next_step(ctx: &Ctx) -> impl Fn(&Host) -> Option<Transition> + use<> {
-    let max_silence = ctx.ramdisk_silence_timeout.as_secs() as i64;
+    let max_silence = ctx.ramdisk_silence_timeout;
     move |host| lifecycle::silent(host, max_silence).or_else(|| lifecycle::next(host))
 }
 
