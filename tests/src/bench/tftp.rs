@@ -78,6 +78,17 @@ pub struct Running {
     _process: Box<dyn std::any::Any>,
 }
 
+impl Drop for Running {
+    /// tftpd-hpa's transfer processes outlive it (some retransmit for a minute after their
+    /// client is gone): they go with it. The process itself is stopped after this.
+    fn drop(&mut self) {
+        for child in super::children(self.pid) {
+            // SAFETY: kill has no memory effects; `child` was listed as this server's child.
+            unsafe { libc::kill(child as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+}
+
 /// Starts `server` serving `root` in the lab, ready for `clients` transfers at once (all from
 /// the one client address), and waits until it answers.
 pub fn start(server: &str, lab: &Lab, root: &Path, dir: &Path, clients: usize) -> Result<Running> {
