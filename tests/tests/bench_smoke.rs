@@ -30,6 +30,18 @@ fn every_benchmark_runs_against_every_peer() {
     for heading in ["### HTTP", "### TFTP", "### DHCP"] {
         assert!(tables.contains(heading), "no {heading} table:\n{tables}");
     }
+    // Each table has a row for every server it compares.
+    let tftp_servers = ["siteboot", "tftpd-hpa", "dnsmasq"];
+    for (heading, servers) in [
+        ("### TFTP: a ", &tftp_servers),
+        ("### TFTP: 10 clients at once", &tftp_servers),
+        ("### DHCP", &["siteboot", "kea", "dnsmasq"]),
+    ] {
+        let table = section(tables, heading);
+        for server in servers {
+            assert!(table.contains(&format!("| {server} |")), "no {server} in {heading}:\n{table}");
+        }
+    }
     // Every server has a row, with a number in its first measured column.
     for server in ["siteboot", "nginx", "tftpd-hpa", "kea", "dnsmasq"] {
         let rows: Vec<&str> =
@@ -45,7 +57,7 @@ fn every_benchmark_runs_against_every_peer() {
 
     let results: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    for benchmark in ["http", "tftp", "dhcp"] {
+    for benchmark in ["http", "tftp", "dhcp", "tftp_concurrent"] {
         assert!(
             results[benchmark].as_array().is_some_and(|a| !a.is_empty()),
             "no {benchmark} samples in the JSON"
@@ -53,4 +65,11 @@ fn every_benchmark_runs_against_every_peer() {
     }
     assert!(results["cpus"].as_u64().unwrap() >= 1);
     assert!(!results["kernel"].as_str().unwrap().is_empty());
+}
+
+/// The table under `heading` (a prefix of its heading line): up to the next heading.
+fn section<'a>(tables: &'a str, heading: &str) -> &'a str {
+    let start = tables.find(heading).unwrap_or_else(|| panic!("no {heading} table:\n{tables}"));
+    let rest = &tables[start + heading.len()..];
+    &tables[start..start + heading.len() + rest.find("\n### ").unwrap_or(rest.len())]
 }

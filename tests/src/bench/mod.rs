@@ -1,5 +1,5 @@
 //! The benchmark driver behind `scripts/bench` (`src/bin/bench.rs`): siteboot against the
-//! servers a user would otherwise run (nginx, tftpd-hpa, Kea, dnsmasq), each in its own pair of
+//! servers a user would otherwise run (nginx, tftpd-hpa, dnsmasq, Kea), each in its own pair of
 //! network namespaces joined by a veth, driven by real clients, with results as JSON and a
 //! markdown table. Speeds are measured, never asserted: the smoke test only checks that every
 //! benchmark ran and every peer is in the table.
@@ -8,6 +8,7 @@ pub mod dhcp;
 pub mod http;
 pub mod report;
 pub mod tftp;
+pub mod tftp_concurrent;
 
 use std::path::Path;
 use std::time::Duration;
@@ -31,6 +32,8 @@ pub struct Settings {
     pub http_clients: Vec<usize>,
     pub tftp_bytes: u64,
     pub tftp_windows: Vec<u16>,
+    /// Clients fetching an iPXE binary at once in `tftp-concurrent`.
+    pub tftp_clients: usize,
     /// Length of one perfdhcp probe of the rate search.
     pub dhcp_seconds: u32,
     /// The rate search's ceiling, in exchanges/s.
@@ -47,6 +50,7 @@ impl Settings {
             http_clients: vec![1, 16, 64],
             tftp_bytes: 64 << 20,
             tftp_windows: vec![1, 16, 64],
+            tftp_clients: 200,
             dhcp_seconds: 3,
             dhcp_max_rate: 64_000,
             only: vec![],
@@ -61,6 +65,7 @@ impl Settings {
             http_clients: vec![1, 4],
             tftp_bytes: 1 << 20,
             tftp_windows: vec![1, 16],
+            tftp_clients: 10,
             dhcp_seconds: 1,
             dhcp_max_rate: 500,
             only: vec![],
@@ -120,7 +125,8 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     total
 }
 
-fn children(pid: u32) -> Vec<u32> {
+/// The live child processes of `pid`.
+pub fn children(pid: u32) -> Vec<u32> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return vec![] };
     tasks
         .flatten()

@@ -1,10 +1,11 @@
-//! `bench`: siteboot against nginx (HTTP), tftpd-hpa (TFTP), Kea and dnsmasq (DHCP), each in
+//! `bench`: siteboot against nginx (HTTP), tftpd-hpa and dnsmasq (TFTP), Kea and dnsmasq (DHCP), each in
 //! its own network namespaces. Writes raw results as JSON and the tables into a markdown file
 //! (between the bench markers, keeping the rest). Run through `scripts/bench` (release build).
 //!
 //! ```text
-//! bench [--smoke] [--runs N] [--only http,tftp,dhcp] [--http-bytes N] [--http-clients 1,16,64]
-//!       [--tftp-bytes N] [--tftp-windows 1,16,64] [--dhcp-seconds S] [--dhcp-max-rate R]
+//! bench [--smoke] [--runs N] [--only http,tftp,tftp-concurrent,dhcp] [--http-bytes N]
+//!       [--http-clients 1,16,64] [--tftp-bytes N] [--tftp-windows 1,16,64] [--tftp-clients N]
+//!       [--dhcp-seconds S] [--dhcp-max-rate R]
 //!       [--json FILE] [--markdown FILE] [--command TEXT]
 //! ```
 
@@ -39,6 +40,7 @@ fn main() -> Result<()> {
                 settings.tftp_windows =
                     value.split(',').map(str::parse).collect::<Result<_, _>>()?
             }
+            "--tftp-clients" => settings.tftp_clients = value.parse()?,
             "--dhcp-seconds" => settings.dhcp_seconds = value.parse()?,
             "--dhcp-max-rate" => settings.dhcp_max_rate = value.parse()?,
             "--json" => json = value.into(),
@@ -58,6 +60,9 @@ fn main() -> Result<()> {
     let http = attempt(&settings, "http", &mut failed, || bench::http::run(&settings, dir.path()));
     let tftp = attempt(&settings, "tftp", &mut failed, || bench::tftp::run(&settings, dir.path()));
     let dhcp = attempt(&settings, "dhcp", &mut failed, || bench::dhcp::run(&settings, dir.path()));
+    let tftp_concurrent = attempt(&settings, "tftp-concurrent", &mut failed, || {
+        bench::tftp_concurrent::run(&settings, dir.path())
+    });
     let results = Results {
         command,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -68,6 +73,7 @@ fn main() -> Result<()> {
         http,
         tftp,
         dhcp,
+        tftp_concurrent,
         failed,
     };
     report::write(&results, &json, &markdown)?;
