@@ -30,6 +30,14 @@ fn every_benchmark_runs_against_every_peer() {
     for heading in ["### HTTP", "### TFTP", "### DHCP"] {
         assert!(tables.contains(heading), "no {heading} table:\n{tables}");
     }
+    // The iPXE-script requests table, with a row for each of its two servers.
+    let requests = tables
+        .split("\n### ")
+        .find(|t| t.contains("iPXE-script requests"))
+        .unwrap_or_else(|| panic!("no iPXE-script requests table:\n{tables}"));
+    for server in ["siteboot", "nginx"] {
+        assert!(requests.contains(&format!("| {server} |")), "no {server} row:\n{requests}");
+    }
     // Every server has a row, with a number in its first measured column.
     for server in ["siteboot", "nginx", "tftpd-hpa", "kea", "dnsmasq"] {
         let rows: Vec<&str> =
@@ -45,7 +53,7 @@ fn every_benchmark_runs_against_every_peer() {
 
     let results: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    for benchmark in ["http", "tftp", "dhcp"] {
+    for benchmark in ["http", "http_requests", "tftp", "dhcp"] {
         assert!(
             results[benchmark].as_array().is_some_and(|a| !a.is_empty()),
             "no {benchmark} samples in the JSON"

@@ -6,6 +6,7 @@
 
 pub mod dhcp;
 pub mod http;
+pub mod http_requests;
 pub mod report;
 pub mod tftp;
 
@@ -36,6 +37,10 @@ pub struct Settings {
     /// The rate search's ceiling, in exchanges/s.
     pub dhcp_max_rate: u32,
     pub only: Vec<String>,
+    /// iPXE-script requests per run of the requests benchmark, and the keep-alive connections
+    /// they share.
+    pub script_requests: u64,
+    pub script_connections: usize,
 }
 
 impl Settings {
@@ -50,6 +55,8 @@ impl Settings {
             dhcp_seconds: 3,
             dhcp_max_rate: 64_000,
             only: vec![],
+            script_requests: 10_000,
+            script_connections: 256,
         }
     }
 
@@ -64,6 +71,8 @@ impl Settings {
             dhcp_seconds: 1,
             dhcp_max_rate: 500,
             only: vec![],
+            script_requests: 200,
+            script_connections: 16,
         }
     }
 

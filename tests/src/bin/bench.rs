@@ -3,8 +3,9 @@
 //! (between the bench markers, keeping the rest). Run through `scripts/bench` (release build).
 //!
 //! ```text
-//! bench [--smoke] [--runs N] [--only http,tftp,dhcp] [--http-bytes N] [--http-clients 1,16,64]
-//!       [--tftp-bytes N] [--tftp-windows 1,16,64] [--dhcp-seconds S] [--dhcp-max-rate R]
+//! bench [--smoke] [--runs N] [--only http,http-requests,tftp,dhcp] [--http-bytes N]
+//!       [--http-clients 1,16,64] [--tftp-bytes N] [--tftp-windows 1,16,64] [--dhcp-seconds S]
+//!       [--dhcp-max-rate R] [--script-requests N] [--script-connections N]
 //!       [--json FILE] [--markdown FILE] [--command TEXT]
 //! ```
 
@@ -41,6 +42,8 @@ fn main() -> Result<()> {
             }
             "--dhcp-seconds" => settings.dhcp_seconds = value.parse()?,
             "--dhcp-max-rate" => settings.dhcp_max_rate = value.parse()?,
+            "--script-requests" => settings.script_requests = value.parse()?,
+            "--script-connections" => settings.script_connections = value.parse()?,
             "--json" => json = value.into(),
             "--markdown" => markdown = value.into(),
             "--command" => command = value.clone(),
@@ -56,6 +59,9 @@ fn main() -> Result<()> {
     // A benchmark that fails costs its own table only: the others' results are still written.
     let mut failed = Vec::new();
     let http = attempt(&settings, "http", &mut failed, || bench::http::run(&settings, dir.path()));
+    let http_requests = attempt(&settings, "http-requests", &mut failed, || {
+        bench::http_requests::run(&settings, dir.path())
+    });
     let tftp = attempt(&settings, "tftp", &mut failed, || bench::tftp::run(&settings, dir.path()));
     let dhcp = attempt(&settings, "dhcp", &mut failed, || bench::dhcp::run(&settings, dir.path()));
     let results = Results {
@@ -66,6 +72,7 @@ fn main() -> Result<()> {
         versions: bench::versions(),
         settings,
         http,
+        http_requests,
         tftp,
         dhcp,
         failed,
