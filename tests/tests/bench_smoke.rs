@@ -33,6 +33,7 @@ fn every_benchmark_runs_against_every_peer() {
     // Each table has a row for every server it compares.
     let tftp_servers = ["siteboot", "tftpd-hpa", "dnsmasq"];
     for (heading, servers) in [
+        ("### HTTP: 200 iPXE-script requests", &["siteboot", "nginx"][..]),
         ("### TFTP: a ", &tftp_servers),
         ("### TFTP: 10 clients at once", &tftp_servers),
         ("### DHCP", &["siteboot", "kea", "dnsmasq"]),
@@ -57,7 +58,7 @@ fn every_benchmark_runs_against_every_peer() {
 
     let results: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    for benchmark in ["http", "tftp", "dhcp", "tftp_concurrent"] {
+    for benchmark in ["http", "http_requests", "tftp", "dhcp", "tftp_concurrent"] {
         assert!(
             results[benchmark].as_array().is_some_and(|a| !a.is_empty()),
             "no {benchmark} samples in the JSON"

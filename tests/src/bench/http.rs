@@ -13,7 +13,8 @@ use super::{Lab, SERVER_ADDRESS, Settings};
 use crate::appliance::{Appliance, BRIDGE};
 use crate::process::Supervised;
 
-const PORT: u16 = 8080;
+/// The HTTP port of both servers (also the requests benchmark's).
+pub(super) const PORT: u16 = 8080;
 const FILE: &str = "image.bin";
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -102,8 +103,9 @@ fn start_siteboot(lab: &Lab, root: &Path) -> Result<Appliance> {
 }
 
 /// nginx as its package would serve static files, with sendfile (and tcp_nopush), one worker
-/// per CPU, no access log.
-fn start_nginx(lab: &Lab, root: &Path, dir: &Path) -> Result<Supervised> {
+/// per CPU, no access log: `root` at `/files/`, and its `boot/` at `/boot/` (the requests
+/// benchmark's scripts).
+pub(super) fn start_nginx(lab: &Lab, root: &Path, dir: &Path) -> Result<Supervised> {
     let prefix = dir.join("nginx");
     std::fs::create_dir_all(prefix.join("tmp"))?;
     let conf = prefix.join("nginx.conf");
@@ -119,8 +121,9 @@ fn start_nginx(lab: &Lab, root: &Path, dir: &Path) -> Result<Supervised> {
              \x20 proxy_temp_path {p}/tmp/proxy;\n  fastcgi_temp_path {p}/tmp/fastcgi;\n\
              \x20 uwsgi_temp_path {p}/tmp/uwsgi;\n  scgi_temp_path {p}/tmp/scgi;\n\
              \x20 server {{\n    listen {SERVER_ADDRESS}:{PORT};\n\
-             \x20   location /files/ {{ alias {}/; }}\n  }}\n}}\n",
-            root.display()
+             \x20   location /files/ {{ alias {root}/; }}\n\
+             \x20   location /boot/ {{ alias {root}/boot/; }}\n  }}\n}}\n",
+            root = root.display()
         ),
     )?;
     let mut command = lab.server.command("nginx");

@@ -6,6 +6,7 @@
 
 pub mod dhcp;
 pub mod http;
+pub mod http_requests;
 pub mod report;
 pub mod tftp;
 pub mod tftp_concurrent;
@@ -39,6 +40,10 @@ pub struct Settings {
     /// The rate search's ceiling, in exchanges/s.
     pub dhcp_max_rate: u32,
     pub only: Vec<String>,
+    /// iPXE-script requests per run of the requests benchmark, and the keep-alive connections
+    /// they share.
+    pub script_requests: u64,
+    pub script_connections: usize,
 }
 
 impl Settings {
@@ -54,6 +59,8 @@ impl Settings {
             dhcp_seconds: 3,
             dhcp_max_rate: 64_000,
             only: vec![],
+            script_requests: 10_000,
+            script_connections: 256,
         }
     }
 
@@ -69,6 +76,8 @@ impl Settings {
             dhcp_seconds: 1,
             dhcp_max_rate: 500,
             only: vec![],
+            script_requests: 200,
+            script_connections: 16,
         }
     }
 

@@ -3,9 +3,10 @@
 //! (between the bench markers, keeping the rest). Run through `scripts/bench` (release build).
 //!
 //! ```text
-//! bench [--smoke] [--runs N] [--only http,tftp,tftp-concurrent,dhcp] [--http-bytes N]
-//!       [--http-clients 1,16,64] [--tftp-bytes N] [--tftp-windows 1,16,64] [--tftp-clients N]
-//!       [--dhcp-seconds S] [--dhcp-max-rate R]
+//! bench [--smoke] [--runs N] [--only http,http-requests,tftp,tftp-concurrent,dhcp]
+//!       [--http-bytes N] [--http-clients 1,16,64] [--script-requests N] [--script-connections N]
+//!       [--tftp-bytes N] [--tftp-windows 1,16,64] [--tftp-clients N] [--dhcp-seconds S]
+//!       [--dhcp-max-rate R]
 //!       [--json FILE] [--markdown FILE] [--command TEXT]
 //! ```
 
@@ -43,6 +44,8 @@ fn main() -> Result<()> {
             "--tftp-clients" => settings.tftp_clients = value.parse()?,
             "--dhcp-seconds" => settings.dhcp_seconds = value.parse()?,
             "--dhcp-max-rate" => settings.dhcp_max_rate = value.parse()?,
+            "--script-requests" => settings.script_requests = value.parse()?,
+            "--script-connections" => settings.script_connections = value.parse()?,
             "--json" => json = value.into(),
             "--markdown" => markdown = value.into(),
             "--command" => command = value.clone(),
@@ -58,6 +61,9 @@ fn main() -> Result<()> {
     // A benchmark that fails costs its own table only: the others' results are still written.
     let mut failed = Vec::new();
     let http = attempt(&settings, "http", &mut failed, || bench::http::run(&settings, dir.path()));
+    let http_requests = attempt(&settings, "http-requests", &mut failed, || {
+        bench::http_requests::run(&settings, dir.path())
+    });
     let tftp = attempt(&settings, "tftp", &mut failed, || bench::tftp::run(&settings, dir.path()));
     let dhcp = attempt(&settings, "dhcp", &mut failed, || bench::dhcp::run(&settings, dir.path()));
     let tftp_concurrent = attempt(&settings, "tftp-concurrent", &mut failed, || {
@@ -71,6 +77,7 @@ fn main() -> Result<()> {
         versions: bench::versions(),
         settings,
         http,
+        http_requests,
         tftp,
         dhcp,
         tftp_concurrent,
