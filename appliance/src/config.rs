@@ -815,7 +815,7 @@ unknown_hosts:
         assert_eq!(config.interface, "br0");
         assert_eq!(config.plan.subnets.len(), 1);
         assert_eq!(config.http.port, 8080);
-        assert_eq!(config.tftp.max_transfers, 64);
+        assert_eq!(config.tftp.max_transfers, 256);
     }
 
     #[test]

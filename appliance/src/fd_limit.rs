@@ -71,12 +71,12 @@ mod tests {
     #[test]
     fn a_limit_too_low_for_the_caps_names_the_field_and_the_fix() {
         let (http, tftp) = (HttpSettings::default(), TftpSettings::default());
-        assert_eq!(needed(&http, &tftp), 2 * 1024 + 2 * 64 + 256);
+        assert_eq!(needed(&http, &tftp), 2 * 1024 + 2 * 256 + 256);
         assert!(check(&http, &tftp, 65_536).is_ok());
-        assert!(check(&http, &tftp, 2432).is_ok());
+        assert!(check(&http, &tftp, 2816).is_ok());
         let e = check(&http, &tftp, 1024).unwrap_err();
         assert_eq!(e.field, "http.max_connections");
-        for part in ["1024 connections", "2432 file descriptors", "only 1024", "LimitNOFILE"] {
+        for part in ["1024 connections", "2816 file descriptors", "only 1024", "LimitNOFILE"] {
             assert!(e.message.contains(part), "{part:?} missing from: {}", e.message);
         }
     }

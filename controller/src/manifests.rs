@@ -418,7 +418,7 @@ dhcp:
       pools: [{pool}]
       router: {router}
 tftp:
-  max_transfers: 64
+  max_transfers: 256
   max_transfers_per_address: 8
   max_timeout: 10s
 http:
@@ -558,7 +558,7 @@ const APPLIANCE_HEADER: &str = "\
 # File descriptors: a Pod cannot set RLIMIT_NOFILE; it inherits the container runtime's
 # (containerd 2 and Docker 25+: soft 1024, hard 524288; older: 1048576). siteboot raises its
 # soft limit to the hard one at start and refuses to start, naming http.max_connections, if
-# the hard limit cannot hold 2 x http.max_connections + 2 x tftp.max_transfers + 256 (2432 with
+# the hard limit cannot hold 2 x http.max_connections + 2 x tftp.max_transfers + 256 (2816 with
 # the defaults below). If yours is lower, raise it in the runtime (containerd: LimitNOFILE in
 # its systemd unit, or the default_ulimits of CRI-O) or lower http.max_connections.
 ";

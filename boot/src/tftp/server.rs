@@ -35,7 +35,8 @@ pub struct TftpSettings {
     /// Optional directory of further files served read-only.
     pub root: Option<PathBuf>,
     /// Transfers in progress at once; further requests are refused until one ends. Each takes
-    /// two file descriptors (its socket and the file).
+    /// two file descriptors (its socket and the file). The default lets a few racks' firmware
+    /// fetch iPXE at once (a refused one depends on its firmware retrying).
     pub max_transfers: usize,
     /// Transfers one client address may have in progress at once (a booting host needs one).
     pub max_transfers_per_address: usize,
@@ -60,7 +61,7 @@ impl Default for TftpSettings {
         Self {
             ipxe_dir: PathBuf::from("/usr/lib/ipxe"),
             root: None,
-            max_transfers: 64,
+            max_transfers: 256,
             max_transfers_per_address: 8,
             max_block_size: 1468,
             max_window_size: 64,
