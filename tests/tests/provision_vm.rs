@@ -117,7 +117,7 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     .unwrap();
     lab.install_ramdisk(&ramdisk).unwrap();
     let image = lab.serve_image("test-os", &os).unwrap();
-    let resets = ResetDownloads::every(&lab.lab, RESET_EVERY).unwrap();
+    let resets = ResetRule::image_downloads(&lab.lab, RESET_EVERY).unwrap();
     let libvirt = Libvirt::start(&lab.lab).unwrap();
     let sushy =
         Sushy::start(SushyOptions { user: USER, tls: None, netns: Some(&lab.lab) }).unwrap();
@@ -173,39 +173,63 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
 /// (iPXE's kernel and initrd, less than this, pass.)
 const RESET_EVERY: u64 = 48 * MIB;
 
-/// An iptables rule in the lab's namespace that answers a VM's packet on a connection that
-/// has received more than a given number of bytes from the appliance with a TCP reset.
-struct ResetDownloads<'a> {
+/// An iptables rule in the lab's namespace that answers the packets it matches with a TCP
+/// reset, and counts them.
+struct ResetRule<'a> {
     ns: &'a siteboot_tests::netns::Netns,
+    /// The rule's comment, which finds it in the listing.
+    name: &'static str,
 }
 
-impl<'a> ResetDownloads<'a> {
-    fn every(ns: &'a siteboot_tests::netns::Netns, bytes: u64) -> Result<Self> {
-        let port = appliance::HTTP_PORT.to_string();
-        let from = format!("{bytes}:");
-        siteboot_tests::netns::run(ns.command("iptables").args([
-            "-I",
-            "INPUT",
-            "-i",
-            appliance::BRIDGE,
-            "-p",
-            "tcp",
-            "--dport",
-            &port,
-            "-m",
-            "connbytes",
-            "--connbytes",
-            &from,
-            "--connbytes-dir",
-            "reply",
-            "--connbytes-mode",
-            "bytes",
-            "-j",
-            "REJECT",
-            "--reject-with",
-            "tcp-reset",
-        ]))?;
-        Ok(Self { ns })
+impl<'a> ResetRule<'a> {
+    fn add(
+        ns: &'a siteboot_tests::netns::Netns,
+        name: &'static str,
+        matching: &[&str],
+    ) -> Result<Self> {
+        let mut args = vec!["-I", "INPUT"];
+        args.extend(matching);
+        args.extend(["-m", "comment", "--comment", name, "-j", "REJECT"]);
+        args.extend(["--reject-with", "tcp-reset"]);
+        siteboot_tests::netns::run(ns.command("iptables").args(&args))?;
+        Ok(Self { ns, name })
+    }
+
+    /// Every connection from the VMs to the appliance's HTTP port, once the appliance has sent
+    /// it `bytes`: the ramdisk's image download breaks off mid-stream.
+    fn image_downloads(ns: &'a siteboot_tests::netns::Netns, bytes: u64) -> Result<Self> {
+        let (port, from) = (appliance::HTTP_PORT.to_string(), format!("{bytes}:"));
+        Self::add(
+            ns,
+            "image-downloads",
+            &[
+                "-i",
+                appliance::BRIDGE,
+                "-p",
+                "tcp",
+                "--dport",
+                &port,
+                "-m",
+                "connbytes",
+                "--connbytes",
+                &from,
+                "--connbytes-dir",
+                "reply",
+                "--connbytes-mode",
+                "bytes",
+            ],
+        )
+    }
+
+    /// Every connection attempt to `port` on the namespace's loopback (what the kernel does
+    /// anyway when nothing listens there, but counted).
+    fn connections_to(
+        ns: &'a siteboot_tests::netns::Netns,
+        name: &'static str,
+        port: u16,
+    ) -> Result<Self> {
+        let port = port.to_string();
+        Self::add(ns, name, &["-i", "lo", "-p", "tcp", "--dport", &port, "--syn"])
     }
 
     /// How many packets the rule answered with a reset.
@@ -213,7 +237,8 @@ impl<'a> ResetDownloads<'a> {
         let listed = siteboot_tests::netns::output(
             self.ns.command("iptables").args(["-L", "INPUT", "-v", "-x", "-n"]),
         )?;
-        let line = listed.lines().find(|l| l.contains("REJECT")).context("no reset rule")?;
+        let comment = format!("/* {} */", self.name);
+        let line = listed.lines().find(|l| l.contains(&comment)).context("no such rule")?;
         let packets = line.split_whitespace().next().context("no packet count")?;
         Ok(packets.parse()?)
     }
@@ -345,12 +370,10 @@ async fn failures(env: &Env<'_>) -> Result<()> {
     let empty = sha256_file(&domain.disks[0])?;
     let hosts = env.lab.hosts();
 
-    // The BMC's address names a port nothing listens on.
-    let dead = format!(
-        "redfish+http://127.0.0.1:{}/redfish/v1/Systems/{}",
-        siteboot_tests::redfish::free_port()?,
-        domain.uuid
-    );
+    // The BMC's address names a port nothing listens on; each attempt to reach it is counted.
+    let port = siteboot_tests::redfish::free_port()?;
+    let attempts = ResetRule::connections_to(&env.lab.lab, "dead-bmc", port)?;
+    let dead = format!("redfish+http://127.0.0.1:{port}/redfish/v1/Systems/{}", domain.uuid);
     let mut host = Host::new(FAILURES, HostSpec::new(&domain.mac));
     host.metadata.labels = Some(BTreeMap::from([
         (SITE_LABEL.to_owned(), SITE.to_owned()),
@@ -376,6 +399,24 @@ async fn failures(env: &Env<'_>) -> Result<()> {
         "BMCReady: {bmc:?}"
     );
     ensure!(status.state == Some(HostState::Registering), "state {:?}", status.state);
+    // Asked again, later and later: in the next 40 s a few more checks (each its bounded
+    // attempts), not a loop.
+    let per_check: u64 = bmc
+        .message
+        .split("unreachable after ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next()?.parse().ok())
+        .context("no attempt count in the message")?;
+    let before = attempts.count()?;
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    let during = attempts.count()? - before;
+    eprintln!("unreachable BMC: {during} connection attempts in 40 s, {per_check} per check");
+    ensure!(
+        (per_check..=5 * per_check).contains(&during),
+        "{during} connection attempts in 40 s, {per_check} per check: want 1 to 5 checks"
+    );
+    let host = hosts.get(FAILURES).await?;
+    ensure!(state(&host) == Some(HostState::Registering), "state {:?}", state(&host));
     ensure!(env.libvirt.state(&domain)? == "shut off", "powered on through a BMC that failed");
     let fixed = json!({ "spec": { "bmc": { "address": env.sushy.address(&domain) } } });
     hosts.patch(FAILURES, &PatchParams::default(), &Patch::Merge(&fixed)).await?;
