@@ -233,22 +233,14 @@ fn start_kea(lab: &Lab, work: &Path) -> Result<Supervised> {
 /// dnsmasq as a DHCP server only (DNS off), no per-lease logging, no ping before offering,
 /// and a lease limit as large as the pool (its default is 1,000).
 fn start_dnsmasq(lab: &Lab, work: &Path) -> Result<Supervised> {
-    let mut command = lab.server.command("dnsmasq");
-    command
-        .args(["--keep-in-foreground", "--conf-file=/dev/null", "--port=0", "--user=root"])
-        .args(["--bind-interfaces", "--log-facility=-", "--quiet-dhcp", "--no-ping"])
-        .arg(format!("--interface={BRIDGE}"))
-        .arg(format!("--dhcp-range={POOL_START},{POOL_END},255.255.0.0,{LEASE_SECONDS}"))
-        .arg("--dhcp-lease-max=70000")
-        .arg(format!("--dhcp-leasefile={}", work.join("dnsmasq.leases").display()))
-        .arg(format!("--pid-file={}", work.join("dnsmasq.pid").display()));
-    let mut process = Supervised::spawn("dnsmasq", &mut command, work)?;
-    super::wait_for("dnsmasq to start", Duration::from_secs(20), || {
-        process.log().contains("started, version") || process.try_wait().is_some()
-    })?;
-    if let Some(status) = process.try_wait() {
-        bail!("dnsmasq exited ({status}):\n{}", process.log_tail());
-    }
+    let args = [
+        "--quiet-dhcp".to_owned(),
+        "--no-ping".to_owned(),
+        format!("--dhcp-range={POOL_START},{POOL_END},255.255.0.0,{LEASE_SECONDS}"),
+        "--dhcp-lease-max=70000".to_owned(),
+        format!("--dhcp-leasefile={}", work.join("dnsmasq.leases").display()),
+    ];
+    let process = super::start_dnsmasq(lab, "dnsmasq", &args, work)?;
     wait_answering(lab, work).with_context(|| process.log_tail())?;
     Ok(process)
 }

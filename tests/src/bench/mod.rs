@@ -183,6 +183,32 @@ pub fn write_file(path: &Path, bytes: u64) -> Result<()> {
     Ok(())
 }
 
+/// dnsmasq in `lab`'s server namespace as `name` (its log and pid file in `dir`): what every
+/// bench run of it shares (no config file, no DNS, in the foreground, bound to the bridge,
+/// logging to stderr) and `args`; waits until it says it started.
+pub fn start_dnsmasq(
+    lab: &Lab,
+    name: &str,
+    args: &[String],
+    dir: &Path,
+) -> Result<crate::process::Supervised> {
+    let mut command = lab.server.command("dnsmasq");
+    command
+        .args(["--keep-in-foreground", "--conf-file=/dev/null", "--port=0", "--user=root"])
+        .args(["--bind-interfaces", "--log-facility=-"])
+        .arg(format!("--interface={BRIDGE}"))
+        .arg(format!("--pid-file={}", dir.join(format!("{name}.pid")).display()))
+        .args(args);
+    let mut process = crate::process::Supervised::spawn(name, &mut command, dir)?;
+    wait_for("dnsmasq to start", Duration::from_secs(20), || {
+        process.log().contains("started, version") || process.try_wait().is_some()
+    })?;
+    if let Some(status) = process.try_wait() {
+        bail!("dnsmasq exited ({status}):\n{}", process.log_tail());
+    }
+    Ok(process)
+}
+
 /// Polls `probe` until it is true or `timeout` passes.
 pub fn wait_for(what: &str, timeout: Duration, mut probe: impl FnMut() -> bool) -> Result<()> {
     crate::wait::until(what, timeout, Duration::from_millis(50), || probe().then_some(()))

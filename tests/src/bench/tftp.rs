@@ -113,7 +113,7 @@ pub fn start(server: &str, lab: &Lab, root: &Path, dir: &Path, clients: usize) -
 
 /// siteboot serving `root`, and its iPXE binaries from Debian's `ipxe` package (the files the
 /// concurrent benchmark copies into `root` for the peers). Its transfer caps (`max_transfers`
-/// 64 and `max_transfers_per_address` 8 by default) are raised to `clients` when that is
+/// 256 and `max_transfers_per_address` 8 by default) are raised to `clients` when that is
 /// more: every bench client comes from one address.
 fn start_siteboot(lab: &Lab, root: &Path, clients: usize) -> Result<Appliance> {
     let config = json!({
@@ -147,23 +147,13 @@ fn start_tftpd(lab: &Lab, root: &Path, dir: &Path) -> Result<Supervised> {
 /// concurrent transfers (`--tftp-max`, default 50) raised to `clients` when that is more. It
 /// grants blksize up to the interface's MTU (1500: 1468 bytes of data).
 fn start_dnsmasq(lab: &Lab, root: &Path, dir: &Path, clients: usize) -> Result<Supervised> {
-    let mut command = lab.server.command("dnsmasq");
-    command
-        .args(["--keep-in-foreground", "--conf-file=/dev/null", "--port=0", "--user=root"])
-        .args(["--bind-interfaces", "--log-facility=-", "--quiet-tftp"])
-        .arg(format!("--interface={BRIDGE}"))
-        .arg("--enable-tftp")
-        .arg(format!("--tftp-root={}", root.display()))
-        .arg(format!("--tftp-max={}", clients.max(50)))
-        .arg(format!("--pid-file={}", dir.join("dnsmasq-tftp.pid").display()));
-    let mut process = Supervised::spawn("dnsmasq-tftp", &mut command, dir)?;
-    super::wait_for("dnsmasq to start", Duration::from_secs(20), || {
-        process.log().contains("started, version") || process.try_wait().is_some()
-    })?;
-    if let Some(status) = process.try_wait() {
-        bail!("dnsmasq exited ({status}):\n{}", process.log_tail());
-    }
-    Ok(process)
+    let args = [
+        "--quiet-tftp".to_owned(),
+        "--enable-tftp".to_owned(),
+        format!("--tftp-root={}", root.display()),
+        format!("--tftp-max={}", clients.max(50)),
+    ];
+    super::start_dnsmasq(lab, "dnsmasq-tftp", &args, dir)
 }
 
 /// Until a request is answered (UDP has no connect to wait for).
