@@ -281,7 +281,7 @@ impl Drop for Dhclient<'_> {
 }
 
 /// One exchange's counters from perfdhcp's summary (`DISCOVER-OFFER`, `REQUEST-ACK`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Exchange {
     pub name: String,
     pub sent: u64,
@@ -290,6 +290,8 @@ pub struct Exchange {
     pub orphans: u64,
     pub rejected_leases: u64,
     pub non_unique_addresses: u64,
+    /// Each answered packet's delay (sent to received) in ms, when perfdhcp ran with `-x t`.
+    pub delays_ms: Vec<f64>,
 }
 
 #[derive(Clone, Debug)]
@@ -306,11 +308,34 @@ impl PerfdhcpReport {
     /// Reads perfdhcp's printed summary.
     pub fn parse(output: &str) -> Self {
         let mut exchanges: Vec<Exchange> = Vec::new();
+        // With `-x t`, a "Timestamps for packets" section per exchange follows the summaries.
+        let mut timestamps_of: Option<usize> = None;
         for line in output.lines().map(str::trim) {
             if let Some(name) =
                 line.strip_prefix("***Statistics for: ").and_then(|rest| rest.strip_suffix("***"))
             {
                 exchanges.push(Exchange { name: name.to_owned(), ..Exchange::default() });
+                timestamps_of = None;
+                continue;
+            }
+            if let Some(name) = line
+                .strip_prefix("***Timestamps for packets: ")
+                .and_then(|rest| rest.strip_suffix("***"))
+            {
+                timestamps_of = exchanges.iter().position(|e| e.name == name);
+                continue;
+            }
+            if let Some(index) = timestamps_of {
+                // "sent / received: 000000.040174 / 000000.040424" (seconds)
+                if let Some((sent, received)) = line
+                    .strip_prefix("sent / received:")
+                    .and_then(|times| times.split_once('/'))
+                    .and_then(|(s, r)| {
+                        Some((s.trim().parse::<f64>().ok()?, r.trim().parse::<f64>().ok()?))
+                    })
+                {
+                    exchanges[index].delays_ms.push((received - sent) * 1000.0);
+                }
                 continue;
             }
             let (Some(exchange), Some((key, value))) = (exchanges.last_mut(), line.split_once(':'))
@@ -492,6 +517,36 @@ mod tests {
         assert_eq!(lease.lease_secs, Some(3600));
         assert_eq!(lease.domain.as_deref(), Some("lab.internal"));
         assert_eq!(Lease::parse("event=BOUND\tmask=255.255.255.0").prefix_len, Some(24));
+    }
+
+    #[test]
+    fn perfdhcp_counters_and_per_packet_delays() {
+        let output = "\
+***Statistics for: DISCOVER-OFFER***
+sent packets: 3
+received packets: 2
+drops: 1
+min delay: 0.210 ms
+***Statistics for: REQUEST-ACK***
+sent packets: 2
+received packets: 2
+drops: 0
+
+***Timestamps for packets: DISCOVER-OFFER***
+sent / received: 000000.000146 / 000000.000492
+sent / received: 000001.040174 / 000001.042174
+***Timestamps for packets: REQUEST-ACK***
+sent / received: 000000.500000 / 000000.503000
+sent / received: 000001.500000 / 000001.500500
+";
+        let report = PerfdhcpReport::parse(output);
+        let offer = report.exchange("DISCOVER-OFFER").unwrap();
+        assert_eq!((offer.sent, offer.received, offer.drops), (3, 2, 1));
+        let round = |v: &[f64]| v.iter().map(|d| (d * 1000.0).round() / 1000.0).collect::<Vec<_>>();
+        assert_eq!(round(&offer.delays_ms), vec![0.346, 2.0]);
+        let ack = report.exchange("REQUEST-ACK").unwrap();
+        assert_eq!((ack.sent, ack.received, ack.drops), (2, 2, 0));
+        assert_eq!(round(&ack.delays_ms), vec![3.0, 0.5]);
     }
 
     #[test]

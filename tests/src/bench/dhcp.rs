@@ -1,7 +1,9 @@
 //! DHCP: perfdhcp 4-way exchanges (DISCOVER-OFFER-REQUEST-ACK) per second at ≤0.1% drops,
 //! siteboot (full mode) against Kea (memfile, persist) and dnsmasq, each with the same /16 pool
 //! and lease time and without per-packet logging. The highest rate is searched for: doubling
-//! from [`FIRST_RATE`] until a probe drops too much, then bisecting.
+//! from [`FIRST_RATE`] until a probe drops too much, then bisecting. The latency of each leg
+//! (DISCOVER to OFFER, REQUEST to ACK: where a lease is written before the answer) comes from
+//! perfdhcp's per-packet timestamps at the highest passing rate.
 
 use std::path::Path;
 use std::time::Duration;
@@ -34,7 +36,25 @@ pub struct Sample {
     pub exchanges_per_second: f64,
     /// Server CPU seconds per 1,000 completed exchanges at that rate.
     pub cpu_per_1000: f64,
+    /// DISCOVER to OFFER and REQUEST to ACK delays at that rate.
+    pub offer: Latency,
+    pub ack: Latency,
     pub probes: Vec<Probe>,
+}
+
+/// One leg's delay, from perfdhcp's per-packet timestamps (`-x t`): sent to answered, in ms.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub struct Latency {
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+impl Latency {
+    fn of(delays_ms: &[f64]) -> Self {
+        let mut sorted = delays_ms.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        Self { p50_ms: super::percentile(&sorted, 0.50), p99_ms: super::percentile(&sorted, 0.99) }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -44,6 +64,8 @@ pub struct Probe {
     pub acks: u64,
     pub drops: u64,
     pub cpu_seconds: f64,
+    pub offer: Latency,
+    pub ack: Latency,
 }
 
 impl Probe {
@@ -140,6 +162,8 @@ fn search(
         rate: good,
         exchanges_per_second: best.as_ref().map_or(0.0, |p| p.acks as f64 / seconds),
         cpu_per_1000: best.as_ref().map_or(0.0, |p| p.cpu_seconds * 1000.0 / p.acks as f64),
+        offer: best.as_ref().map_or_else(Latency::default, |p| p.offer),
+        ack: best.as_ref().map_or_else(Latency::default, |p| p.ack),
         probes,
     })
 }
@@ -151,7 +175,9 @@ fn probe(lab: &Lab, pid: u32, rate: u32, seconds: u32, work: &Path) -> Result<Pr
         .args(["-4", "-l", "eth0", "-r", &rate.to_string(), "-R", &CLIENTS.to_string()])
         .args(["-p", &seconds.to_string()])
         // Wait for the answers to the last requests before counting them as drops.
-        .args(["-W", "1000000"]);
+        .args(["-W", "1000000"])
+        // Every answered packet's timestamps, for the latency percentiles.
+        .args(["-x", "t"]);
     let mut process = Supervised::spawn("perfdhcp", &mut command, work)?;
     let status = process.wait_timeout(Duration::from_secs(u64::from(seconds) + 30))?;
     let report = PerfdhcpReport::parse(&process.log());
@@ -168,6 +194,8 @@ fn probe(lab: &Lab, pid: u32, rate: u32, seconds: u32, work: &Path) -> Result<Pr
         acks: ack.received,
         drops: offer.drops + ack.drops,
         cpu_seconds,
+        offer: Latency::of(&offer.delays_ms),
+        ack: Latency::of(&ack.delays_ms),
     })
 }
 

@@ -152,8 +152,8 @@ struct Load {
 impl Load {
     /// The `q` quantile of the latencies, in ms (nearest rank).
     fn percentile(&self, q: f64) -> f64 {
-        let rank = ((q * self.latencies.len() as f64).ceil() as usize).max(1);
-        self.latencies[rank - 1].as_secs_f64() * 1000.0
+        let ms: Vec<f64> = self.latencies.iter().map(|l| l.as_secs_f64() * 1000.0).collect();
+        super::percentile(&ms, q)
     }
 }
 

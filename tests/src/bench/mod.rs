@@ -226,6 +226,12 @@ pub fn spread(values: &[f64]) -> Result<(f64, f64, f64)> {
     Ok((median, sorted[0], sorted[n - 1]))
 }
 
+/// The `q` quantile of `sorted` (ascending), nearest rank; 0 when there are no values.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    let rank = ((q * sorted.len() as f64).ceil() as usize).max(1);
+    sorted.get(rank - 1).copied().unwrap_or(0.0)
+}
+
 /// The version each peer and client reports (its first line), for the record.
 pub fn versions() -> Vec<(String, String)> {
     let version = |program: &str, arg: &str| {

@@ -260,9 +260,9 @@ impl Results {
     fn dhcp_table(&self, md: &mut String) {
         let _ = writeln!(
             md,
-            "### DHCP: perfdhcp 4-way exchanges/s at ≤{}% drops ({} s probes)\n\n\
-             | server | exchanges/s | vs siteboot | highest passing offered rate/s | server CPU s per 1,000 exchanges |\n\
-             |---|---:|---:|---:|---:|",
+            "### DHCP: perfdhcp 4-way exchanges/s at ≤{}% drops ({} s probes), and each leg's delay at that rate\n\n\
+             | server | exchanges/s | vs siteboot | highest passing offered rate/s | server CPU s per 1,000 exchanges | DISCOVER→OFFER p50 / p99 ms | REQUEST→ACK p50 / p99 ms |\n\
+             |---|---:|---:|---:|---:|---:|---:|",
             dhcp::MAX_DROP_RATIO * 100.0,
             self.settings.dhcp_seconds
         );
@@ -277,13 +277,20 @@ impl Results {
             let samples = of(server);
             let offered: Vec<f64> = samples.iter().map(|s| f64::from(s.rate)).collect();
             let cpu: Vec<f64> = samples.iter().map(|s| s.cpu_per_1000).collect();
+            let leg = |pick: fn(&dhcp::Sample) -> dhcp::Latency| {
+                let p50: Vec<f64> = samples.iter().map(|s| pick(s).p50_ms).collect();
+                let p99: Vec<f64> = samples.iter().map(|s| pick(s).p99_ms).collect();
+                format!("{} / {}", cell(&p50, 2), cell(&p99, 2))
+            };
             let _ = writeln!(
                 md,
-                "| {server} | {} | {} | {} | {} |",
+                "| {server} | {} | {} | {} | {} | {} | {} |",
                 cell(&rate(&samples), 0),
                 ratio(median(&rate(&samples)), ours),
                 cell(&offered, 0),
                 cell(&cpu, 3),
+                leg(|s| s.offer),
+                leg(|s| s.ack),
             );
         }
         md.push('\n');
