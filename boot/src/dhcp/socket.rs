@@ -1,5 +1,6 @@
-//! The DHCP socket loop: receive a batch of datagrams, handle each, make the batch's lease
-//! changes durable with one sync (group commit), then send the replies.
+//! The DHCP socket loop: receive a batch of datagrams, handle each, send the replies that
+//! announce no lease change, make the batch's lease changes durable with one sync (group
+//! commit), then send the replies that announce them.
 //!
 //! No reply leaves before the lease it announces is on disk (and, with several replicas, in the
 //! site's [checkpoint](super::checkpoint)), so a crash at any moment loses no lease a client was
@@ -39,6 +40,17 @@ pub fn bind_socket(interface: &str, port: u16) -> io::Result<UdpSocket> {
         io::Error::new(e.kind(), format!("binding UDP port {port} on {interface}: {e}"))
     })?;
     UdpSocket::from_std(socket.into())
+}
+
+/// Sends each outcome's reply, if it has one, from the socket of the port it came in on.
+async fn send_replies(dhcp: &UdpSocket, pxe: &UdpSocket, outcomes: Vec<(Port, Outcome)>) {
+    for (port, outcome) in outcomes {
+        let Some(reply) = outcome.reply else { continue };
+        let socket = if port == Port::Pxe { pxe } else { dhcp };
+        if let Err(e) = socket.send_to(&reply.bytes, reply.to).await {
+            tracing::warn!(to = %reply.to, error = %e, "cannot send DHCP reply");
+        }
+    }
 }
 
 pub struct DhcpService {
@@ -119,26 +131,25 @@ impl DhcpService {
                     }
                 }
             }
-            let durable = self.commit(&outcomes).await;
+            // A reply that announces no lease change (an OFFER, a NAK, a proxy answer) waits
+            // for no sync: it leaves at once, while the batch's leases are being written.
+            let (changes, answers): (Vec<_>, Vec<_>) =
+                outcomes.into_iter().partition(|(_, outcome)| outcome.record.is_some());
+            send_replies(&dhcp, &pxe, answers).await;
+            let durable = self.commit(&changes).await;
             // The term may have ended while the leases were written: a deposed leader is silent.
             if !self.is_leading() {
-                if !outcomes.is_empty() {
+                if !changes.is_empty() {
                     tracing::warn!(
-                        replies = outcomes.len(),
+                        replies = changes.len(),
                         "no longer leading: withholding this batch's DHCP replies"
                     );
                 }
                 continue;
             }
-            for (port, outcome) in outcomes {
-                let Some(reply) = outcome.reply else { continue };
-                if outcome.record.is_some() && !durable {
-                    continue; // never announce a lease that is not durable
-                }
-                let socket = if port == Port::Pxe { &pxe } else { &dhcp };
-                if let Err(e) = socket.send_to(&reply.bytes, reply.to).await {
-                    tracing::warn!(to = %reply.to, error = %e, "cannot send DHCP reply");
-                }
+            // Never announce a lease that is not durable.
+            if durable {
+                send_replies(&dhcp, &pxe, changes).await;
             }
         }
         self.compact_on_shutdown().await;
