@@ -75,9 +75,10 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         None
     };
     // Who holds a client address: our leases when we hand them out, else the ARP table.
+    let arp = KernelArp::new(interface).context("opening a socket for ARP look-ups")?;
     let neighbors = Arc::new(match config.dhcp.mode {
-        DhcpMode::Full => Neighbors::from_leases(leases.clone(), KernelArp),
-        DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(KernelArp),
+        DhcpMode::Full => Neighbors::from_leases(leases.clone(), arp),
+        DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(arp),
     });
     // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader, and shares its
     // leases with the site's other replicas through a checkpoint.

@@ -38,18 +38,64 @@ pub trait ArpTable: Send + Sync {
     fn lookup(&self, addr: Ipv4Addr) -> Option<MacAddr>;
 }
 
-/// `/proc/net/arp` of the network namespace siteboot runs in.
-pub struct KernelArp;
+/// The kernel's ARP entries on the interface siteboot serves, in the network namespace it runs
+/// in, asked for one address at a time (`SIOCGARP`): constant work per request, where reading
+/// `/proc/net/arp` formats the whole table (a line per host of the site) for every boot step.
+/// Only that interface: an on-link client is on the segment siteboot serves; a relayed one has
+/// no entry anywhere.
+pub struct KernelArp {
+    /// Any socket of the namespace carries the ioctl.
+    socket: std::os::fd::OwnedFd,
+    interface: [libc::c_char; libc::IFNAMSIZ],
+}
+
+impl KernelArp {
+    pub fn new(interface: &str) -> std::io::Result<Self> {
+        let mut name = [0 as libc::c_char; libc::IFNAMSIZ];
+        if interface.is_empty() || interface.len() >= name.len() || interface.contains('\0') {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{interface:?} is not an interface name"),
+            ));
+        }
+        for (to, from) in name.iter_mut().zip(interface.bytes()) {
+            *to = from as libc::c_char;
+        }
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
+        Ok(Self { socket: socket.into(), interface: name })
+    }
+}
 
 impl ArpTable for KernelArp {
     fn lookup(&self, addr: Ipv4Addr) -> Option<MacAddr> {
-        match std::fs::read_to_string("/proc/net/arp") {
-            Ok(table) => arp_lookup(&table, addr),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read /proc/net/arp");
-                None
+        use std::os::fd::AsRawFd;
+        // SAFETY: all-zero bytes are a valid `arpreq` (plain integers and arrays).
+        let mut request: libc::arpreq = unsafe { std::mem::zeroed() };
+        let target = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 0,
+            sin_addr: libc::in_addr { s_addr: u32::from(addr).to_be() },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: `sockaddr_in` and `sockaddr` are both 16 bytes; the kernel reads `arp_pa` as
+        // the `sockaddr_in` its family says it is.
+        request.arp_pa =
+            unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(target) };
+        request.arp_dev = self.interface;
+        // SAFETY: SIOCGARP reads and writes one `arpreq`, which `request` is, for the call only.
+        let result = unsafe { libc::ioctl(self.socket.as_raw_fd(), libc::SIOCGARP, &mut request) };
+        if result != 0 {
+            let error = std::io::Error::last_os_error();
+            // ENXIO: no entry for the address.
+            if error.raw_os_error() != Some(libc::ENXIO) {
+                tracing::warn!(%addr, %error, "cannot read the ARP table");
             }
+            return None;
         }
+        let flags = request.arp_flags as u32;
+        let hardware = &request.arp_ha.sa_data[..6];
+        let mac = MacAddr::new(std::array::from_fn(|i| hardware[i] as u8));
+        (flags & ARP_COMPLETE != 0 && mac != MacAddr::new([0; 6])).then_some(mac)
     }
 }
 
@@ -132,17 +178,6 @@ fn identify(leased: Leased, arp: Option<MacAddr>) -> Option<Holder> {
 /// ATF_COM: the entry is complete (it has a hardware address).
 const ARP_COMPLETE: u32 = 0x2;
 
-/// Finds a complete entry for `addr` in the text of `/proc/net/arp`.
-fn arp_lookup(table: &str, addr: Ipv4Addr) -> Option<MacAddr> {
-    table.lines().skip(1).find_map(|line| {
-        let mut cols = line.split_whitespace();
-        let ip: Ipv4Addr = cols.next()?.parse().ok()?;
-        let flags = u32::from_str_radix(cols.nth(1)?.strip_prefix("0x")?, 16).ok()?;
-        let mac = cols.next()?.parse().ok()?;
-        (ip == addr && flags & ARP_COMPLETE != 0 && mac != MacAddr::new([0; 6])).then_some(mac)
-    })
-}
-
 /// A fixed table: addresses and the MACs their complete entries name.
 #[cfg(test)]
 impl ArpTable for Vec<(Ipv4Addr, MacAddr)> {
@@ -170,24 +205,11 @@ mod tests {
     }
 
     #[test]
-    fn reads_the_arp_table() {
-        let table = "IP address       HW type     Flags       HW address            Mask     Device\n\
-                     10.99.0.100      0x1         0x2         52:54:00:12:34:56     *        br0\n\
-                     10.99.0.101      0x1         0x0         00:00:00:00:00:00     *        br0\n\
-                     10.99.0.102      0x1         0x0         52:54:00:12:34:57     *        br0\n\
-                     10.99.0.103      0x1         0x6         52:54:00:12:34:58     *        br0\n";
-        assert_eq!(
-            arp_lookup(table, ip("10.99.0.100")),
-            Some("52:54:00:12:34:56".parse().unwrap())
-        );
-        assert_eq!(arp_lookup(table, ip("10.99.0.101")), None, "incomplete entry");
-        assert_eq!(arp_lookup(table, ip("10.99.0.102")), None, "not marked complete");
-        assert_eq!(
-            arp_lookup(table, ip("10.99.0.103")),
-            Some("52:54:00:12:34:58".parse().unwrap()),
-            "permanent entry"
-        );
-        assert_eq!(arp_lookup(table, ip("10.99.0.104")), None);
+    fn the_arp_interface_must_be_an_interface_name() {
+        assert!(KernelArp::new("br0").is_ok());
+        for bad in ["", "a-name-of-16-chr", "br\0x"] {
+            assert!(KernelArp::new(bad).is_err(), "{bad:?}");
+        }
     }
 
     /// A lease table on 10.0.0.0/24 where mac(1) holds 10.0.0.100 (and held .101 until NOW).

@@ -12,9 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::api::PostParams;
+use siteboot_boot::neighbors::{ArpTable, KernelArp};
 use siteboot_controller::crd::{Host, HostSpec, HostState, SITE_LABEL};
 use siteboot_tests::appliance::{self, mac_dashed};
 use siteboot_tests::clients::{ClientHost, Udhcpc};
+use siteboot_tests::netns::Netns;
 use siteboot_tests::provider::{ProviderLab, SITE, Sims};
 use siteboot_tests::sim::{self, SimHost};
 
@@ -44,6 +46,51 @@ async fn a_forged_chaddr_on_port_4011_gives_no_identity() {
     assert_eq!(message_type(&reply.expect("an answer from port 4011")), Some(DHCP_ACK));
 
     intruder.assert_gets_nothing(&victim, &victim_token);
+}
+
+/// The ARP evidence above comes from the kernel's entry for one address on the interface
+/// siteboot serves: a complete entry names its MAC (whatever its state); an incomplete entry, an
+/// entry on another interface, or none name nothing.
+#[test]
+fn the_arp_lookup_reads_the_served_interface_s_entries_only() {
+    let ns = Netns::new("arp").unwrap();
+    for (link, cidr) in [("served", "10.77.0.1/24"), ("other", "10.78.0.1/24")] {
+        ns.ip(&["link", "add", link, "type", "veth", "peer", "name", &format!("{link}-p")])
+            .unwrap();
+        ns.ip(&["link", "set", link, "up"]).unwrap();
+        ns.ip(&["link", "set", &format!("{link}-p"), "up"]).unwrap();
+        ns.ip(&["addr", "add", cidr, "dev", link]).unwrap();
+    }
+    for entry in [
+        "10.77.0.10 lladdr 52:54:00:00:77:10 dev served nud reachable",
+        "10.77.0.11 lladdr 52:54:00:00:77:11 dev served nud stale",
+        "10.77.0.12 lladdr 52:54:00:00:77:12 dev served nud permanent",
+        "10.77.0.13 dev served nud incomplete",
+        "10.78.0.10 lladdr 52:54:00:00:78:10 dev other nud permanent",
+    ] {
+        let mut args = vec!["neigh", "add"];
+        args.extend(entry.split(' '));
+        ns.ip(&args).unwrap();
+    }
+    let found = ns
+        .enter(|| {
+            let arp = KernelArp::new("served")?;
+            Ok(["10.77.0.10", "10.77.0.11", "10.77.0.12", "10.77.0.13", "10.77.0.14", "10.78.0.10"]
+                .map(|a| arp.lookup(a.parse().unwrap()).map(|mac| mac.to_string())))
+        })
+        .unwrap();
+    let mac = |s: &str| Some(s.to_owned());
+    assert_eq!(
+        found,
+        [
+            mac("52:54:00:00:77:10"),
+            mac("52:54:00:00:77:11"),
+            mac("52:54:00:00:77:12"),
+            None, // incomplete
+            None, // no entry
+            None, // another interface's
+        ]
+    );
 }
 
 /// Port 67, full mode: the intruder gives its lease back and asks for the same address as the
