@@ -76,6 +76,7 @@ async fn scale_up(hosts: usize) -> Result<Sample> {
         bail!("at most 1,000 simulated hosts fit on the lab bridge, not {hosts}");
     }
     let started = Instant::now();
+    eprintln!("controller: starting {hosts} simulated hosts");
     let lab = ProviderLab::start_with(Sims { count: hosts, manual: 0 }, |c| dhcp_for(c, hosts))
         .await
         .context("starting the lab with every Host Available")?;
@@ -112,10 +113,19 @@ async fn measure(lab: &ProviderLab, hosts: usize, setup_seconds: f64) -> Result<
     let mut progress = Progress::default();
     let deadline = Duration::from_secs(300) + Duration::from_secs(2) * hosts as u32;
     let timed = tokio::time::timeout(deadline, async {
+        // A long run says how far it got now and then.
+        let mut report = tokio::time::interval(Duration::from_secs(15));
         while !progress.done(hosts) {
-            match seen.recv().await {
-                Some(event) => progress.record(event, start.elapsed()),
-                None => bail!("the watches ended"),
+            tokio::select! {
+                event = seen.recv() => match event {
+                    Some(event) => progress.record(event, start.elapsed()),
+                    None => bail!("the watches ended"),
+                },
+                _ = report.tick() => eprintln!(
+                    "controller: {:.0} s: {}",
+                    start.elapsed().as_secs_f64(),
+                    progress.describe(hosts)
+                ),
             }
         }
         Ok(())
