@@ -199,7 +199,7 @@ impl ProviderLab {
         }
         let automatic = sims.count - sims.manual;
         // Inspection takes a few seconds per host, many at once: more time for more hosts.
-        let inspection = Duration::from_secs(120) + Duration::from_millis(500) * sims.count as u32;
+        let inspection = Duration::from_secs(120) + Duration::from_secs(1) * sims.count as u32;
         lab.wait_hosts(HostState::Available, automatic, inspection).await?;
         Ok(lab)
     }
