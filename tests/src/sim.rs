@@ -449,7 +449,9 @@ fn pause(s: &Shared, time: Duration) -> bool {
         if s.interrupted() {
             return false;
         }
-        std::thread::sleep(Duration::from_millis(100).min(until.saturating_duration_since(Instant::now())));
+        std::thread::sleep(
+            Duration::from_millis(100).min(until.saturating_duration_since(Instant::now())),
+        );
     }
     true
 }
