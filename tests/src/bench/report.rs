@@ -354,9 +354,9 @@ pub fn write(results: &Results, json: &std::path::Path, markdown: &std::path::Pa
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_failed_benchmark_is_named_with_its_error_beside_the_others() {
-        let results = Results {
+    /// A run with no samples, no failure.
+    fn empty() -> Results {
+        Results {
             command: "scripts/bench".into(),
             cpus: 2,
             kernel: "6.1".into(),
@@ -369,7 +369,15 @@ mod tests {
             dhcp: vec![],
             tftp_concurrent: vec![],
             controller: vec![],
+            failed: vec![],
+        }
+    }
+
+    #[test]
+    fn a_failed_benchmark_is_named_with_its_error_beside_the_others() {
+        let results = Results {
             failed: vec![Failure { benchmark: "dhcp".into(), error: "Kea never\nanswered".into() }],
+            ..empty()
         };
         let md = results.markdown();
         assert!(md.contains("**dhcp failed in this run:** Kea never answered"), "{md}");
@@ -392,21 +400,7 @@ mod tests {
             double_claims: 0,
             setup_seconds: 300.0,
         };
-        let results = Results {
-            command: "scripts/bench --only controller".into(),
-            cpus: 2,
-            kernel: "6.1".into(),
-            finished: 0,
-            versions: vec![],
-            settings: Settings::smoke(),
-            http: vec![],
-            http_requests: vec![],
-            tftp: vec![],
-            dhcp: vec![],
-            tftp_concurrent: vec![],
-            controller: vec![sample],
-            failed: vec![],
-        };
+        let results = Results { controller: vec![sample], ..empty() };
         let md = results.markdown();
         assert!(
             md.contains("| 1000 | 12.0 | 20.0 | 50.0 | 90.0 | 95.5 | 12.5 | 100.0 | 30.0 | 0 |"),
