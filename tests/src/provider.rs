@@ -11,7 +11,7 @@
 //! After `clusterctl move`, [`ProviderLab::move_to`] points the appliance at the management
 //! cluster the objects went to; the Nodes stay where they are, as a workload cluster's do.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -99,9 +99,9 @@ impl Drop for ProviderLab {
     }
 }
 
-/// A MAC for simulated host `i`.
+/// A MAC for simulated host `i` (`52:54:00:00:0c:<i>` for the first 256).
 pub fn sim_mac(i: usize) -> String {
-    format!("52:54:00:00:0c:{i:02x}")
+    format!("52:54:00:00:{:02x}:{:02x}", 0x0c + i / 256, i % 256)
 }
 
 pub fn host_name(i: usize) -> String {
@@ -150,6 +150,7 @@ impl ProviderLab {
         let lab = appliance::lab_network("prov")?;
         let mut cfg = appliance_config();
         config(&mut cfg);
+        route_subnets(&lab, &cfg)?;
         let (forward, siteboot) = start_appliance(&env, &lab, &token, cfg)?;
         let workload_forward =
             LoopbackForward::start_on(&lab, env.apiserver_port(), env.apiserver_port())?;
@@ -197,7 +198,9 @@ impl ProviderLab {
             lab.add_host(i, i < sims.manual).await?;
         }
         let automatic = sims.count - sims.manual;
-        lab.wait_hosts(HostState::Available, automatic, Duration::from_secs(120)).await?;
+        // Inspection takes a few seconds per host, many at once: more time for more hosts.
+        let inspection = Duration::from_secs(120) + Duration::from_secs(1) * sims.count as u32;
+        lab.wait_hosts(HostState::Available, automatic, inspection).await?;
         Ok(lab)
     }
 
@@ -543,6 +546,17 @@ fn appliance_config() -> Value {
     cfg
 }
 
+/// Routes each DHCP subnet of `config` wider than the lab bridge's own /24 (a pool for more
+/// than a hundred hosts) onto the bridge, so the appliance reaches every address it leases.
+fn route_subnets(lab: &Netns, config: &Value) -> Result<()> {
+    let own = format!("10.99.0.0/{}", appliance::PREFIX_LEN);
+    let subnets = config["dhcp"]["subnets"].as_array().into_iter().flatten();
+    for subnet in subnets.filter_map(|s| s["subnet"].as_str()).filter(|s| *s != own) {
+        lab.ip(&["route", "add", subnet, "dev", appliance::BRIDGE, "src", appliance::ADDRESS])?;
+    }
+    Ok(())
+}
+
 /// siteboot in `ns`, reaching the apiserver as its ServiceAccount through a loopback forward.
 fn start_appliance(
     env: &KubeEnv,
@@ -664,6 +678,10 @@ async fn operate(
         tokio::time::sleep(Duration::from_millis(500)).await;
         let hosts: Api<Host> = Api::namespaced(management.lock().unwrap().clone(), NS);
         let Ok(list) = hosts.list(&ListParams::default()).await else { continue };
+        let Ok(registered) = nodes.list(&ListParams::default()).await else { continue };
+        // Node name -> its Ready status, if it reported one.
+        let registered: HashMap<String, Option<bool>> =
+            registered.items.iter().map(|n| (n.name_any(), node_ready(n))).collect();
         let sims = sims.lock().unwrap().clone();
         for host in &list.items {
             let Some(sim) = sims.iter().find(|s| s.mac() == host.spec.boot_mac_address) else {
@@ -680,10 +698,27 @@ async fn operate(
             if sim.phase() == Phase::Os && state == Some(HostState::Provisioned) {
                 let ready = !not_ready.lock().unwrap().contains(&host.name_any());
                 let with_provider_id = kubelet_provider_id.load(Ordering::Relaxed);
-                let _ = kubelet(&nodes, host, ready, with_provider_id).await;
+                // Only a change is reported: heartbeats every 500 ms from a thousand simulated
+                // kubelets would be most of the apiserver's load, and nothing here reads them.
+                let node = node_name(host, with_provider_id);
+                if registered.get(&node) != Some(&Some(ready)) {
+                    let _ = kubelet(&nodes, host, ready, with_provider_id).await;
+                }
             }
         }
     }
+}
+
+/// The Node a provisioned host's kubelet registers: named like the host when it passes
+/// `--provider-id`, else under a name of its own.
+fn node_name(host: &Host, with_provider_id: bool) -> String {
+    if with_provider_id { host.name_any() } else { format!("kubelet-{}", host.name_any()) }
+}
+
+/// Whether the Node's Ready condition is True, if it has one.
+fn node_ready(node: &Node) -> Option<bool> {
+    let conditions = node.status.as_ref()?.conditions.as_ref()?;
+    conditions.iter().find(|c| c.type_ == "Ready").map(|c| c.status == "True")
 }
 
 /// Registers the host's Node (providerID as its SitebootMachine reports it) and its readiness.
@@ -693,12 +728,11 @@ async fn kubelet(
     ready: bool,
     with_provider_id: bool,
 ) -> Result<()> {
-    let (name, spec) = if with_provider_id {
-        let name = host.name_any();
-        let provider_id = format!("siteboot://{NS}/{name}");
-        (name, json!({ "providerID": provider_id }))
+    let name = node_name(host, with_provider_id);
+    let spec = if with_provider_id {
+        json!({ "providerID": format!("siteboot://{NS}/{}", host.name_any()) })
     } else {
-        (format!("kubelet-{}", host.name_any()), json!({}))
+        json!({})
     };
     let existing = match nodes.get_opt(&name).await? {
         Some(node) => node,

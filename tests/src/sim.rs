@@ -359,7 +359,14 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
         }
         let task: Value = serde_json::from_str(&body)?;
         match task["action"].as_str() {
-            Some("wait") => std::thread::sleep(Duration::from_millis(500)),
+            // As long as the agent waits (1 s to 5 min): a thousand idle ramdisks asking
+            // twice a second would load the appliance as no real rack does.
+            Some("wait") => {
+                let seconds = task["seconds"].as_u64().unwrap_or(1).clamp(1, 300);
+                if !pause(s, Duration::from_secs(seconds)) {
+                    return Ok(());
+                }
+            }
             Some("reboot") => {
                 s.note("told to reboot".into());
                 return Ok(());
@@ -432,12 +439,19 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
 /// The time a ramdisk's work takes. False: the host was stopped or rebooted meanwhile, and the
 /// work never finished.
 fn work(s: &Shared) -> bool {
-    let until = Instant::now() + Duration::from_millis(s.work_ms.load(Ordering::Acquire));
+    pause(s, Duration::from_millis(s.work_ms.load(Ordering::Acquire)))
+}
+
+/// Sleeps for `time` unless the host is stopped or rebooted first (then false).
+fn pause(s: &Shared, time: Duration) -> bool {
+    let until = Instant::now() + time;
     while Instant::now() < until {
         if s.interrupted() {
             return false;
         }
-        std::thread::sleep(Duration::from_millis(100).min(until - Instant::now()));
+        std::thread::sleep(
+            Duration::from_millis(100).min(until.saturating_duration_since(Instant::now())),
+        );
     }
     true
 }

@@ -27,7 +27,7 @@ fn every_benchmark_runs_against_every_peer() {
     let doc = std::fs::read_to_string(&markdown).unwrap();
     assert!(doc.starts_with("# Benchmarks\n\nText kept as it is.\n"), "{doc}");
     let tables = &doc[doc.find(BEGIN).expect("begin marker")..doc.find(END).expect("end marker")];
-    for heading in ["### HTTP", "### TFTP", "### DHCP"] {
+    for heading in ["### HTTP", "### TFTP", "### DHCP", "### Controller"] {
         assert!(tables.contains(heading), "no {heading} table:\n{tables}");
     }
     // Each table has a row for every server it compares.
@@ -55,15 +55,24 @@ fn every_benchmark_runs_against_every_peer() {
             assert!(number.parse::<f64>().is_ok(), "{server}: no number in {row:?}");
         }
     }
+    // The controller's row: the smoke size, and a number in every column.
+    let controller = section(tables, "### Controller");
+    let row = controller.lines().find(|l| l.starts_with("| 3 |")).expect("a row for 3 hosts");
+    for cell in row.split('|').map(str::trim).filter(|c| !c.is_empty()) {
+        let number = cell.split_whitespace().next().unwrap_or("");
+        assert!(number.parse::<f64>().is_ok(), "controller: no number in {row:?}");
+    }
 
     let results: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    for benchmark in ["http", "http_requests", "tftp", "dhcp", "tftp_concurrent"] {
+    for benchmark in ["http", "http_requests", "tftp", "dhcp", "tftp_concurrent", "controller"] {
         assert!(
             results[benchmark].as_array().is_some_and(|a| !a.is_empty()),
             "no {benchmark} samples in the JSON"
         );
     }
+    // Every Host went to one Machine and every Machine got one Host.
+    assert_eq!(results["controller"][0]["double_claims"], 0, "{}", results["controller"]);
     assert!(results["cpus"].as_u64().unwrap() >= 1);
     assert!(!results["kernel"].as_str().unwrap().is_empty());
 }

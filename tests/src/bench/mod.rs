@@ -4,6 +4,7 @@
 //! markdown table. Speeds are measured, never asserted: the smoke test only checks that every
 //! benchmark ran and every peer is in the table.
 
+pub mod controller;
 pub mod dhcp;
 pub mod http;
 pub mod http_requests;
@@ -44,6 +45,16 @@ pub struct Settings {
     /// they share.
     pub script_requests: u64,
     pub script_connections: usize,
+    /// Hosts, and the replicas a MachineDeployment is scaled to, in `controller`.
+    #[serde(default = "controller_hosts")]
+    pub controller_hosts: usize,
+}
+
+/// The issue asks for 1,000; 1,000 simulated hosts (a `curl` through `ip netns exec` per
+/// request) overwhelm a 2-core machine before the clock starts (docs/benchmarks.md), so the
+/// published run stays at the largest size measured to work until they are lighter.
+fn controller_hosts() -> usize {
+    100
 }
 
 impl Settings {
@@ -61,6 +72,7 @@ impl Settings {
             only: vec![],
             script_requests: 10_000,
             script_connections: 256,
+            controller_hosts: controller_hosts(),
         }
     }
 
@@ -78,6 +90,7 @@ impl Settings {
             only: vec![],
             script_requests: 200,
             script_connections: 16,
+            controller_hosts: 3,
         }
     }
 

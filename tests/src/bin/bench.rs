@@ -3,10 +3,10 @@
 //! (between the bench markers, keeping the rest). Run through `scripts/bench` (release build).
 //!
 //! ```text
-//! bench [--smoke] [--runs N] [--only http,http-requests,tftp,tftp-concurrent,dhcp]
+//! bench [--smoke] [--runs N] [--only http,http-requests,tftp,tftp-concurrent,dhcp,controller]
 //!       [--http-bytes N] [--http-clients 1,16,64] [--script-requests N] [--script-connections N]
 //!       [--tftp-bytes N] [--tftp-windows 1,16,64] [--tftp-clients N] [--dhcp-seconds S]
-//!       [--dhcp-max-rate R]
+//!       [--dhcp-max-rate R] [--controller-hosts N]
 //!       [--json FILE] [--markdown FILE] [--command TEXT]
 //! ```
 
@@ -46,6 +46,7 @@ fn main() -> Result<()> {
             "--dhcp-max-rate" => settings.dhcp_max_rate = value.parse()?,
             "--script-requests" => settings.script_requests = value.parse()?,
             "--script-connections" => settings.script_connections = value.parse()?,
+            "--controller-hosts" => settings.controller_hosts = value.parse()?,
             "--json" => json = value.into(),
             "--markdown" => markdown = value.into(),
             "--command" => command = value.clone(),
@@ -69,6 +70,9 @@ fn main() -> Result<()> {
     let tftp_concurrent = attempt(&settings, "tftp-concurrent", &mut failed, || {
         bench::tftp_concurrent::run(&settings, dir.path())
     });
+    let controller = attempt(&settings, "controller", &mut failed, || {
+        bench::controller::run(&settings, dir.path())
+    });
     let results = Results {
         command,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -81,6 +85,7 @@ fn main() -> Result<()> {
         tftp,
         dhcp,
         tftp_concurrent,
+        controller,
         failed,
     };
     report::write(&results, &json, &markdown)?;
