@@ -64,6 +64,9 @@ struct Shared {
     manual: bool,
     /// How long writing an image or wiping takes, in milliseconds.
     work_ms: std::sync::atomic::AtomicU64,
+    /// Told to wait, the ramdisk waits the answer's seconds as the agent does; else 500 ms, so
+    /// tests see a new task at once.
+    waits_as_told: AtomicBool,
 }
 
 impl Shared {
@@ -118,6 +121,7 @@ impl SimHost {
             log: Mutex::new(Vec::new()),
             manual,
             work_ms: std::sync::atomic::AtomicU64::new(0),
+            waits_as_told: AtomicBool::new(false),
         });
         let (s, h) = (shared.clone(), host.clone());
         let thread = std::thread::spawn(move || run(&s, &h));
@@ -141,6 +145,12 @@ impl SimHost {
     /// Makes imaging and wiping take `time` (so a test can crash siteboot in the middle).
     pub fn set_work_time(&self, time: Duration) {
         self.shared.work_ms.store(time.as_millis() as u64, Ordering::Release);
+    }
+
+    /// Makes the ramdisk wait as long as the answer says (1 s to 5 min), as the real agent
+    /// does: the load a rack's idle ramdisks put on the appliance (the controller benchmark).
+    pub fn wait_as_told(&self) {
+        self.shared.waits_as_told.store(true, Ordering::Release);
     }
 
     /// How many times it has fetched a boot script.
@@ -359,11 +369,13 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
         }
         let task: Value = serde_json::from_str(&body)?;
         match task["action"].as_str() {
-            // As long as the agent waits (1 s to 5 min): a thousand idle ramdisks asking
-            // twice a second would load the appliance as no real rack does.
             Some("wait") => {
-                let seconds = task["seconds"].as_u64().unwrap_or(1).clamp(1, 300);
-                if !pause(s, Duration::from_secs(seconds)) {
+                let time = if s.waits_as_told.load(Ordering::Acquire) {
+                    Duration::from_secs(task["seconds"].as_u64().unwrap_or(1).clamp(1, 300))
+                } else {
+                    Duration::from_millis(500)
+                };
+                if !pause(s, time) {
                     return Ok(());
                 }
             }
