@@ -187,21 +187,7 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     let mut vm = NodeVm::boot(&image, &lab.lab, "joins", &joining_data, &meta).unwrap();
     let checklist = must(vm.checklist(JOIN_TIMEOUT), env).await;
     progress("the host has joined (cloud-init done)");
-    let expected = BTreeMap::from(
-        [
-            ("cloud-init", "done"),
-            ("sentinel", "yes"),
-            ("bootstrap-kubeconfig", "no"),
-            ("kubelet-kubeconfig", "yes"),
-            ("kubelet", "active"),
-            ("kubelet-container", "inactive"),
-            ("kubelet-runs-in", "none"),
-            ("cni-bin-bridge", "yes"),
-            ("siteboot-processes", "0"),
-        ]
-        .map(|(k, v)| (k.to_owned(), v.to_owned())),
-    );
-    assert_eq!(checklist, expected);
+    assert_eq!(checklist, joined_checklist(KubeletOn::Host));
 
     // The kubelet's client CSR, from the bootstrap token's user, approved and signed.
     let csrs: Api<CertificateSigningRequest> = Api::all(env.client());
@@ -247,21 +233,7 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     // namespace says systemd-nspawn; on the host it says none).
     let checklist = must(nspawn_vm.checklist(JOIN_TIMEOUT), env).await;
     progress("the nspawn-mode host has joined (cloud-init done)");
-    let expected = BTreeMap::from(
-        [
-            ("cloud-init", "done"),
-            ("sentinel", "yes"),
-            ("bootstrap-kubeconfig", "no"),
-            ("kubelet-kubeconfig", "yes"),
-            ("kubelet", "inactive"),
-            ("kubelet-container", "active"),
-            ("kubelet-runs-in", "systemd-nspawn"),
-            ("cni-bin-bridge", "yes"),
-            ("siteboot-processes", "0"),
-        ]
-        .map(|(k, v)| (k.to_owned(), v.to_owned())),
-    );
-    assert_eq!(checklist, expected);
+    assert_eq!(checklist, joined_checklist(KubeletOn::Container));
     let node = must(ready_and_matched(&nodes, &nspawn_hostname).await, env).await;
     let spec = node.spec.clone().unwrap_or_default();
     assert_eq!(spec.provider_id.as_deref(), Some(nspawn_provider_id.as_str()));
@@ -271,6 +243,38 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     .await
     .unwrap();
     progress("the nspawn-mode host's Node is Ready and its Machine's");
+}
+
+/// Where a joined host's kubelet runs.
+enum KubeletOn {
+    /// `kubelet.service` on the host.
+    Host,
+    /// In the nspawn mode's container, run by the host's `kubelet-container.service`.
+    Container,
+}
+
+/// The checklist of a host that joined: the sentinel written, the bootstrap kubeconfig gone,
+/// the kubelet's own there, `/opt/cni/bin` linked to Debian's plugins, no siteboot process.
+fn joined_checklist(kubelet_on: KubeletOn) -> BTreeMap<String, String> {
+    // The host's kubelet unit, the container's unit, systemd-detect-virt in the kubelet's mounts.
+    let (kubelet, container, runs_in) = match kubelet_on {
+        KubeletOn::Host => ("active", "inactive", "none"),
+        KubeletOn::Container => ("inactive", "active", "systemd-nspawn"),
+    };
+    [
+        ("cloud-init", "done"),
+        ("sentinel", "yes"),
+        ("bootstrap-kubeconfig", "no"),
+        ("kubelet-kubeconfig", "yes"),
+        ("kubelet", kubelet),
+        ("kubelet-container", container),
+        ("kubelet-runs-in", runs_in),
+        ("cni-bin-bridge", "yes"),
+        ("siteboot-processes", "0"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
 }
 
 /// The Node `name` once it is Ready and Cluster API removed its uninitialized taint.

@@ -1,8 +1,8 @@
 //! The bootstrap data: a cloud-init jinja template (`## template: jinja`, then `#cloud-config`)
 //! that joins the host to its cluster as a plain kubelet with TLS bootstrapping, and leaves
 //! nothing of siteboot running. The kubelet and containerd run on the host, or (`spec.nspawn`)
-//! in a systemd-nspawn container whose root is the host's own: the same document, with the
-//! container's two units added and another start at the end of the join script ([`Placement`]).
+//! in a systemd-nspawn container that runs the host's own `/usr` and `/etc`: the same document,
+//! with the container's two units added and another start in the join script ([`Placement`]).
 //!
 //! The only jinja in the document is ours (`{{ ds.meta_data.provider_id }}`): everything a user
 //! or the workload cluster supplies is either base64 (file contents, the join script with the
