@@ -69,7 +69,6 @@ pub enum Reason {
     InvalidSpec,
     /// This provider joins workers only: control-plane Machines need a control plane provider.
     ControlPlaneMachineNotSupported,
-    NspawnNotImplemented,
     /// The token id is recorded; the token is being created in the workload cluster.
     CreatingToken,
     /// A Secret named like the config exists and is not this config's.

@@ -8,9 +8,10 @@
 //! template is a SitebootConfigTemplate; the test plays the infrastructure provider
 //! (TestMachine: providerID and provisioned).
 //!
-//! One environment, one image, two boots: the Machine deleted before its host boots, the host
-//! booted without a provider-id, and the host booted after its token's first lifetime, which
-//! joins.
+//! One environment, one image, three boots: the Machine deleted before its host boots, the host
+//! booted without a provider-id, the host booted after its token's first lifetime, which
+//! joins, and, alongside the other two, a host of an nspawn-mode config, whose kubelet joins
+//! from a systemd-nspawn container.
 //!
 //! Needs `scripts/build-test-peers`, root (the lab namespace, debootstrap) and, the first time,
 //! the Debian mirror (the image is then cached under `$SITEBOOT_CACHE/images/`).
@@ -40,6 +41,10 @@ const JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 const UNINITIALIZED: &str = "node.cluster.x-k8s.io/uninitialized";
 const FAILED_NO_PROVIDER_ID: &str =
     "siteboot bootstrap FAILED: the instance meta-data has no provider-id";
+/// The MachineDeployment (and its templates) whose config asks for nspawn mode.
+const NSPAWN: &str = "nspawn";
+/// Cluster API's label naming a Machine's MachineDeployment.
+const DEPLOYMENT_LABEL: &str = "cluster.x-k8s.io/deployment-name";
 
 fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
@@ -72,14 +77,19 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
         "tokenTTLSeconds": TTL,
     });
     bootstrap::create_workers(env, NS, CLUSTER, "workers", 2, config_spec).await.unwrap();
+    let nspawn_spec = json!({ "nspawn": true });
+    bootstrap::create_workers(env, NS, CLUSTER, NSPAWN, 1, nspawn_spec).await.unwrap();
 
     let machines = env.api(CAPI, "Machine", Some(NS));
     let configs = env.api(BOOTSTRAP, "SitebootConfig", Some(NS));
     let secrets: Api<Secret> = Api::namespaced(env.client(), NS);
     let tokens: Api<Secret> = Api::namespaced(env.client(), "kube-system");
     let nodes: Api<Node> = Api::all(env.client());
-    let found = bootstrap::machines_with_data(env, NS, 2, TIMEOUT).await;
-    let list = must(found, env).await;
+    let in_nspawn_mode =
+        |m: &DynamicObject| m.labels().get(DEPLOYMENT_LABEL).map(String::as_str) == Some(NSPAWN);
+    let found = bootstrap::machines_with_data(env, NS, 3, TIMEOUT).await;
+    let (in_nspawn, list): (Vec<_>, Vec<_>) =
+        must(found, env).await.into_iter().partition(in_nspawn_mode);
     let (joining, deleted) = (list[0].clone(), list[1].clone());
     let data = |machine: &DynamicObject| {
         let secrets = secrets.clone();
@@ -104,7 +114,19 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
         "hosts join at the Cluster's controlPlaneEndpoint ({server})"
     );
 
-    progress("2 Machines have their data");
+    progress("3 Machines have their data; booting the nspawn-mode host");
+
+    // The nspawn-mode host boots now and is checked at the end: it joins while the others run.
+    let nspawn_machine = &in_nspawn[0];
+    let nspawn_provider_id = bootstrap::provision(env, NS, nspawn_machine).await.unwrap();
+    let nspawn_hostname = nspawn_machine.name_any();
+    let meta = MetaData {
+        instance_id: nspawn_hostname.clone(),
+        local_hostname: nspawn_hostname.clone(),
+        provider_id: Some(nspawn_provider_id.clone()),
+    };
+    let mut nspawn_vm =
+        NodeVm::boot(&image, &lab.lab, NSPAWN, &data(nspawn_machine).await, &meta).unwrap();
 
     // 1. A Machine deleted before its host boots: its token goes, and no longer authenticates.
     let deleted_token = bootstrap::bootstrap_token(&data(&deleted).await).unwrap();
@@ -117,8 +139,9 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
 
     // 2. The MachineSet's replacement boots with meta-data that has no provider-id: the join
     // stops with a clear message before anything starts, and no Node registers.
-    let list = bootstrap::machines_with_data(env, NS, 2, TIMEOUT).await.unwrap();
-    let replacement = list.iter().find(|m| m.name_any() != joining.name_any()).unwrap();
+    let list = bootstrap::machines_with_data(env, NS, 3, TIMEOUT).await.unwrap();
+    let replacement =
+        list.iter().find(|m| m.name_any() != joining.name_any() && !in_nspawn_mode(m)).unwrap();
     let replacement_name = replacement.name_any();
     let meta = MetaData {
         instance_id: replacement_name.clone(),
@@ -135,7 +158,7 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     assert_eq!(checklist["sentinel"], "no", "{checklist:?}");
     assert_eq!(checklist["kubelet"], "inactive", "nothing started: {checklist:?}");
     assert_eq!(checklist["siteboot-processes"], "0", "{checklist:?}");
-    assert!(nodes.list(&ListParams::default()).await.unwrap().items.is_empty(), "no Node");
+    assert!(nodes.get_opt(&replacement_name).await.unwrap().is_none(), "no Node");
     drop(vm);
 
     // 3. The host of the first Machine boots after its token's first lifetime (60 s): siteboot
@@ -164,18 +187,7 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     let mut vm = NodeVm::boot(&image, &lab.lab, "joins", &joining_data, &meta).unwrap();
     let checklist = must(vm.checklist(JOIN_TIMEOUT), env).await;
     progress("the host has joined (cloud-init done)");
-    let expected = BTreeMap::from(
-        [
-            ("cloud-init", "done"),
-            ("sentinel", "yes"),
-            ("bootstrap-kubeconfig", "no"),
-            ("kubelet-kubeconfig", "yes"),
-            ("kubelet", "active"),
-            ("siteboot-processes", "0"),
-        ]
-        .map(|(k, v)| (k.to_owned(), v.to_owned())),
-    );
-    assert_eq!(checklist, expected);
+    assert_eq!(checklist, joined_checklist(KubeletOn::Host));
 
     // The kubelet's client CSR, from the bootstrap token's user, approved and signed.
     let csrs: Api<CertificateSigningRequest> = Api::all(env.client());
@@ -197,16 +209,7 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
 
     // The Node: Ready, the Machine's providerID, the data's labels and taints; CAPI matches it
     // (nodeRef) and removes the uninitialized taint.
-    let node =
-        wait_object(&nodes, &hostname, "Ready, the uninitialized taint gone", JOIN_TIMEOUT, |n| {
-            let status = n.status.clone().unwrap_or_default();
-            let conditions = status.conditions.unwrap_or_default();
-            let ready = conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
-            let taints = n.spec.clone().unwrap_or_default().taints.unwrap_or_default();
-            ready && !taints.iter().any(|t| t.key == UNINITIALIZED)
-        })
-        .await;
-    let node = must(node, env).await;
+    let node = must(ready_and_matched(&nodes, &hostname).await, env).await;
     let spec = node.spec.clone().unwrap_or_default();
     assert_eq!(spec.provider_id.as_deref(), Some(provider_id.as_str()));
     assert_eq!(node.labels().get("example.com/pool").map(String::as_str), Some("workers"));
@@ -224,6 +227,66 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     let config_name = joining.data["spec"]["bootstrap"]["configRef"]["name"].as_str().unwrap();
     assert_eq!(condition(&configs.get(config_name).await.unwrap(), "Ready").0, json!("True"));
     progress("the Node is Ready and its Machine's; the token is gone");
+
+    // 4. The nspawn-mode host: the same checks on the host (the host's own kubelet never runs),
+    // and its kubelet runs inside the container (systemd-detect-virt in the kubelet's mount
+    // namespace says systemd-nspawn; on the host it says none).
+    let checklist = must(nspawn_vm.checklist(JOIN_TIMEOUT), env).await;
+    progress("the nspawn-mode host has joined (cloud-init done)");
+    assert_eq!(checklist, joined_checklist(KubeletOn::Container));
+    let node = must(ready_and_matched(&nodes, &nspawn_hostname).await, env).await;
+    let spec = node.spec.clone().unwrap_or_default();
+    assert_eq!(spec.provider_id.as_deref(), Some(nspawn_provider_id.as_str()));
+    wait_object(&machines, &nspawn_hostname, "its nodeRef", TIMEOUT, |m| {
+        m.data["status"]["nodeRef"]["name"] == json!(nspawn_hostname)
+    })
+    .await
+    .unwrap();
+    progress("the nspawn-mode host's Node is Ready and its Machine's");
+}
+
+/// Where a joined host's kubelet runs.
+enum KubeletOn {
+    /// `kubelet.service` on the host.
+    Host,
+    /// In the nspawn mode's container, run by the host's `kubelet-container.service`.
+    Container,
+}
+
+/// The checklist of a host that joined: the sentinel written, the bootstrap kubeconfig gone,
+/// the kubelet's own there, `/opt/cni/bin` linked to Debian's plugins, no siteboot process.
+fn joined_checklist(kubelet_on: KubeletOn) -> BTreeMap<String, String> {
+    // The host's kubelet unit, the container's unit, systemd-detect-virt in the kubelet's mounts.
+    let (kubelet, container, runs_in) = match kubelet_on {
+        KubeletOn::Host => ("active", "inactive", "none"),
+        KubeletOn::Container => ("inactive", "active", "systemd-nspawn"),
+    };
+    [
+        ("cloud-init", "done"),
+        ("sentinel", "yes"),
+        ("bootstrap-kubeconfig", "no"),
+        ("kubelet-kubeconfig", "yes"),
+        ("kubelet", kubelet),
+        ("kubelet-container", container),
+        ("kubelet-runs-in", runs_in),
+        ("cni-bin-bridge", "yes"),
+        ("siteboot-processes", "0"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
+/// The Node `name` once it is Ready and Cluster API removed its uninitialized taint.
+async fn ready_and_matched(nodes: &Api<Node>, name: &str) -> anyhow::Result<Node> {
+    wait_object(nodes, name, "Ready, the uninitialized taint gone", JOIN_TIMEOUT, |n| {
+        let status = n.status.clone().unwrap_or_default();
+        let conditions = status.conditions.unwrap_or_default();
+        let ready = conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+        let taints = n.spec.clone().unwrap_or_default().taints.unwrap_or_default();
+        ready && !taints.iter().any(|t| t.key == UNINITIALIZED)
+    })
+    .await
 }
 
 /// The value, or a panic that shows what the objects looked like (the processes' logs and the

@@ -1,6 +1,8 @@
 //! The bootstrap data: a cloud-init jinja template (`## template: jinja`, then `#cloud-config`)
 //! that joins the host to its cluster as a plain kubelet with TLS bootstrapping, and leaves
-//! nothing of siteboot running.
+//! nothing of siteboot running. The kubelet and containerd run on the host, or (`spec.nspawn`)
+//! in a systemd-nspawn container that runs the host's own `/usr` and `/etc`: the same document,
+//! with the container's two units added and another start in the join script ([`Placement`]).
 //!
 //! The only jinja in the document is ours (`{{ ds.meta_data.provider_id }}`): everything a user
 //! or the workload cluster supplies is either base64 (file contents, the join script with the
@@ -38,6 +40,61 @@ const KUBELET_CONFIG_RENDERED: &str = "/run/siteboot/kubelet-config.yaml";
 const KUBELET_CONFIG: &str = "/var/lib/kubelet/config.yaml";
 const KUBELET_KUBECONFIG: &str = "/etc/kubernetes/kubelet.conf";
 const KUBELET_CLIENT_CERT: &str = "/var/lib/kubelet/pki/kubelet-client-current.pem";
+
+/// The host unit that runs the nspawn mode's container; it survives reboots (enabled).
+const CONTAINER_UNIT: &str = "kubelet-container.service";
+/// What the container boots instead of its default target: containerd and the kubelet only, so
+/// cloud-init (and with it the join script), gettys and network managers never run in it.
+const CONTAINER_TARGET: &str = "kubelet-only.target";
+
+/// Where the kubelet and containerd run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    Host,
+    /// In [`CONTAINER_UNIT`]'s systemd-nspawn container, on the host's network.
+    Nspawn,
+}
+
+impl Placement {
+    fn of(spec: &SitebootConfigSpec) -> Self {
+        if spec.nspawn == Some(true) { Self::Nspawn } else { Self::Host }
+    }
+
+    /// The join script's lines that start containerd and the kubelet (after `daemon-reload`).
+    fn start_commands(self) -> String {
+        match self {
+            Self::Host => format!(
+                r#"{HOST_KERNEL_SETTINGS}systemctl enable containerd kubelet || fail "cannot enable containerd and the kubelet"
+systemctl restart containerd || fail "containerd did not start"
+systemctl restart kubelet || fail "the kubelet did not start"
+"#
+            ),
+            // The container's unit sets the host's modules and sysctls at each start. One
+            // containerd per state directory: the host's own stops for good.
+            Self::Nspawn => format!(
+                r#"systemctl disable --now containerd || fail "cannot stop the host's own containerd"
+systemctl enable {CONTAINER_UNIT} || fail "cannot enable {CONTAINER_UNIT}"
+systemctl restart {CONTAINER_UNIT} || fail "the kubelet's container did not start"
+"#
+            ),
+        }
+    }
+}
+
+/// What the kubelet on the host needs of the kernel and does not set itself.
+const HOST_KERNEL_SETTINGS: &str = r#"modprobe overlay 2>/dev/null || true
+modprobe br_netfilter 2>/dev/null || true
+sysctl -qw net.ipv4.ip_forward=1 || fail "cannot enable IPv4 forwarding"
+sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
+"#;
+
+/// The data replaces containerd's config, whose default CNI plugin folder is /opt/cni/bin (and
+/// the cluster's CNI installs its plugins there); Debian installs the plugins in /usr/lib/cni.
+const CNI_BIN_LINK: &str = r#"if [ ! -e /opt/cni/bin ] && [ ! -L /opt/cni/bin ] && [ -d /usr/lib/cni ]; then
+    mkdir -p /opt/cni
+    ln -s /usr/lib/cni /opt/cni/bin
+fi
+"#;
 
 /// Where and how the host joins: the workload cluster's API server, its CA, and the token.
 pub struct JoinData<'a> {
@@ -180,6 +237,7 @@ pub fn shell_quote(text: &str) -> String {
 /// The cloud-config for `spec`, joining through `join`.
 pub fn render(spec: &SitebootConfigSpec, join: &JoinData) -> Result<BootstrapData, SpecError> {
     validate(spec)?;
+    let placement = Placement::of(spec);
     let b64_file = |path: &str, permissions: &str, content: &str| {
         json!({ "path": path, "permissions": permissions, "owner": "root:root",
                 "encoding": "b64", "content": BASE64.encode(content) })
@@ -198,13 +256,25 @@ pub fn render(spec: &SitebootConfigSpec, join: &JoinData) -> Result<BootstrapDat
             &kubelet_drop_in(spec),
         ),
     ];
+    if placement == Placement::Nspawn {
+        files.push(b64_file(
+            &format!("/etc/systemd/system/{CONTAINER_UNIT}"),
+            "0644",
+            &container_unit(),
+        ));
+        files.push(b64_file(
+            &format!("/etc/systemd/system/{CONTAINER_TARGET}"),
+            "0644",
+            CONTAINER_TARGET_FILE,
+        ));
+    }
     // After siteboot's own files, so a user's file (a containerd config, say) wins.
     files.extend(spec.files.iter().map(|f| {
         json!({ "path": f.path, "permissions": f.permissions.as_deref().unwrap_or("0644"),
                 "owner": f.owner.as_deref().unwrap_or("root:root"),
                 "encoding": "b64", "content": BASE64.encode(&f.content) })
     }));
-    files.push(b64_file(JOIN_SCRIPT, "0700", &join_script(spec)));
+    files.push(b64_file(JOIN_SCRIPT, "0700", &join_script(spec, placement)));
     let document = json!({ "write_files": files, "runcmd": [["/bin/sh", JOIN_SCRIPT]] });
     let yaml = serde_yaml::to_string(&document).expect("a JSON value serializes as YAML");
     Ok(BootstrapData(format!("## template: jinja\n#cloud-config\n{yaml}")))
@@ -277,6 +347,70 @@ RestartSec=5
 WantedBy=multi-user.target
 ";
 
+/// The nspawn mode's container: a tmpfs root with the host's `/usr` (`--directory=/
+/// --volatile=yes`) and `/etc` read-only, so it runs the host's programs with exactly the files
+/// cloud-init wrote. systemd 252 refuses `--directory=/` with `--volatile=overlay`, and with
+/// `--volatile=state` (the host's root read-only) it cannot create `/run/host`. Bound in from the
+/// host, writable, is what must outlive the container, be seen by the host or be written by the
+/// cluster: the kubelet's state and certificates (the join script waits for them and removes the
+/// bootstrap kubeconfig), containerd's state, the pods' logs, the CNI configuration and plugin
+/// folders (a cluster's CNI installs there), and `/dev/kmsg` (the kubelet's OOM watcher). Host
+/// network, every capability, no seccomp filter (runc needs what nspawn's filter refuses,
+/// keyctl among them), `/proc/sys/net` writable (CNI plugins set interface sysctls); the rest of
+/// `/proc/sys` stays read-only, so the unit sets the sysctls the kubelet would otherwise write
+/// (its `setupKernelTunables`) on the host first. `Delegate=yes`: the container's systemd
+/// manages the cgroup subtree, where the kubelet and runc use the systemd cgroup driver. The
+/// container's init reads its arguments like a kernel command line: it boots only
+/// [`CONTAINER_TARGET`], without the host's network managers (the host's network is up) and
+/// without applying the host's fstab root options to its tmpfs root.
+fn container_unit() -> String {
+    format!(
+        "[Unit]
+Description=containerd and the kubelet in a systemd-nspawn container (siteboot bootstrap data)
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=notify
+Environment=SYSTEMD_SECCOMP=0 SYSTEMD_NSPAWN_API_VFS_WRITABLE=network
+ExecStartPre=-modprobe overlay
+ExecStartPre=-modprobe br_netfilter
+ExecStartPre=sysctl -qw net.ipv4.ip_forward=1 vm.overcommit_memory=1 vm.panic_on_oom=0 kernel.panic=10 kernel.panic_on_oops=1 kernel.keys.root_maxkeys=1000000 kernel.keys.root_maxbytes=25000000
+ExecStartPre=-sysctl -qw net.bridge.bridge-nf-call-iptables=1
+ExecStartPre=mkdir -p /var/lib/kubelet /etc/kubernetes /var/lib/containerd /var/log/pods /var/log/containers /etc/cni/net.d /opt/cni/bin
+ExecStart=systemd-nspawn --quiet --keep-unit --register=no \\
+    --directory=/ --volatile=yes --bind-ro=/etc --hostname=%H --capability=all \\
+    --bind=/var/lib/kubelet --bind=/etc/kubernetes --bind=/var/lib/containerd \\
+    --bind=/var/log/pods --bind=/var/log/containers --bind=/etc/cni/net.d \\
+    --bind=/opt/cni/bin --bind=/dev/kmsg \\
+    --boot systemd.unit={CONTAINER_TARGET} \\
+    systemd.mask=network-online.target systemd.mask=systemd-networkd.service \\
+    systemd.mask=systemd-networkd.socket systemd.mask=systemd-resolved.service \\
+    systemd.mask=systemd-remount-fs.service
+KillMode=mixed
+Delegate=yes
+TasksMax=infinity
+Restart=always
+RestartSec=5
+# nspawn's exit status when the container asked to reboot.
+SuccessExitStatus=133
+RestartForceExitStatus=133
+
+[Install]
+WantedBy=multi-user.target
+"
+    )
+}
+
+/// Booted by the container instead of its default target (see [`container_unit`]).
+const CONTAINER_TARGET_FILE: &str = "[Unit]
+Description=containerd and the kubelet, nothing else (the kubelet container's boot target)
+Requires=basic.target
+After=basic.target
+Wants=containerd.service kubelet.service
+AllowIsolate=yes
+";
+
 fn kubelet_drop_in(spec: &SitebootConfigSpec) -> String {
     let mut exec = format!(
         "/usr/bin/kubelet --config={KUBELET_CONFIG} --bootstrap-kubeconfig={BOOTSTRAP_KUBECONFIG} --kubeconfig={KUBELET_KUBECONFIG}"
@@ -290,7 +424,7 @@ fn kubelet_drop_in(spec: &SitebootConfigSpec) -> String {
     format!("[Service]\nExecStart=\nExecStart={exec}\n")
 }
 
-fn join_script(spec: &SitebootConfigSpec) -> String {
+fn join_script(spec: &SitebootConfigSpec, placement: Placement) -> String {
     let commands = |field: &str, commands: &[String]| -> String {
         commands
             .iter()
@@ -319,15 +453,8 @@ case "$provider_id" in
 esac
 {pre}install -d -m 0755 /var/lib/kubelet
 cp {KUBELET_CONFIG_RENDERED} {KUBELET_CONFIG}
-modprobe overlay 2>/dev/null || true
-modprobe br_netfilter 2>/dev/null || true
-sysctl -qw net.ipv4.ip_forward=1 || fail "cannot enable IPv4 forwarding"
-sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
-systemctl daemon-reload
-systemctl enable containerd kubelet || fail "cannot enable containerd and the kubelet"
-systemctl restart containerd || fail "containerd did not start"
-systemctl restart kubelet || fail "the kubelet did not start"
-waited=0
+{CNI_BIN_LINK}systemctl daemon-reload
+{start}waited=0
 until [ -s {KUBELET_CLIENT_CERT} ]; do
     [ "$waited" -lt {CERTIFICATE_WAIT_SECONDS} ] || fail "the kubelet got no client certificate within {CERTIFICATE_WAIT_SECONDS} s (TLS bootstrap: token valid? CSRs approved?)"
     sleep 1
@@ -339,6 +466,7 @@ echo success > {SENTINEL}
 "#,
         pre = commands("preCommands", &spec.pre_commands),
         post = commands("postCommands", &spec.post_commands),
+        start = placement.start_commands(),
     )
 }
 
@@ -472,6 +600,127 @@ mod tests {
         }
         let (_, _, stderr) = run("CI_MISSING_JINJA_VAR/provider_id");
         assert!(stderr.contains("no provider-id"), "{stderr}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The kernel settings the kubelet's `setupKernelTunables` writes unless they are set.
+    const KUBELET_TUNABLES: [&str; 6] = [
+        "vm.overcommit_memory=1",
+        "vm.panic_on_oom=0",
+        "kernel.panic=10",
+        "kernel.panic_on_oops=1",
+        "kernel.keys.root_maxkeys=1000000",
+        "kernel.keys.root_maxbytes=25000000",
+    ];
+
+    #[test]
+    fn nspawn_mode_is_the_same_document_with_the_container_and_another_start() {
+        let host = parsed(&render(&SitebootConfigSpec::default(), &JOIN).unwrap(), "p");
+        let spec = SitebootConfigSpec { nspawn: Some(true), ..Default::default() };
+        let data = render(&spec, &JOIN).unwrap();
+        assert_eq!(jinja_markers(&data.0).len(), 2, "only the two provider-id placeholders");
+        let doc = parsed(&data, "p");
+        let paths = |doc: &Value| -> Vec<String> {
+            let files = doc["write_files"].as_array().unwrap();
+            files.iter().map(|f| f["path"].as_str().unwrap().to_owned()).collect()
+        };
+        let unit_path = format!("/etc/systemd/system/{CONTAINER_UNIT}");
+        let target_path = format!("/etc/systemd/system/{CONTAINER_TARGET}");
+        let mut expected = paths(&host);
+        expected.splice(
+            expected.len() - 1..,
+            [unit_path.clone(), target_path.clone(), JOIN_SCRIPT.into()],
+        );
+        assert_eq!(paths(&doc), expected, "the host's files, the container's, the script last");
+        for path in paths(&host).iter().filter(|p| *p != JOIN_SCRIPT) {
+            assert_eq!(content(&doc, path), content(&host, path), "{path} differs");
+        }
+
+        // The join scripts differ only in how containerd and the kubelet start.
+        let (host_script, script) = (content(&host, JOIN_SCRIPT), content(&doc, JOIN_SCRIPT));
+        let host_start = Placement::Host.start_commands();
+        let start = Placement::Nspawn.start_commands();
+        assert_eq!(script.replace(&start, &host_start), host_script);
+        let at = |needle: &str| script.find(needle).unwrap_or_else(|| panic!("no {needle:?}"));
+        assert!(at("systemctl daemon-reload") < at("systemctl disable --now containerd"));
+        assert!(at("systemctl disable --now containerd") < at(&format!("enable {CONTAINER_UNIT}")));
+        assert!(at(&format!("restart {CONTAINER_UNIT}")) < at(KUBELET_CLIENT_CERT));
+        assert!(at(KUBELET_CLIENT_CERT) < at(SENTINEL));
+        assert!(!script.contains("restart kubelet ") && !script.contains("enable containerd"));
+        assert!(!host_script.contains(CONTAINER_UNIT));
+
+        let unit = content(&doc, &unit_path);
+        let exec = unit.replace(" \\\n    ", " ");
+        let exec = exec.lines().find(|l| l.starts_with("ExecStart=")).unwrap();
+        for option in [
+            "ExecStart=systemd-nspawn ",
+            " --directory=/ --volatile=yes --bind-ro=/etc ",
+            " --keep-unit --register=no ",
+            " --hostname=%H ",
+            " --capability=all ",
+            " --bind=/var/lib/kubelet ",
+            " --bind=/etc/kubernetes ",
+            " --bind=/var/lib/containerd ",
+            " --bind=/etc/cni/net.d ",
+            " --bind=/opt/cni/bin ",
+            " --bind=/dev/kmsg ",
+            &format!(" --boot systemd.unit={CONTAINER_TARGET} "),
+            " systemd.mask=systemd-networkd.socket ",
+            " systemd.mask=network-online.target ",
+        ] {
+            assert!(format!("{exec} ").contains(option), "no {option:?} in {exec}");
+        }
+        assert!(
+            !exec.contains("--private-network") && !exec.contains("--network-"),
+            "host network"
+        );
+        for line in ["Delegate=yes", "Type=notify", "KillMode=mixed", "WantedBy=multi-user.target"]
+        {
+            assert!(unit.lines().any(|l| l == line), "no {line} in the unit");
+        }
+        let environment = unit.lines().find(|l| l.starts_with("Environment=")).unwrap();
+        assert!(environment.contains("SYSTEMD_SECCOMP=0"), "{environment}");
+        let sysctl = unit.lines().find(|l| l.starts_with("ExecStartPre=sysctl ")).unwrap();
+        for setting in ["net.ipv4.ip_forward=1"].iter().chain(&KUBELET_TUNABLES) {
+            assert!(sysctl.split(' ').any(|w| w == *setting), "{setting} not set on the host");
+        }
+        let target = content(&doc, &target_path);
+        assert!(
+            target.lines().any(|l| l == "Wants=containerd.service kubelet.service"),
+            "{target}"
+        );
+        assert!(!target.contains("multi-user") && !target.contains("cloud"), "{target}");
+    }
+
+    /// The CNI plugin link in a real shell, on scratch folders: made only where /opt/cni/bin is
+    /// missing and Debian's plugin folder exists.
+    #[test]
+    fn the_cni_plugin_folder_is_linked_only_when_missing() {
+        let script =
+            content(&parsed(&render(&Default::default(), &JOIN).unwrap(), "p"), JOIN_SCRIPT);
+        assert!(script.contains(CNI_BIN_LINK));
+        let dir = std::env::temp_dir().join(format!("siteboot-cni-{}", std::process::id()));
+        let run = |opt_exists: bool, debian_exists: bool| {
+            let _ = std::fs::remove_dir_all(&dir);
+            let (opt, debian) = (dir.join("opt/cni"), dir.join("usr/lib/cni"));
+            std::fs::create_dir_all(&dir).unwrap();
+            if opt_exists {
+                std::fs::create_dir_all(opt.join("bin")).unwrap();
+            }
+            if debian_exists {
+                std::fs::create_dir_all(&debian).unwrap();
+            }
+            let snippet = CNI_BIN_LINK
+                .replace("/opt/cni", opt.to_str().unwrap())
+                .replace("/usr/lib/cni", debian.to_str().unwrap());
+            let out =
+                std::process::Command::new("/bin/sh").arg("-c").arg(snippet).output().unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            std::fs::read_link(opt.join("bin")).ok().map(|t| t == debian)
+        };
+        assert_eq!(run(false, true), Some(true), "linked to Debian's folder");
+        assert_eq!(run(true, true), None, "an existing folder is left alone");
+        assert_eq!(run(false, false), None, "nothing to link to");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

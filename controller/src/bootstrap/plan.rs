@@ -217,13 +217,6 @@ fn decide<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
             Requeue::OnChange,
         );
     }
-    if config.spec.nspawn == Some(true) {
-        return report.wait(
-            Reason::NspawnNotImplemented,
-            "spec.nspawn is not implemented yet",
-            Requeue::OnChange,
-        );
-    }
     if let Err(e) = cloud_config::validate(&config.spec) {
         return report.wait(Reason::InvalidSpec, &e.to_string(), Requeue::OnChange);
     }
@@ -637,9 +630,6 @@ mod tests {
         w.machine = Some(control_plane);
         waits(&w.plan(), Reason::ControlPlaneMachineNotSupported);
         w.machine = Some(Machine::new("machine", Default::default()));
-        w.config.spec.nspawn = Some(true);
-        waits(&w.plan(), Reason::NspawnNotImplemented);
-        w.config.spec.nspawn = None;
         w.config.spec.node_labels = BTreeMap::from([("a".into(), "x,evil=1".into())]);
         let p = w.plan();
         waits(&p, Reason::InvalidSpec);

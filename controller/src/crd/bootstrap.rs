@@ -58,8 +58,10 @@ pub struct SitebootConfigSpec {
     #[schemars(range(min = 60, max = 86400))]
     pub token_ttl_seconds: Option<u32>,
     /// Run the kubelet and containerd inside a systemd-nspawn container on the host instead of
-    /// on the host itself. Not implemented yet: a config asking for it reports
-    /// `DataSecretAvailable=False` (reason `NspawnNotImplemented`) and gets no data.
+    /// on the host itself: the container runs the host's `/usr` and `/etc` (read-only) on a
+    /// throwaway root, on the host's network, started by the host unit
+    /// `kubelet-container.service`. The host image needs systemd-nspawn (Debian:
+    /// `systemd-container`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nspawn: Option<bool>,
 }
