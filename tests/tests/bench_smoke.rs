@@ -27,7 +27,7 @@ fn every_benchmark_runs_against_every_peer() {
     let doc = std::fs::read_to_string(&markdown).unwrap();
     assert!(doc.starts_with("# Benchmarks\n\nText kept as it is.\n"), "{doc}");
     let tables = &doc[doc.find(BEGIN).expect("begin marker")..doc.find(END).expect("end marker")];
-    for heading in ["### HTTP", "### TFTP", "### DHCP"] {
+    for heading in ["### HTTP", "### TFTP", "### DHCP", "### Imaging"] {
         assert!(tables.contains(heading), "no {heading} table:\n{tables}");
     }
     // Each table has a row for every server it compares.
@@ -56,9 +56,22 @@ fn every_benchmark_runs_against_every_peer() {
         }
     }
 
+    // Imaging: a row per host count (1 and 2), a number in every measured column.
+    let imaging = section(tables, "### Imaging");
+    for hosts in ["1", "2"] {
+        let row = imaging
+            .lines()
+            .find(|l| l.starts_with(&format!("| {hosts} |")))
+            .unwrap_or_else(|| panic!("no row for {hosts} hosts:\n{imaging}"));
+        for cell in row.split('|').map(str::trim).filter(|c| !c.is_empty()) {
+            let number = cell.split_whitespace().next().unwrap_or("");
+            assert!(number.parse::<f64>().is_ok(), "{hosts} hosts: no number in {row:?}");
+        }
+    }
+
     let results: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    for benchmark in ["http", "http_requests", "tftp", "dhcp", "tftp_concurrent"] {
+    for benchmark in ["http", "http_requests", "tftp", "dhcp", "tftp_concurrent", "imaging"] {
         assert!(
             results[benchmark].as_array().is_some_and(|a| !a.is_empty()),
             "no {benchmark} samples in the JSON"

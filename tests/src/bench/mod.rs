@@ -7,6 +7,7 @@
 pub mod dhcp;
 pub mod http;
 pub mod http_requests;
+pub mod imaging;
 pub mod report;
 pub mod tftp;
 pub mod tftp_concurrent;
@@ -44,10 +45,15 @@ pub struct Settings {
     /// they share.
     pub script_requests: u64,
     pub script_connections: usize,
+    /// Hosts imaging at once, one measurement each, and the image's size.
+    #[serde(default)]
+    pub imaging_hosts: Vec<usize>,
+    #[serde(default)]
+    pub imaging_bytes: u64,
 }
 
 impl Settings {
-    /// The published run: 1 GiB over HTTP, 64 MiB over TFTP, 3 runs.
+    /// The published run: 1 GiB over HTTP, 64 MiB over TFTP, 2 GiB images, 3 runs.
     pub fn full() -> Self {
         Self {
             runs: 3,
@@ -61,6 +67,8 @@ impl Settings {
             only: vec![],
             script_requests: 10_000,
             script_connections: 256,
+            imaging_hosts: vec![1, 8],
+            imaging_bytes: 2 << 30,
         }
     }
 
@@ -78,6 +86,8 @@ impl Settings {
             only: vec![],
             script_requests: 200,
             script_connections: 16,
+            imaging_hosts: vec![1, 2],
+            imaging_bytes: 16 << 20,
         }
     }
 

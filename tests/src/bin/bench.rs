@@ -1,12 +1,13 @@
 //! `bench`: siteboot against nginx (HTTP), tftpd-hpa and dnsmasq (TFTP), Kea and dnsmasq (DHCP), each in
-//! its own network namespaces. Writes raw results as JSON and the tables into a markdown file
-//! (between the bench markers, keeping the rest). Run through `scripts/bench` (release build).
+//! its own network namespaces, and imaging with the deploy agent against the line and disk limits.
+//! Writes raw results as JSON and the tables into a markdown file (between the bench markers,
+//! keeping the rest). Run through `scripts/bench` (release build).
 //!
 //! ```text
-//! bench [--smoke] [--runs N] [--only http,http-requests,tftp,tftp-concurrent,dhcp]
+//! bench [--smoke] [--runs N] [--only http,http-requests,tftp,tftp-concurrent,dhcp,imaging]
 //!       [--http-bytes N] [--http-clients 1,16,64] [--script-requests N] [--script-connections N]
 //!       [--tftp-bytes N] [--tftp-windows 1,16,64] [--tftp-clients N] [--dhcp-seconds S]
-//!       [--dhcp-max-rate R]
+//!       [--dhcp-max-rate R] [--imaging-hosts 1,8] [--imaging-bytes N]
 //!       [--json FILE] [--markdown FILE] [--command TEXT]
 //! ```
 
@@ -46,6 +47,8 @@ fn main() -> Result<()> {
             "--dhcp-max-rate" => settings.dhcp_max_rate = value.parse()?,
             "--script-requests" => settings.script_requests = value.parse()?,
             "--script-connections" => settings.script_connections = value.parse()?,
+            "--imaging-hosts" => settings.imaging_hosts = list()?,
+            "--imaging-bytes" => settings.imaging_bytes = value.parse()?,
             "--json" => json = value.into(),
             "--markdown" => markdown = value.into(),
             "--command" => command = value.clone(),
@@ -69,6 +72,8 @@ fn main() -> Result<()> {
     let tftp_concurrent = attempt(&settings, "tftp-concurrent", &mut failed, || {
         bench::tftp_concurrent::run(&settings, dir.path())
     });
+    let imaging =
+        attempt(&settings, "imaging", &mut failed, || bench::imaging::run(&settings, dir.path()));
     let results = Results {
         command,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -81,6 +86,7 @@ fn main() -> Result<()> {
         tftp,
         dhcp,
         tftp_concurrent,
+        imaging,
         failed,
     };
     report::write(&results, &json, &markdown)?;
