@@ -669,7 +669,7 @@ fn describe_target(dir: &Path) -> String {
 /// A raw GPT disk image of `bytes` (a multiple of 512) with one partition over varied bytes
 /// that do not compress: what the agent writes as it is served.
 fn write_image(path: &Path, bytes: u64) -> Result<()> {
-    if bytes % 512 != 0 || bytes < 1 << 20 {
+    if !bytes.is_multiple_of(512) || bytes < 1 << 20 {
         bail!("the image must be whole 512-byte sectors and at least 1 MiB, not {bytes} bytes");
     }
     super::write_file(path, bytes)?;
