@@ -362,7 +362,8 @@ pub fn binary() -> Result<PathBuf> {
     Ok(bin)
 }
 
-fn newest_file(dir: &Path, newest: &mut Option<(SystemTime, PathBuf)>) -> Result<()> {
+/// Keeps in `newest` the most recently modified file under `dir` (recursively) if newer.
+pub fn newest_file(dir: &Path, newest: &mut Option<(SystemTime, PathBuf)>) -> Result<()> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(());
     };

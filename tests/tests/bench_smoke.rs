@@ -27,7 +27,7 @@ fn every_benchmark_runs_against_every_peer() {
     let doc = std::fs::read_to_string(&markdown).unwrap();
     assert!(doc.starts_with("# Benchmarks\n\nText kept as it is.\n"), "{doc}");
     let tables = &doc[doc.find(BEGIN).expect("begin marker")..doc.find(END).expect("end marker")];
-    for heading in ["### HTTP", "### TFTP", "### DHCP", "### Controller"] {
+    for heading in ["### HTTP", "### TFTP", "### DHCP", "### Controller", "### Imaging"] {
         assert!(tables.contains(heading), "no {heading} table:\n{tables}");
     }
     // Each table has a row for every server it compares.
@@ -55,17 +55,25 @@ fn every_benchmark_runs_against_every_peer() {
             assert!(number.parse::<f64>().is_ok(), "{server}: no number in {row:?}");
         }
     }
-    // The controller's row: the smoke size, and a number in every column.
-    let controller = section(tables, "### Controller");
-    let row = controller.lines().find(|l| l.starts_with("| 3 |")).expect("a row for 3 hosts");
-    for cell in row.split('|').map(str::trim).filter(|c| !c.is_empty()) {
-        let number = cell.split_whitespace().next().unwrap_or("");
-        assert!(number.parse::<f64>().is_ok(), "controller: no number in {row:?}");
+    // The controller's row (3 hosts) and imaging's (1 and 2 hosts at once): a number in every
+    // column.
+    for (heading, hosts) in [("### Controller", "3"), ("### Imaging", "1"), ("### Imaging", "2")] {
+        let table = section(tables, heading);
+        let row = table
+            .lines()
+            .find(|l| l.starts_with(&format!("| {hosts} |")))
+            .unwrap_or_else(|| panic!("no row for {hosts} hosts:\n{table}"));
+        for cell in row.split('|').map(str::trim).filter(|c| !c.is_empty()) {
+            let number = cell.split_whitespace().next().unwrap_or("");
+            assert!(number.parse::<f64>().is_ok(), "{heading}: no number in {row:?}");
+        }
     }
 
     let results: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    for benchmark in ["http", "http_requests", "tftp", "dhcp", "tftp_concurrent", "controller"] {
+    for benchmark in
+        ["http", "http_requests", "tftp", "dhcp", "tftp_concurrent", "controller", "imaging"]
+    {
         assert!(
             results[benchmark].as_array().is_some_and(|a| !a.is_empty()),
             "no {benchmark} samples in the JSON"

@@ -8,6 +8,7 @@ pub mod controller;
 pub mod dhcp;
 pub mod http;
 pub mod http_requests;
+pub mod imaging;
 pub mod report;
 pub mod tftp;
 pub mod tftp_concurrent;
@@ -48,6 +49,11 @@ pub struct Settings {
     /// Hosts, and the replicas a MachineDeployment is scaled to, in `controller`.
     #[serde(default = "controller_hosts")]
     pub controller_hosts: usize,
+    /// Hosts imaging at once, one measurement each, and the image's size.
+    #[serde(default)]
+    pub imaging_hosts: Vec<usize>,
+    #[serde(default)]
+    pub imaging_bytes: u64,
 }
 
 /// The issue asks for 1,000; 1,000 simulated hosts (a `curl` through `ip netns exec` per
@@ -58,7 +64,7 @@ fn controller_hosts() -> usize {
 }
 
 impl Settings {
-    /// The published run: 1 GiB over HTTP, 64 MiB over TFTP, 3 runs.
+    /// The published run: 1 GiB over HTTP, 64 MiB over TFTP, 2 GiB images, 3 runs.
     pub fn full() -> Self {
         Self {
             runs: 3,
@@ -73,6 +79,8 @@ impl Settings {
             script_requests: 10_000,
             script_connections: 256,
             controller_hosts: controller_hosts(),
+            imaging_hosts: vec![1, 8],
+            imaging_bytes: 2 << 30,
         }
     }
 
@@ -91,6 +99,8 @@ impl Settings {
             script_requests: 200,
             script_connections: 16,
             controller_hosts: 3,
+            imaging_hosts: vec![1, 2],
+            imaging_bytes: 16 << 20,
         }
     }
 

@@ -1,12 +1,15 @@
 //! `bench`: siteboot against nginx (HTTP), tftpd-hpa and dnsmasq (TFTP), Kea and dnsmasq (DHCP), each in
-//! its own network namespaces. Writes raw results as JSON and the tables into a markdown file
-//! (between the bench markers, keeping the rest). Run through `scripts/bench` (release build).
+//! its own network namespaces; the controller with simulated hosts; imaging with the deploy agent
+//! against the line and disk limits.
+//! Writes raw results as JSON and the tables into a markdown file (between the bench markers,
+//! keeping the rest). Run through `scripts/bench` (release build).
 //!
 //! ```text
-//! bench [--smoke] [--runs N] [--only http,http-requests,tftp,tftp-concurrent,dhcp,controller]
+//! bench [--smoke] [--runs N]
+//!       [--only http,http-requests,tftp,tftp-concurrent,dhcp,controller,imaging]
 //!       [--http-bytes N] [--http-clients 1,16,64] [--script-requests N] [--script-connections N]
 //!       [--tftp-bytes N] [--tftp-windows 1,16,64] [--tftp-clients N] [--dhcp-seconds S]
-//!       [--dhcp-max-rate R] [--controller-hosts N]
+//!       [--dhcp-max-rate R] [--controller-hosts N] [--imaging-hosts 1,8] [--imaging-bytes N]
 //!       [--json FILE] [--markdown FILE] [--command TEXT]
 //! ```
 
@@ -47,6 +50,8 @@ fn main() -> Result<()> {
             "--script-requests" => settings.script_requests = value.parse()?,
             "--script-connections" => settings.script_connections = value.parse()?,
             "--controller-hosts" => settings.controller_hosts = value.parse()?,
+            "--imaging-hosts" => settings.imaging_hosts = list()?,
+            "--imaging-bytes" => settings.imaging_bytes = value.parse()?,
             "--json" => json = value.into(),
             "--markdown" => markdown = value.into(),
             "--command" => command = value.clone(),
@@ -73,6 +78,8 @@ fn main() -> Result<()> {
     let controller = attempt(&settings, "controller", &mut failed, || {
         bench::controller::run(&settings, dir.path())
     });
+    let imaging =
+        attempt(&settings, "imaging", &mut failed, || bench::imaging::run(&settings, dir.path()));
     let results = Results {
         command,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -86,6 +93,7 @@ fn main() -> Result<()> {
         dhcp,
         tftp_concurrent,
         controller,
+        imaging,
         failed,
     };
     report::write(&results, &json, &markdown)?;
