@@ -15,7 +15,6 @@ use siteboot_boot::inventory::LinuxBoot;
 
 use crate::cache::HostIndex;
 use crate::conditions::Reason;
-use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
 use crate::crd::{Host, HostStatus};
 use crate::machine::plan::Policy as MachinePolicy;
 
@@ -48,6 +47,8 @@ pub struct Ctx {
     /// The appliance's image cache, which the ramdisk downloads images from. `None`: the
     /// ramdisk fetches each image from its source itself.
     pub images: Option<Arc<crate::images::ImageService>>,
+    /// The workload clusters' clients, kept between passes.
+    pub workloads: crate::workload::Workloads,
 }
 
 impl Ctx {
@@ -75,6 +76,7 @@ impl Ctx {
             ramdisk_silence_timeout: RAMDISK_SILENCE_TIMEOUT,
             backoff: Backoff::default(),
             images: None,
+            workloads: Default::default(),
         }
     }
 
@@ -258,32 +260,6 @@ pub fn owner_machine_ref<K: Resource>(object: &K) -> Option<&OwnerReference> {
         .iter()
         .flatten()
         .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
-}
-
-/// The Cluster API Machine that owns `object` (its ownerRef), and that Machine's Cluster (the
-/// object's cluster-name label, else the Machine's `spec.clusterName`), as they are now.
-pub async fn owner_machine_and_cluster<K: Resource>(
-    ctx: &Ctx,
-    object: &K,
-) -> Result<(Option<Machine>, Option<Cluster>), Error> {
-    let namespace = object.meta().namespace.clone().unwrap_or_default();
-    let owner = match owner_machine_ref(object) {
-        Some(owner) => {
-            Api::<Machine>::namespaced(ctx.client.clone(), &namespace).get_opt(&owner.name).await?
-        }
-        None => None,
-    };
-    let cluster_name =
-        object.labels().get(CLUSTER_NAME_LABEL).cloned().or_else(|| {
-            owner.as_ref().map(|m| m.spec.cluster_name.clone()).filter(|n| !n.is_empty())
-        });
-    let cluster = match &cluster_name {
-        Some(name) => {
-            Api::<Cluster>::namespaced(ctx.client.clone(), &namespace).get_opt(name).await?
-        }
-        None => None,
-    };
-    Ok((owner, cluster))
 }
 
 /// Whether `object` was deleted during this pass (its last finalizer removed): then there is no

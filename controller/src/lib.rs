@@ -16,6 +16,7 @@ pub mod inventory;
 pub mod leader;
 pub mod machine;
 pub mod manifests;
+pub mod owners;
 pub mod run;
 pub mod selection;
 pub mod site;

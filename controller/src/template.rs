@@ -9,17 +9,19 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 
+use futures_util::StreamExt;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, PostParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 
 use crate::context::{Ctx, Error, Reconciled, Requeue};
 use crate::crd::{
     Architecture, Host, NodeInfo, SitebootMachineTemplate, SitebootMachineTemplateStatus,
 };
+use crate::owners;
 use crate::selection;
 
 /// What the installed OS is: siteboot's images boot with a cloud-init (NoCloud) seed and run
@@ -79,13 +81,22 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
         Api::<SitebootMachineTemplate>::all(client.clone()),
         watcher::Config::default(),
     );
-    let store = controller.store();
-    let controller =
-        controller.watches(Api::<Host>::all(client), watcher::Config::default(), move |host| {
-            templates_for_host(&host, &store)
-        });
-    ctx.drive(controller, shutdown, |template, ctx| async move { pass(&template, &ctx).await })
-        .await;
+    let templates = controller.store();
+    // Every Host, whatever its site, kept by the watch that wakes the templates: a pass reads
+    // the Hosts from here (written before the watch wakes it) rather than listing them all.
+    let (hosts, writer) = reflector::store();
+    let host_changes = watcher(Api::<Host>::all(client), watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .touched_objects();
+    let controller = controller
+        .watches_stream(host_changes.boxed(), move |host| templates_for_host(&host, &templates));
+    let hosts = Arc::new(hosts);
+    ctx.drive(controller, shutdown, move |template, ctx| {
+        let hosts = hosts.clone();
+        async move { pass(&template, &ctx, &hosts).await }
+    })
+    .await;
 }
 
 /// A Host change may change the capacity of every template that looks in its namespace.
@@ -103,9 +114,18 @@ fn templates_for_host(
 
 impl Reconciled for SitebootMachineTemplate {}
 
-async fn pass(template: &SitebootMachineTemplate, ctx: &Ctx) -> Result<Action, Error> {
-    let hosts = ctx.hosts_api(&host_namespace(template)).list(&ListParams::default()).await?;
-    let status = status(template, &hosts.items);
+async fn pass(
+    template: &SitebootMachineTemplate,
+    ctx: &Ctx,
+    hosts: &Store<Host>,
+) -> Result<Action, Error> {
+    if !owners::listed(hosts) {
+        return Ok(Action::requeue(owners::NOT_LISTED_RETRY));
+    }
+    let namespace = Some(host_namespace(template));
+    let hosts = hosts.state();
+    let status =
+        status(template, hosts.iter().map(|h| &**h).filter(|h| h.namespace() == namespace));
     if template.status.clone().unwrap_or_default() != status {
         // The whole status, with the resourceVersion read: a field that no longer applies goes
         // away, and a conflict is retried from a fresh read.

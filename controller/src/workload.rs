@@ -1,19 +1,27 @@
 //! A workload cluster, reached through its `<cluster>-kubeconfig` Secret (the Cluster API
 //! convention): the bootstrap provider keeps its join tokens there, the infrastructure provider
 //! sets providerID on its Nodes. Every request is bounded, so an unreachable cluster is reported
-//! in seconds.
+//! in seconds. A client is made once per kubeconfig and kept (its connections with it), and the
+//! Nodes are listed at most once per [`NODES_MAX_AGE`] per cluster, however many machines wait
+//! for theirs.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Node, Secret};
 use kube::Api;
+use kube::ResourceExt;
+use kube::api::ListParams;
 
 use crate::context::Error;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const READ_TIMEOUT: Duration = Duration::from_secs(15);
+/// How old a list of a workload cluster's Nodes may be when a machine looks for its Node there.
+pub const NODES_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// What hosts joining the workload cluster take from its `<cluster>-kubeconfig` Secret (the
 /// address they join at is the Cluster's `controlPlaneEndpoint`).
@@ -23,25 +31,75 @@ pub struct JoinTarget {
     pub ca_pem: String,
 }
 
+#[derive(Clone)]
 pub struct Workload {
     pub cluster: String,
     pub target: JoinTarget,
     pub client: kube::Client,
+    /// The last list of its Nodes, shared by every pass that uses this client.
+    nodes: Arc<tokio::sync::Mutex<Option<NodeList>>>,
 }
 
-impl Workload {
+struct NodeList {
+    listed: Instant,
+    nodes: Arc<Vec<Node>>,
+}
+
+/// The workload clusters connected so far, by namespace and Cluster name, with the
+/// resourceVersion of the kubeconfig Secret each client was made from.
+#[derive(Default)]
+pub struct Workloads {
+    connected: Mutex<HashMap<(String, String), (String, Workload)>>,
+}
+
+impl Workloads {
     /// The workload cluster of Cluster `cluster` in `namespace`: `None` while its kubeconfig
-    /// Secret does not exist, `Err(why)` if that Secret cannot be used.
+    /// Secret does not exist, `Err(why)` if that Secret cannot be used. The Secret is read each
+    /// time (it may be rotated); a client is made again only when it changed.
     pub async fn of_cluster(
+        &self,
         client: &kube::Client,
         namespace: &str,
         cluster: &str,
     ) -> Result<Option<Result<Workload, String>>, kube::Error> {
         let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
-        Ok(match secrets.get_opt(&format!("{cluster}-kubeconfig")).await? {
-            Some(secret) => Some(Self::connect(cluster, &secret).await),
-            None => None,
-        })
+        let key = (namespace.to_owned(), cluster.to_owned());
+        let Some(secret) = secrets.get_opt(&format!("{cluster}-kubeconfig")).await? else {
+            self.connected.lock().expect("workloads lock").remove(&key);
+            return Ok(None);
+        };
+        let version = secret.resource_version().unwrap_or_default();
+        if let Some((v, w)) = self.connected.lock().expect("workloads lock").get(&key)
+            && *v == version
+        {
+            return Ok(Some(Ok(w.clone())));
+        }
+        let workload = Workload::connect(cluster, &secret).await;
+        let mut connected = self.connected.lock().expect("workloads lock");
+        match &workload {
+            Ok(w) => connected.insert(key, (version, w.clone())),
+            Err(_) => connected.remove(&key),
+        };
+        Ok(Some(workload))
+    }
+}
+
+impl Workload {
+    /// Its Nodes, listed at most [`NODES_MAX_AGE`] ago; `Err` says why they cannot be read.
+    pub async fn nodes(&self) -> Result<Arc<Vec<Node>>, String> {
+        let mut last = self.nodes.lock().await;
+        if let Some(last) = last.as_ref()
+            && last.listed.elapsed() < NODES_MAX_AGE
+        {
+            return Ok(last.nodes.clone());
+        }
+        let listed = Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| format!("listing Nodes: {e}"))?;
+        let nodes = Arc::new(listed.items);
+        *last = Some(NodeList { listed: Instant::now(), nodes: nodes.clone() });
+        Ok(nodes)
     }
 
     pub fn error(&self, source: kube::Error) -> Error {
@@ -83,6 +141,11 @@ impl Workload {
         config.read_timeout = Some(READ_TIMEOUT);
         let client =
             kube::Client::try_from(config).map_err(|e| format!("unusable kubeconfig: {e}"))?;
-        Ok(Workload { cluster: cluster.to_owned(), target: JoinTarget { ca_pem }, client })
+        Ok(Workload {
+            cluster: cluster.to_owned(),
+            target: JoinTarget { ca_pem },
+            client,
+            nodes: Default::default(),
+        })
     }
 }

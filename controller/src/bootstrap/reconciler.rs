@@ -28,9 +28,10 @@ use super::plan::{
     self, BootstrapToken, DataSecret, FINALIZER, Kubeconfig, Plan, Requeue, Step, TokenRead,
 };
 use crate::conditions::{READY, Reason};
-use crate::context::{Ctx, Error, Reconciled, gone, owner_machine_and_cluster, patch_unchanged};
-use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
+use crate::context::{Ctx, Error, Reconciled, gone, patch_unchanged};
+use crate::crd::capi::CLUSTER_NAME_LABEL;
 use crate::crd::{SitebootConfig, set_condition};
+use crate::owners::{self, OwnedBy, Owners};
 use crate::workload::Workload;
 
 /// Where bootstrap tokens live in the workload cluster.
@@ -62,30 +63,22 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
     let client = ctx.client.clone();
     let controller =
         Controller::new(Api::<SitebootConfig>::all(client.clone()), watcher::Config::default());
-    let by_cluster = controller.store();
-    let controller = controller
-        .watches(Api::<Machine>::all(client.clone()), watcher::Config::default(), |machine| {
-            let namespace = machine.namespace().unwrap_or_default();
-            machine
-                .spec
-                .bootstrap
-                .config_ref
-                .filter(|r| r.kind == "SitebootConfig" && r.api_group == SitebootConfig::group(&()))
-                .map(|r| ObjectRef::new(&r.name).within(&namespace))
-        })
-        .watches(Api::<Cluster>::all(client), watcher::Config::default(), move |cluster| {
-            let (name, namespace) = (cluster.name_any(), cluster.namespace().unwrap_or_default());
-            by_cluster
-                .state()
-                .into_iter()
-                .filter(|c| {
-                    c.namespace().as_deref() == Some(namespace.as_str())
-                        && c.labels().get(CLUSTER_NAME_LABEL) == Some(&name)
-                })
-                .map(|c| ObjectRef::from_obj(&*c))
-                .collect::<Vec<_>>()
-        });
-    ctx.drive(controller, shutdown, |config, ctx| async move { pass(&config, &ctx).await }).await;
+    let (controller, owners) = Owners::watch(&client, controller, |machine| {
+        let namespace = machine.namespace().unwrap_or_default();
+        machine
+            .spec
+            .bootstrap
+            .config_ref
+            .as_ref()
+            .filter(|r| r.kind == "SitebootConfig" && r.api_group == SitebootConfig::group(&()))
+            .map(|r| ObjectRef::new(&r.name).within(&namespace))
+    });
+    let owners = Arc::new(owners);
+    ctx.drive(controller, shutdown, move |config, ctx| {
+        let owners = owners.clone();
+        async move { pass(&config, &ctx, &owners).await }
+    })
+    .await;
 }
 
 impl Reconciled for SitebootConfig {
@@ -119,9 +112,11 @@ fn tokens(w: &Workload) -> Api<Secret> {
     Api::namespaced(w.client.clone(), TOKEN_NAMESPACE)
 }
 
-async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
+async fn pass(config: &SitebootConfig, ctx: &Ctx, owners: &Owners) -> Result<Action, Error> {
     let namespace = config.namespace().unwrap_or_default();
-    let (owner, cluster) = owner_machine_and_cluster(ctx, config).await?;
+    let Some(OwnedBy { machine: owner, cluster }) = owners.of(config) else {
+        return Ok(Action::requeue(owners::NOT_LISTED_RETRY));
+    };
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
     let data_secret = match secrets.get_opt(&config.name_any()).await? {
         None => DataSecret::Absent,
@@ -129,7 +124,9 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
         Some(_) => DataSecret::Foreign,
     };
     let workload = match &cluster {
-        Some(cluster) => Workload::of_cluster(&ctx.client, &namespace, &cluster.name_any()).await?,
+        Some(cluster) => {
+            ctx.workloads.of_cluster(&ctx.client, &namespace, &cluster.name_any()).await?
+        }
         None => None,
     };
     let token_id = config.status.as_ref().and_then(|s| s.token_id.as_deref());
@@ -152,8 +149,8 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx) -> Result<Action, Error> {
     };
     let seen = plan::Observed {
         config,
-        owner: owner.as_ref(),
-        cluster: cluster.as_ref(),
+        owner: owner.as_deref(),
+        cluster: cluster.as_deref(),
         kubeconfig,
         data_secret,
         now: unix_now(),

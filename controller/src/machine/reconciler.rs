@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
@@ -19,9 +19,9 @@ use super::plan::{
     self, BINDER_ANNOTATION, FINALIZER, Observed, Plan, Requeue, Step, consumed_by, key,
 };
 use crate::conditions::{READY, Reason};
-use crate::context::{Ctx, Error, Reconciled, gone, owner_machine_and_cluster, patch_unchanged};
-use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster, Machine};
+use crate::context::{Ctx, Error, Reconciled, gone, patch_unchanged};
 use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine, set_condition};
+use crate::owners::{self, OwnedBy, Owners};
 use crate::workload::Workload;
 
 /// After losing a compare-and-swap: long enough for the watch to bring the winner's write.
@@ -31,36 +31,27 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
     let client = ctx.client.clone();
     let controller =
         Controller::new(Api::<SitebootMachine>::all(client.clone()), watcher::Config::default());
-    let store = controller.store();
-    let by_host = store.clone();
-    let by_cluster = store.clone();
-    let controller = controller
-        .watches(
-            Api::<Host>::all(client.clone()),
-            watcher::Config::default().labels(&format!("{SITE_LABEL}={}", ctx.site)),
-            move |host| machines_for_host(&host, &by_host),
-        )
-        .watches(Api::<Machine>::all(client.clone()), watcher::Config::default(), |machine| {
-            let namespace = machine.namespace().unwrap_or_default();
-            machine
-                .spec
-                .infrastructure_ref
-                .filter(|r| r.kind == "SitebootMachine")
-                .map(|r| ObjectRef::new(&r.name).within(&namespace))
-        })
-        .watches(Api::<Cluster>::all(client), watcher::Config::default(), move |cluster| {
-            let (name, namespace) = (cluster.name_any(), cluster.namespace().unwrap_or_default());
-            by_cluster
-                .state()
-                .into_iter()
-                .filter(|m| {
-                    m.namespace().as_deref() == Some(namespace.as_str())
-                        && m.labels().get(CLUSTER_NAME_LABEL) == Some(&name)
-                })
-                .map(|m| ObjectRef::from_obj(&*m))
-                .collect::<Vec<_>>()
-        });
-    ctx.drive(controller, shutdown, |sbm, ctx| async move { pass(&sbm, &ctx).await }).await;
+    let by_host = controller.store();
+    let controller = controller.watches(
+        Api::<Host>::all(client.clone()),
+        watcher::Config::default().labels(&format!("{SITE_LABEL}={}", ctx.site)),
+        move |host| machines_for_host(&host, &by_host),
+    );
+    let (controller, owners) = Owners::watch(&client, controller, |machine| {
+        let namespace = machine.namespace().unwrap_or_default();
+        machine
+            .spec
+            .infrastructure_ref
+            .as_ref()
+            .filter(|r| r.kind == "SitebootMachine")
+            .map(|r| ObjectRef::new(&r.name).within(&namespace))
+    });
+    let owners = Arc::new(owners);
+    ctx.drive(controller, shutdown, move |sbm, ctx| {
+        let owners = owners.clone();
+        async move { pass(&sbm, &ctx, &owners).await }
+    })
+    .await;
 }
 
 /// A Host change concerns its consumer, and, if it may have become claimable, every machine
@@ -114,17 +105,20 @@ impl Reconciled for SitebootMachine {
     }
 }
 
-async fn pass(sbm: &SitebootMachine, ctx: &Ctx) -> Result<Action, Error> {
+async fn pass(sbm: &SitebootMachine, ctx: &Ctx, owners: &Owners) -> Result<Action, Error> {
     let namespace = sbm.namespace().unwrap_or_default();
-    let (owner, cluster) = owner_machine_and_cluster(ctx, sbm).await?;
+    let Some(OwnedBy { machine: owner, cluster }) = owners.of(sbm) else {
+        return Ok(Action::requeue(owners::NOT_LISTED_RETRY));
+    };
     let bound = match &sbm.spec.host_ref {
         Some(r) => ctx.hosts_api(&r.namespace).get_opt(&r.name).await?,
         None => None,
     };
     let hosts = ctx.hosts.all();
-    let workload = match (&cluster, plan::wants_nodes(owner.as_ref(), bound.as_ref())) {
+    let workload = match (&cluster, plan::wants_nodes(owner.as_deref(), bound.as_ref())) {
         (Some(cluster), true) => Some(
-            Workload::of_cluster(&ctx.client, &namespace, &cluster.name_any())
+            ctx.workloads
+                .of_cluster(&ctx.client, &namespace, &cluster.name_any())
                 .await?
                 .unwrap_or_else(|| {
                     Err(format!("{}-kubeconfig does not exist", cluster.name_any()))
@@ -133,23 +127,17 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx) -> Result<Action, Error> {
         _ => None,
     };
     let nodes = match &workload {
-        Some(Ok(w)) => Some(
-            Api::<Node>::all(w.client.clone())
-                .list(&ListParams::default())
-                .await
-                .map(|list| list.items)
-                .map_err(|e| format!("listing Nodes: {e}")),
-        ),
+        Some(Ok(w)) => Some(w.nodes().await),
         Some(Err(why)) => Some(Err(why.clone())),
         None => None,
     };
     let seen = Observed {
         machine: sbm,
-        owner: owner.as_ref(),
-        cluster: cluster.as_ref(),
+        owner: owner.as_deref(),
+        cluster: cluster.as_deref(),
         bound: bound.as_ref(),
         hosts: &hosts,
-        nodes: nodes.as_ref().map(|n| n.as_deref().map_err(Clone::clone)),
+        nodes: nodes.as_ref().map(|n| n.as_ref().map(|n| n.as_slice()).map_err(Clone::clone)),
         now: unix_now(),
     };
     let Plan { step, status, requeue } = plan::plan(&seen, &ctx.machine_policy);
