@@ -71,16 +71,11 @@ impl ArpTable for KernelArp {
         use std::os::fd::AsRawFd;
         // SAFETY: all-zero bytes are a valid `arpreq` (plain integers and arrays).
         let mut request: libc::arpreq = unsafe { std::mem::zeroed() };
-        let target = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: 0,
-            sin_addr: libc::in_addr { s_addr: u32::from(addr).to_be() },
-            sin_zero: [0; 8],
-        };
-        // SAFETY: `sockaddr_in` and `sockaddr` are both 16 bytes; the kernel reads `arp_pa` as
-        // the `sockaddr_in` its family says it is.
-        request.arp_pa =
-            unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(target) };
+        // `arp_pa` as the `sockaddr_in` its family says it is: port 0, then the address.
+        request.arp_pa.sa_family = libc::AF_INET as libc::sa_family_t;
+        for (byte, octet) in request.arp_pa.sa_data[2..6].iter_mut().zip(addr.octets()) {
+            *byte = octet as libc::c_char;
+        }
         request.arp_dev = self.interface;
         // SAFETY: SIOCGARP reads and writes one `arpreq`, which `request` is, for the call only.
         let result = unsafe { libc::ioctl(self.socket.as_raw_fd(), libc::SIOCGARP, &mut request) };
