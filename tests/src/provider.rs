@@ -47,6 +47,11 @@ pub const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
 /// Provider labs running at once: each is a whole Kubernetes control plane plus siteboot.
 static LABS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 
+/// Simulated hosts between power-on and Available at once while a lab starts: a thousand
+/// powered on together would all DHCP, boot and be inspected in the same seconds, a load no
+/// site sees and a small machine cannot carry.
+pub const POWER_ON_WAVE: usize = 50;
+
 /// How a lab's simulated hosts behave.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Sims {
@@ -194,14 +199,41 @@ impl ProviderLab {
             token,
             _slot: slot,
         };
-        for i in 0..sims.count {
-            lab.add_host(i, i < sims.manual).await?;
+        for i in 0..sims.manual {
+            lab.add_host(i, true).await?;
+        }
+        // The automatic hosts power on in waves of at most POWER_ON_WAVE not yet Available.
+        let mut available = 0;
+        for (started, i) in (sims.manual..sims.count).enumerate() {
+            if started.saturating_sub(available) >= POWER_ON_WAVE {
+                available = lab.wait_available(started + 1 - POWER_ON_WAVE).await?;
+            }
+            lab.add_host(i, false).await?;
         }
         let automatic = sims.count - sims.manual;
         // Inspection takes a few seconds per host, many at once: more time for more hosts.
         let inspection = Duration::from_secs(120) + Duration::from_secs(1) * sims.count as u32;
         lab.wait_hosts(HostState::Available, automatic, inspection).await?;
         Ok(lab)
+    }
+
+    /// Waits until at least `count` Hosts are Available (a power-on wave has room) and returns
+    /// how many are. Two minutes without that is a failure: a wave's hosts are inspected in
+    /// seconds.
+    async fn wait_available(&self, count: usize) -> Result<usize> {
+        let result = wait::until_async(
+            &format!("{count} Hosts Available before powering on more"),
+            Duration::from_secs(120),
+            Duration::from_millis(500),
+            || async {
+                let states = self.host_states().await.ok()?;
+                let n = states.values().filter(|s| **s == HostState::Available).count();
+                (n >= count).then_some(n)
+            },
+        )
+        .await;
+        let state = if result.is_err() { self.describe().await } else { String::new() };
+        result.with_context(|| format!("state:\n{state}"))
     }
 
     /// Host `i`: its Host object and a simulated machine (manual: see [`Sims::manual`]).

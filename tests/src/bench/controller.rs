@@ -62,8 +62,10 @@ pub fn run(settings: &Settings, _dir: &Path) -> Result<Vec<Sample>> {
     runtime.block_on(scale_up(settings.controller_hosts)).map(|s| vec![s])
 }
 
-/// The lab's DHCP subnet wide enough for `hosts` simulated hosts (the lab's own holds 100).
+/// The lab's DHCP subnet wide enough for `hosts` simulated hosts (the lab's own holds 100), and
+/// leases that outlast the run: the simulated hosts do not renew.
 fn dhcp_for(config: &mut Value, hosts: usize) {
+    config["dhcp"]["lease_time"] = json!("12h");
     if hosts > 100 {
         config["dhcp"]["subnets"][0]["subnet"] = json!("10.99.0.0/21");
         config["dhcp"]["subnets"][0]["pools"] = json!(["10.99.1.0-10.99.7.254"]);
