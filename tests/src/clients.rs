@@ -2,13 +2,17 @@
 //! `perfdhcp`, and `dnsmasq` as a site's existing DHCP server (or as a reference server for
 //! checking the harness itself). Each client runs in its own namespace ([`ClientHost`]) on a veth
 //! joined to the server's bridge, so its unicast renewals and releases leave by its own interface.
+//! [`ThreadDhcp`] is a minimal client without a process, for the simulated hosts.
 
-use std::net::Ipv4Addr;
+use std::io::ErrorKind;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use dhcproto::v4::{DhcpOption, Flags, Message, MessageType, Opcode, OptionCode};
+use dhcproto::{Decodable, Decoder, Encodable};
 
 use crate::netns::Netns;
 use crate::process::Supervised;
@@ -179,6 +183,213 @@ impl Udhcpc {
             Some(status) => bail!("udhcpc exited ({status}):\n{}", self.process.log_tail()),
         }
     }
+}
+
+/// A DHCP client that runs on the calling thread, which must be in the client's namespace
+/// ([`Netns::enter_current_thread`]): DISCOVER, OFFER, REQUEST and ACK over a UDP socket bound
+/// to `iface`, then the leased address and mask put on `iface`, as udhcpc's `bound` script
+/// does. It starts no process, so a thousand simulated hosts can boot at once. It neither
+/// renews nor releases: the lease must outlast the caller's use of the address.
+pub struct ThreadDhcp<'a> {
+    pub iface: &'a str,
+    /// The client's hardware address (`chaddr`), `52:54:00:...`.
+    pub mac: &'a str,
+}
+
+impl ThreadDhcp<'_> {
+    const CLIENT_PORT: u16 = 68;
+    const SERVER_PORT: u16 = 67;
+    /// How long to wait for an answer before sending again (udhcpc's `-T 1`).
+    const RETRY: Duration = Duration::from_secs(1);
+
+    /// Gets a lease and configures it; gives up after `timeout` or when `interrupted` says so.
+    pub fn obtain(&self, timeout: Duration, interrupted: impl Fn() -> bool) -> Result<Lease> {
+        let chaddr = mac_bytes(self.mac)?;
+        let socket = self.socket()?;
+        // One transaction id for every retry, so a late answer to an earlier try still counts.
+        let xid: u32 = u32::from_be_bytes([chaddr[2], chaddr[3], chaddr[4], chaddr[5]])
+            ^ std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos();
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if interrupted() {
+                bail!("interrupted while getting a lease");
+            }
+            if std::time::Instant::now() >= deadline {
+                bail!("no DHCP lease for {} within {timeout:?}", self.mac);
+            }
+            let discover = request(xid, &chaddr, MessageType::Discover);
+            send(&socket, &discover)?;
+            let Some(offer) = receive(&socket, xid, &chaddr, &[MessageType::Offer])? else {
+                continue;
+            };
+            let mut ask = request(xid, &chaddr, MessageType::Request);
+            ask.opts_mut().insert(DhcpOption::RequestedIpAddress(offer.yiaddr()));
+            if let Some(server) = offer.opts().get(OptionCode::ServerIdentifier) {
+                ask.opts_mut().insert(server.clone());
+            }
+            send(&socket, &ask)?;
+            let answers = [MessageType::Ack, MessageType::Nak];
+            match receive(&socket, xid, &chaddr, &answers)? {
+                Some(ack) if ack.opts().has_msg_type(MessageType::Ack) => {
+                    let lease = lease_of(&ack);
+                    let address = lease.address.context("an ACK without an address")?;
+                    set_address(self.iface, address, lease.prefix_len.unwrap_or(24))?;
+                    return Ok(lease);
+                }
+                // A NAK, or no answer: start over, as a client does.
+                _ => {}
+            }
+        }
+    }
+
+    fn socket(&self) -> Result<std::net::UdpSocket> {
+        use socket2::{Domain, Protocol, Socket, Type};
+        let socket = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP))?;
+        socket.set_broadcast(true)?;
+        socket.bind_device(Some(self.iface.as_bytes()))?;
+        socket
+            .bind(&SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, Self::CLIENT_PORT).into())
+            .with_context(|| format!("binding port {} on {}", Self::CLIENT_PORT, self.iface))?;
+        socket.set_read_timeout(Some(Self::RETRY))?;
+        // The server answers from an address this interface has no route to yet, which
+        // reverse-path filtering (inherited from the machine's sysctl) would drop; udhcpc reads
+        // a raw socket and never meets the filter. The kernel takes the larger of the two.
+        for conf in ["all", self.iface] {
+            std::fs::write(format!("/proc/sys/net/ipv4/conf/{conf}/rp_filter"), "0")
+                .with_context(|| format!("turning off rp_filter for {conf}"))?;
+        }
+        Ok(socket.into())
+    }
+}
+
+/// A client's DISCOVER or REQUEST, broadcast, asking for what udhcpc asks for.
+fn request(xid: u32, chaddr: &[u8], kind: MessageType) -> Message {
+    let unspecified = Ipv4Addr::UNSPECIFIED;
+    let mut message =
+        Message::new_with_id(xid, unspecified, unspecified, unspecified, unspecified, chaddr);
+    message.set_flags(Flags::default().set_broadcast());
+    let opts = message.opts_mut();
+    opts.insert(DhcpOption::MessageType(kind));
+    opts.insert(DhcpOption::ClientIdentifier([&[1], chaddr].concat()));
+    opts.insert(DhcpOption::ParameterRequestList(vec![
+        OptionCode::SubnetMask,
+        OptionCode::Router,
+        OptionCode::DomainNameServer,
+        OptionCode::DomainName,
+        OptionCode::AddressLeaseTime,
+    ]));
+    message
+}
+
+fn send(socket: &std::net::UdpSocket, message: &Message) -> Result<()> {
+    let bytes = message.to_vec()?;
+    socket.send_to(&bytes, SocketAddrV4::new(Ipv4Addr::BROADCAST, ThreadDhcp::SERVER_PORT))?;
+    Ok(())
+}
+
+/// The server's answer to transaction `xid` if one of the `wanted` kinds comes within the
+/// socket's read timeout; other datagrams (other clients' broadcast answers) are skipped.
+fn receive(
+    socket: &std::net::UdpSocket,
+    xid: u32,
+    chaddr: &[u8],
+    wanted: &[MessageType],
+) -> Result<Option<Message>> {
+    let until = std::time::Instant::now() + ThreadDhcp::RETRY;
+    let mut buffer = [0u8; 1500];
+    while std::time::Instant::now() < until {
+        let n = match socket.recv(&mut buffer) {
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e).context("receiving a DHCP answer"),
+        };
+        let Ok(message) = Message::decode(&mut Decoder::new(&buffer[..n])) else { continue };
+        let ours = message.opcode() == Opcode::BootReply
+            && message.xid() == xid
+            && message.chaddr().get(..chaddr.len()) == Some(chaddr);
+        if ours && message.opts().msg_type().is_some_and(|t| wanted.contains(&t)) {
+            return Ok(Some(message));
+        }
+    }
+    Ok(None)
+}
+
+/// An ACK as the fixture scripts record a `bound` event.
+fn lease_of(ack: &Message) -> Lease {
+    let opts = ack.opts();
+    let mut lease =
+        Lease { event: "bound".to_owned(), address: Some(ack.yiaddr()), ..Lease::default() };
+    if let Some(DhcpOption::SubnetMask(mask)) = opts.get(OptionCode::SubnetMask) {
+        lease.prefix_len = Some(u32::from(*mask).count_ones() as u8);
+    }
+    if let Some(DhcpOption::Router(routers)) = opts.get(OptionCode::Router) {
+        lease.routers = routers.clone();
+    }
+    if let Some(DhcpOption::DomainNameServer(dns)) = opts.get(OptionCode::DomainNameServer) {
+        lease.dns = dns.clone();
+    }
+    if let Some(DhcpOption::AddressLeaseTime(secs)) = opts.get(OptionCode::AddressLeaseTime) {
+        lease.lease_secs = Some(u64::from(*secs));
+    }
+    if let Some(DhcpOption::ServerIdentifier(server)) = opts.get(OptionCode::ServerIdentifier) {
+        lease.server = Some(*server);
+    }
+    if let Some(DhcpOption::DomainName(domain)) = opts.get(OptionCode::DomainName) {
+        lease.domain = Some(domain.clone());
+    }
+    lease
+}
+
+/// `52:54:00:00:0c:01` -> its six bytes.
+fn mac_bytes(mac: &str) -> Result<[u8; 6]> {
+    let bytes: Vec<u8> =
+        mac.split(':').map(|b| u8::from_str_radix(b, 16)).collect::<Result<_, _>>()?;
+    bytes.try_into().map_err(|_| anyhow::anyhow!("not a MAC address: {mac}"))
+}
+
+/// Takes every IPv4 address off `iface` (in the calling thread's namespace), as a NIC has none
+/// at power-on: SIOCSIFADDR to 0.0.0.0, what `ifconfig IFACE 0.0.0.0` does.
+pub fn clear_address(iface: &str) -> Result<()> {
+    interface_ioctl(iface, libc::SIOCSIFADDR, Ipv4Addr::UNSPECIFIED)
+}
+
+/// Puts `address/prefix_len` on `iface` in the calling thread's namespace, in place of the
+/// address it had, with ifconfig's two ioctls rather than an `ip` process.
+fn set_address(iface: &str, address: Ipv4Addr, prefix_len: u8) -> Result<()> {
+    let mask = u32::MAX.checked_shl(32 - u32::from(prefix_len)).unwrap_or(0);
+    interface_ioctl(iface, libc::SIOCSIFADDR, address)?;
+    interface_ioctl(iface, libc::SIOCSIFNETMASK, Ipv4Addr::from(mask))
+}
+
+/// An `ifreq` ioctl that takes an IPv4 address (SIOCSIFADDR, SIOCSIFNETMASK).
+fn interface_ioctl(iface: &str, request: libc::c_ulong, address: Ipv4Addr) -> Result<()> {
+    if iface.len() >= libc::IFNAMSIZ {
+        bail!("interface name too long: {iface}");
+    }
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
+    // SAFETY: ifreq is plain data, valid all zero.
+    let mut ifreq: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (to, from) in ifreq.ifr_name.iter_mut().zip(iface.bytes()) {
+        *to = from as libc::c_char;
+    }
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr { s_addr: u32::from(address).to_be() },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: sockaddr_in and sockaddr are both 16 bytes; the kernel reads it as sockaddr_in.
+    ifreq.ifr_ifru.ifru_addr =
+        unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) };
+    // SAFETY: the request takes a pointer to an ifreq, which outlives the call.
+    if unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&socket), request as _, &mut ifreq) }
+        != 0
+    {
+        bail!("ioctl {request:#x} {address} on {iface}: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// ISC `dhclient` with its own lease file, pid file, config and script. `obtain` runs

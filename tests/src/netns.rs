@@ -103,20 +103,34 @@ impl Netns {
         &self,
         f: impl FnOnce() -> Result<T> + Send + 'static,
     ) -> Result<T> {
-        let path = format!("/run/netns/{}", self.name);
+        let name = self.name.clone();
         std::thread::spawn(move || -> Result<T> {
-            let target = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;
-            // SAFETY: setns changes only this thread, which ends when `f` returns.
-            if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&target), libc::CLONE_NEWNET) }
-                != 0
-            {
-                bail!("setns into {path}: {}", std::io::Error::last_os_error());
-            }
+            // The thread ends when `f` returns.
+            setns_current_thread(&name)?;
             f()
         })
         .join()
         .map_err(|_| anyhow::anyhow!("a thread in namespace {} panicked", self.name))?
     }
+
+    /// Moves the calling thread into this namespace for the rest of its life: for a thread
+    /// that lives there (a simulated host's), where [`Netns::enter`] spawns a thread per call.
+    /// Only network state follows; the thread keeps the process's mounts (`/sys` is the
+    /// host's), unlike [`Netns::command`]'s `ip netns exec`.
+    pub fn enter_current_thread(&self) -> Result<()> {
+        setns_current_thread(&self.name)
+    }
+}
+
+/// setns(2) into network namespace `ns` for the calling thread only.
+fn setns_current_thread(ns: &str) -> Result<()> {
+    let path = format!("/run/netns/{ns}");
+    let target = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;
+    // SAFETY: setns on an open namespace file; it changes only the calling thread.
+    if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&target), libc::CLONE_NEWNET) } != 0 {
+        bail!("setns into {path}: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 impl Drop for Netns {

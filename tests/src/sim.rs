@@ -1,14 +1,22 @@
 //! A simulated bare-metal host: a namespace with one NIC on the lab bridge that does on the wire
-//! what a machine does when it network-boots from siteboot. It gets a lease with a real DHCP
-//! client (udhcpc), fetches its iPXE script, then either "boots the local disk" (the OS phase)
-//! or fetches the ramdisk's kernel and initrd and plays the deploy ramdisk against the agent
-//! API (`/agent/v1/...`) with the token from its kernel command line. It speaks to the agent
-//! API as the real ramdisk does: with `siteboot_agent`'s client, over HTTPS, pinning the
-//! certificate fingerprint from that command line.
+//! what a machine does when it network-boots from siteboot. It gets a lease from siteboot's
+//! DHCP server (a real DISCOVER/REQUEST exchange, [`ThreadDhcp`]), fetches its iPXE script,
+//! then either "boots the local disk" (the OS phase) or fetches the ramdisk's kernel and initrd
+//! and plays the deploy ramdisk against the agent API (`/agent/v1/...`) with the token from its
+//! kernel command line. It speaks to the agent API as the real ramdisk does: with
+//! `siteboot_agent`'s client, over HTTPS, pinning the certificate fingerprint from that command
+//! line.
+//!
+//! Each host is one thread that entered the host's network namespace once and keeps one
+//! current-thread runtime for its agent API calls: no process and no thread per request, so a
+//! thousand hosts fit on a small machine (a `curl` and `udhcpc` through `ip netns exec` each did
+//! not: docs/benchmarks.md).
 //!
 //! What it cannot do by itself (power-cycle when told, run a kubelet) the test does through
 //! [`SimHost::reboot`] and the Kubernetes API.
 
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -19,8 +27,8 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use siteboot_agent::{AgentClient, Cmdline, Token};
 
-use crate::clients::{ClientHost, Udhcpc};
-use crate::netns::{self, Netns};
+use crate::clients::{self, ClientHost, ThreadDhcp};
+use crate::netns::Netns;
 
 /// Where a simulated host is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,8 +132,21 @@ impl SimHost {
             waits_as_told: AtomicBool::new(false),
         });
         let (s, h) = (shared.clone(), host.clone());
-        let thread = std::thread::spawn(move || run(&s, &h));
-        Ok(Self { shared, host, thread: Some(thread) })
+        let (started, outcome) = std::sync::mpsc::sync_channel(1);
+        let thread = std::thread::Builder::new().name(format!("sim {mac}")).spawn(move || {
+            // The host's thread lives in its namespace, with one runtime for its agent calls.
+            let setup = h.ns.enter_current_thread().and_then(|()| current_thread_runtime());
+            match setup {
+                Ok(runtime) => {
+                    let _ = started.send(Ok(()));
+                    run(&s, &runtime);
+                }
+                Err(e) => drop(started.send(Err(e))),
+            }
+        })?;
+        let sim = Self { shared, host, thread: Some(thread) };
+        outcome.recv().context("the simulated host's thread ended before starting")??;
+        Ok(sim)
     }
 
     pub fn mac(&self) -> &str {
@@ -182,7 +203,7 @@ impl SimHost {
             let agent = agent.context("the host has not booted a ramdisk: no agent API to ask")?;
             return agent_http(&self.host.ns, &agent, method, path, token, body);
         }
-        http(&self.host.ns, &self.shared.base_url, method, path, token, body)
+        self.http_from_host(method, path, token, body)
     }
 
     /// A request over plain HTTP from this host's address, whatever the path (what an old
@@ -193,7 +214,20 @@ impl SimHost {
         path: &str,
         token: Option<&str>,
     ) -> Result<(u16, String)> {
-        http(&self.host.ns, &self.shared.base_url, method, path, token, None)
+        self.http_from_host(method, path, token, None)
+    }
+
+    /// A plain HTTP request to the boot plane from a thread in the host's namespace.
+    fn http_from_host(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&Value>,
+    ) -> Result<(u16, String)> {
+        let url = format!("{}{path}", self.shared.base_url);
+        let (method, token, body) = (method.to_owned(), token.map(str::to_owned), body.cloned());
+        self.host.ns.enter(move || http(&url, &method, token.as_deref(), body.as_ref()))
     }
 
     pub fn log(&self) -> String {
@@ -213,13 +247,14 @@ impl Drop for SimHost {
     }
 }
 
-fn run(s: &Shared, host: &ClientHost) {
+/// The host's life, on its thread in its namespace: power-on after power-on until stopped.
+fn run(s: &Shared, runtime: &tokio::runtime::Runtime) {
     while !s.stop.load(Ordering::Acquire) {
         s.reboot.store(false, Ordering::Release);
         s.set_phase(Phase::Booting);
         *s.token.lock().unwrap() = None;
         *s.agent.lock().unwrap() = None;
-        if let Err(e) = boot(s, host) {
+        if let Err(e) = boot(s, runtime) {
             s.note(format!("boot failed: {e:#}"));
             std::thread::sleep(Duration::from_secs(1));
         }
@@ -227,21 +262,15 @@ fn run(s: &Shared, host: &ClientHost) {
 }
 
 /// One power-on: DHCP, script, then the OS or the ramdisk until interrupted or done.
-fn boot(s: &Shared, host: &ClientHost) -> Result<()> {
+fn boot(s: &Shared, runtime: &tokio::runtime::Runtime) -> Result<()> {
     // Power-on: no address yet, as a real NIC.
-    let _ = host.ns.ip(&["addr", "flush", "dev", ClientHost::IFACE]);
-    let mut dhcp = Udhcpc::start(host, &[])?;
-    let lease = dhcp.wait_bound(Duration::from_secs(30))?;
+    clients::clear_address(ClientHost::IFACE)?;
+    let dhcp = ThreadDhcp { iface: ClientHost::IFACE, mac: &s.mac };
+    let lease = dhcp.obtain(Duration::from_secs(30), || s.interrupted())?;
     s.note(format!("lease {:?}", lease.address));
+    let script_url = format!("{}/boot/{}.ipxe", s.base_url, s.mac.replace(':', "-"));
     let script = loop {
-        let (status, body) = http(
-            &host.ns,
-            &s.base_url,
-            "GET",
-            &format!("/boot/{}.ipxe", s.mac.replace(':', "-")),
-            None,
-            None,
-        )?;
+        let (status, body) = http(&script_url, "GET", None, None)?;
         if status == 200 {
             break body;
         }
@@ -258,15 +287,16 @@ fn boot(s: &Shared, host: &ClientHost) -> Result<()> {
         while !s.interrupted() {
             std::thread::sleep(Duration::from_millis(200));
         }
-        dhcp.kill();
         return Ok(());
     }
     let (files, cmdline) = parse_script(&script)?;
     let token = cmdline.token.as_ref().map(|t| t.as_str().to_owned());
     let agent = agent_client(&cmdline);
     for url in files {
-        let path = url.strip_prefix(&s.base_url).context("ramdisk served elsewhere")?;
-        let (status, _) = http(&host.ns, &s.base_url, "GET", path, None, None)?;
+        if !url.starts_with(&s.base_url) {
+            bail!("ramdisk served elsewhere: {url}");
+        }
+        let (status, _) = http(&url, "GET", None, None)?;
         if status != 200 {
             bail!("GET {url}: {status}");
         }
@@ -283,9 +313,8 @@ fn boot(s: &Shared, host: &ClientHost) -> Result<()> {
             std::thread::sleep(Duration::from_millis(200));
         }
     } else {
-        ramdisk(s, host, &agent, token.as_deref())?;
+        ramdisk(s, runtime, &agent, token.as_deref())?;
     }
-    dhcp.kill();
     Ok(())
 }
 
@@ -322,6 +351,7 @@ pub fn agent_client(cmdline: &Cmdline) -> AgentClient {
 }
 
 /// A request to the agent API from inside `ns` (`path` starts with `/agent/`): (status, body).
+/// It runs on a thread of its own; the simulated host's loop uses [`AgentCall`] on its own.
 pub fn agent_http(
     ns: &Netns,
     agent: &AgentClient,
@@ -330,20 +360,54 @@ pub fn agent_http(
     token: Option<&str>,
     body: Option<&Value>,
 ) -> Result<(u16, String)> {
-    let path = path.strip_prefix("/agent/").context("not an agent API path")?.to_owned();
-    let method: http::Method = method.parse()?;
-    let token = token.map(Token::new).transpose().map_err(anyhow::Error::msg)?;
-    let body = body.map(|b| bytes::Bytes::from(b.to_string()));
+    let call = AgentCall::new(method, path, token, body)?;
     let agent = agent.clone();
-    let response = ns.enter(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        Ok(runtime.block_on(agent.request(method, &path, token.as_ref(), body))?)
-    })?;
-    Ok((response.status.as_u16(), String::from_utf8_lossy(&response.body).into_owned()))
+    ns.enter(move || call.send(&current_thread_runtime()?, &agent))
+}
+
+/// An agent API request, ready to send from a thread in the host's namespace.
+struct AgentCall {
+    method: http::Method,
+    /// After `/agent/`.
+    path: String,
+    token: Option<Token>,
+    body: Option<bytes::Bytes>,
+}
+
+impl AgentCall {
+    /// `path` starts with `/agent/`.
+    fn new(method: &str, path: &str, token: Option<&str>, body: Option<&Value>) -> Result<Self> {
+        Ok(Self {
+            method: method.parse()?,
+            path: path.strip_prefix("/agent/").context("not an agent API path")?.to_owned(),
+            token: token.map(Token::new).transpose().map_err(anyhow::Error::msg)?,
+            body: body.map(|b| bytes::Bytes::from(b.to_string())),
+        })
+    }
+
+    /// (status, body).
+    fn send(self, runtime: &tokio::runtime::Runtime, agent: &AgentClient) -> Result<(u16, String)> {
+        let response = runtime.block_on(agent.request(
+            self.method,
+            &self.path,
+            self.token.as_ref(),
+            self.body,
+        ))?;
+        Ok((response.status.as_u16(), String::from_utf8_lossy(&response.body).into_owned()))
+    }
+}
+
+fn current_thread_runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
 }
 
 /// The deploy ramdisk's loop: ask for a task, do it, report.
-fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&str>) -> Result<()> {
+fn ramdisk(
+    s: &Shared,
+    runtime: &tokio::runtime::Runtime,
+    agent: &AgentClient,
+    token: Option<&str>,
+) -> Result<()> {
     // A call the appliance never answered (it restarted, say) is sent again, as a real agent
     // does: the token stays good, and rebooting would end the operation for good once its
     // bootstrap data was delivered.
@@ -351,7 +415,7 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
         let path = format!("/agent/v1/{path}");
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
-            match agent_http(&host.ns, agent, method, &path, token, body) {
+            match AgentCall::new(method, &path, token, body)?.send(runtime, agent) {
                 Err(e) if std::time::Instant::now() < deadline && !s.interrupted() => {
                     s.note(format!("{method} {path}: {e:#}; again in 1 s"));
                     std::thread::sleep(Duration::from_secs(1));
@@ -407,7 +471,7 @@ fn ramdisk(s: &Shared, host: &ClientHost, agent: &AgentClient, token: Option<&st
                 // restarted, say) is tried again rather than ending the operation.
                 let deadline = Instant::now() + Duration::from_secs(60);
                 let (status, image) = loop {
-                    match http(&host.ns, url, "GET", "", None, None) {
+                    match http(url, "GET", None, None) {
                         Err(e) if Instant::now() < deadline && !s.interrupted() => {
                             s.note(format!("GET {url}: {e:#}; again in 1 s"));
                             std::thread::sleep(Duration::from_secs(1));
@@ -475,25 +539,92 @@ fn expect_ok(result: Result<(u16, String)>, what: &str) -> Result<()> {
     }
 }
 
-/// curl inside `ns`.
+/// One HTTP/1.1 request to `url` (`http://<address>:<port>/<path>`) from the calling thread's
+/// namespace, as the firmware and the ramdisk fetch from the boot plane: (status, body). Each
+/// step has 10 s.
 fn http(
-    ns: &Netns,
-    base_url: &str,
+    url: &str,
     method: &str,
-    path: &str,
     token: Option<&str>,
     body: Option<&Value>,
 ) -> Result<(u16, String)> {
-    let mut command = ns.command("curl");
-    command.args(["-sS", "--max-time", "10", "-o", "-", "-w", "\n%{http_code}", "-X", method]);
+    const TIMEOUT: Duration = Duration::from_secs(10);
+    let rest = url.strip_prefix("http://").with_context(|| format!("not an http:// URL: {url}"))?;
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let address: SocketAddr =
+        authority.parse().with_context(|| format!("no address:port in {url}"))?;
+    let mut request = format!(
+        "{method} {} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n",
+        if path.is_empty() { "/" } else { path }
+    );
     if let Some(token) = token {
-        command.args(["-H", &format!("Authorization: Bearer {token}")]);
+        request.push_str(&format!("Authorization: Bearer {token}\r\n"));
     }
-    if let Some(body) = body {
-        command.args(["-H", "Content-Type: application/json", "--data", &body.to_string()]);
+    let body = body.map(Value::to_string).unwrap_or_default();
+    if !body.is_empty() {
+        request.push_str("Content-Type: application/json\r\n");
     }
-    command.arg(format!("{base_url}{path}"));
-    let out = netns::output(&mut command)?;
-    let (body, status) = out.rsplit_once('\n').context("curl printed no status")?;
-    Ok((status.trim().parse()?, body.to_owned()))
+    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+
+    let answer = (|| -> std::io::Result<Vec<u8>> {
+        let mut stream = TcpStream::connect_timeout(&address, TIMEOUT)?;
+        stream.set_read_timeout(Some(TIMEOUT))?;
+        stream.set_write_timeout(Some(TIMEOUT))?;
+        stream.write_all(request.as_bytes())?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer)?;
+        Ok(answer)
+    })()
+    .with_context(|| format!("{method} {url}"))?;
+    parse_response(&answer).with_context(|| format!("{method} {url}"))
+}
+
+/// A whole HTTP/1.1 response with a `Content-Length` body (what siteboot sends): (status, body).
+fn parse_response(answer: &[u8]) -> Result<(u16, String)> {
+    let head_end = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .context("the connection closed before the end of the response head")?;
+    let head = String::from_utf8_lossy(&answer[..head_end]);
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or_default();
+    let status = status_line
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse().ok())
+        .with_context(|| format!("not an HTTP/1.1 status line: {status_line:?}"))?;
+    let mut length = None;
+    for (name, value) in lines.filter_map(|l| l.split_once(':')) {
+        if name.eq_ignore_ascii_case("content-length") {
+            length = Some(value.trim().parse::<usize>().context("a bad Content-Length")?);
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            bail!("a {} body; this client reads Content-Length bodies only", value.trim());
+        }
+    }
+    let body = &answer[head_end + 4..];
+    let body = match length {
+        Some(length) if body.len() < length => {
+            bail!("the connection closed after {} of {length} body bytes", body.len())
+        }
+        Some(length) => &body[..length],
+        None => body,
+    };
+    Ok((status, String::from_utf8_lossy(body).into_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responses_give_status_and_body() {
+        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello";
+        assert_eq!(parse_response(answer).unwrap(), (200, "hello".to_owned()));
+        let answer = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(parse_response(answer).unwrap(), (404, String::new()));
+        assert!(parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nshort").is_err());
+        assert!(parse_response(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n").is_err());
+        assert!(parse_response(b"HTTP/1.1 200 OK\r\n").is_err());
+        assert!(parse_response(b"SSH-2.0\r\n\r\n").is_err());
+    }
 }
