@@ -37,6 +37,12 @@ pub struct Sample {
     pub machines_seconds: f64,
     /// Until every Host had a consumer.
     pub claimed_seconds: f64,
+    /// From a SitebootMachine's creation to its Host's claim, per machine: p50 and p99 (the
+    /// claim rate CAPI's pace of making machines does not set).
+    #[serde(default)]
+    pub claim_delay_p50_seconds: f64,
+    #[serde(default)]
+    pub claim_delay_p99_seconds: f64,
     /// Until every Host was Provisioned.
     pub provisioned_seconds: f64,
     /// Until every Machine was Running with a nodeRef.
@@ -163,6 +169,8 @@ async fn measure(lab: &ProviderLab, hosts: usize, setup_seconds: f64) -> Result<
     let api_requests = requests_of_siteboot(lab).await? - requests_before;
     let peak_rss_kib = peak_rss_kib(pid)?;
     let double_claims = double_claims(lab, &progress).await?;
+    let mut delays = progress.claim_delays();
+    delays.sort_by(f64::total_cmp);
     let at = |times: &BTreeMap<String, Duration>| {
         times.values().max().map_or(0.0, Duration::as_secs_f64)
     };
@@ -170,6 +178,8 @@ async fn measure(lab: &ProviderLab, hosts: usize, setup_seconds: f64) -> Result<
         hosts,
         machines_seconds: at(&progress.created),
         claimed_seconds: at(&progress.claimed),
+        claim_delay_p50_seconds: super::percentile(&delays, 0.5),
+        claim_delay_p99_seconds: super::percentile(&delays, 0.99),
         provisioned_seconds: at(&progress.provisioned),
         running_seconds: running.as_secs_f64(),
         api_requests,
@@ -183,7 +193,7 @@ async fn measure(lab: &ProviderLab, hosts: usize, setup_seconds: f64) -> Result<
 /// What a watch saw of one object.
 enum Seen {
     Host { name: String, consumer: Option<String>, provisioned: bool },
-    SitebootMachine { name: String },
+    SitebootMachine { name: String, uid: String },
     Machine { name: String, running: bool },
 }
 
@@ -191,6 +201,10 @@ enum Seen {
 #[derive(Default)]
 struct Progress {
     created: BTreeMap<String, Duration>,
+    /// SitebootMachine uid -> when it appeared.
+    created_uid: BTreeMap<String, Duration>,
+    /// SitebootMachine uid -> when a Host was first seen claimed for it.
+    claimed_for: BTreeMap<String, Duration>,
     claimed: BTreeMap<String, Duration>,
     provisioned: BTreeMap<String, Duration>,
     running: BTreeMap<String, Duration>,
@@ -204,14 +218,16 @@ impl Progress {
             Seen::Host { name, consumer, provisioned } => {
                 if let Some(consumer) = consumer {
                     self.claimed.entry(name.clone()).or_insert(at);
+                    self.claimed_for.entry(consumer.clone()).or_insert(at);
                     self.consumers.entry(name.clone()).or_default().insert(consumer);
                 }
                 if provisioned {
                     self.provisioned.entry(name).or_insert(at);
                 }
             }
-            Seen::SitebootMachine { name } => {
+            Seen::SitebootMachine { name, uid } => {
                 self.created.entry(name).or_insert(at);
+                self.created_uid.entry(uid).or_insert(at);
             }
             Seen::Machine { name, running } => {
                 if running {
@@ -219,6 +235,17 @@ impl Progress {
                 }
             }
         }
+    }
+
+    /// Seconds from each SitebootMachine's appearance to its Host's claim.
+    fn claim_delays(&self) -> Vec<f64> {
+        self.claimed_for
+            .iter()
+            .filter_map(|(uid, claimed)| {
+                let created = self.created_uid.get(uid)?;
+                Some(claimed.saturating_sub(*created).as_secs_f64())
+            })
+            .collect()
     }
 
     fn done(&self, hosts: usize) -> bool {
@@ -271,7 +298,7 @@ async fn watch_machines(
             let running = status["phase"] == "Running" && status["nodeRef"]["name"].is_string();
             Seen::Machine { name, running }
         } else {
-            Seen::SitebootMachine { name }
+            Seen::SitebootMachine { name, uid: object.uid().unwrap_or_default() }
         };
         if events.send(seen).is_err() {
             break;

@@ -273,8 +273,8 @@ impl Results {
         let _ = writeln!(
             md,
             "### Controller: a MachineDeployment scaled from 0 to N with N simulated hosts (one run)\n\n\
-             | hosts | all SitebootMachines made s | all claimed s | claims/s | all Provisioned s | all Machines Running s | API requests per claim | peak RSS MiB | CPU s | double claims |\n\
-             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+             | hosts | all SitebootMachines made s | all claimed s | claims/s | SitebootMachine to claim p50 / p99 s | all Provisioned s | all Machines Running s | API requests per claim | peak RSS MiB | CPU s | double claims |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         let hosts: std::collections::BTreeSet<usize> =
             self.controller.iter().map(|s| s.hosts).collect();
@@ -286,10 +286,12 @@ impl Results {
             };
             let _ = writeln!(
                 md,
-                "| {hosts} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {hosts} | {} | {} | {} | {} / {} | {} | {} | {} | {} | {} | {} |",
                 cell(&of(&|s| s.machines_seconds), 1),
                 cell(&of(&|s| s.claimed_seconds), 1),
                 cell(&of(&|s| s.hosts as f64 / s.claimed_seconds), 1),
+                cell(&of(&|s| s.claim_delay_p50_seconds), 1),
+                cell(&of(&|s| s.claim_delay_p99_seconds), 1),
                 cell(&of(&|s| s.provisioned_seconds), 1),
                 cell(&of(&|s| s.running_seconds), 1),
                 cell(&of(&|s| s.api_requests / s.hosts as f64), 1),
@@ -448,6 +450,8 @@ mod tests {
             hosts: 1000,
             machines_seconds: 12.0,
             claimed_seconds: 20.0,
+            claim_delay_p50_seconds: 0.4,
+            claim_delay_p99_seconds: 2.3,
             provisioned_seconds: 90.0,
             running_seconds: 95.5,
             api_requests: 12_500.0,
@@ -459,7 +463,9 @@ mod tests {
         let results = Results { controller: vec![sample], ..results(Settings::smoke()) };
         let md = results.markdown();
         assert!(
-            md.contains("| 1000 | 12.0 | 20.0 | 50.0 | 90.0 | 95.5 | 12.5 | 100.0 | 30.0 | 0 |"),
+            md.contains(
+                "| 1000 | 12.0 | 20.0 | 50.0 | 0.4 / 2.3 | 90.0 | 95.5 | 12.5 | 100.0 | 30.0 | 0 |"
+            ),
             "{md}"
         );
     }
