@@ -9,8 +9,8 @@
 //!
 //! The disk is written with O_DIRECT (where its file system allows it) in 4 MiB chunks from
 //! aligned buffers, by a thread of its own while the next chunk fills: no copy into the page
-//! cache, and the download, hashing and decompression overlap the disk's work. There are two
-//! chunks: when both are taken the runtime's thread waits for the disk, so a slow disk slows
+//! cache, and the download, hashing and decompression overlap the disk's work. There are three
+//! chunks: when all are taken the runtime's thread waits for the disk, so a slow disk slows
 //! the download instead of queueing it.
 
 use std::fs::File;
@@ -86,7 +86,7 @@ const ALIGN: usize = 4096;
 const CHUNK: usize = 4 << 20;
 /// Chunk buffers per disk: one filling while the others are written. The download runs ahead
 /// of the disk by at most this many chunks, then waits for it.
-const CHUNKS: usize = 2;
+const CHUNKS: usize = 3;
 
 /// [`CHUNK`] bytes at an [`ALIGN`]ed address, as O_DIRECT needs, to be written at `offset`: a
 /// `Vec` with room to start at its first aligned byte.
@@ -706,11 +706,12 @@ mod tests {
 
     #[test]
     fn a_disk_that_fails_its_writes_fails_the_image_with_its_error() {
-        let disk = marked_disk(3 * CHUNK);
+        let len = (CHUNKS + 1) * CHUNK;
+        let disk = marked_disk(len);
         let read_only = File::open(disk.path()).unwrap();
-        let mut device = Device::new(disk.path(), read_only, true, 3 * CHUNK as u64).unwrap();
-        let raw = image(3 * CHUNK);
-        // Two chunks are taken before the writer's failure can show: the third write meets it.
+        let mut device = Device::new(disk.path(), read_only, true, len as u64).unwrap();
+        let raw = image(len);
+        // CHUNKS chunks are taken before the writer's failure can show; the next meets it.
         let error = device.write_all(&raw).unwrap_err();
         assert_eq!(error.raw_os_error(), Some(libc::EBADF), "{error}");
     }

@@ -21,8 +21,9 @@
 //! The disks are loop devices in direct-I/O mode over sparse files on the machine's disk (not
 //! tmpfs): a block device as the agent writes on a real host, with one page cache above it as a
 //! disk has (a buffered loop device would cache every byte twice), on storage every host shares
-//! as a rack's hosts share nothing but the line. The agent writes through the page cache in 1
-//! MiB writes and syncs at the end; `dd bs=1M conv=fsync` writes the same way. Every disk is
+//! as a rack's hosts share nothing but the line. The agent writes with O_DIRECT in 4 MiB
+//! chunks and syncs at the end; `dd bs=1M conv=fsync` writes through the page cache, whose copy
+//! can make it slower than the agent on a fast disk. Every disk is
 //! created fresh (unallocated) for each measurement and deleted after it, also on failure; loop
 //! devices and files left by a driver that was killed are removed by the next one.
 
