@@ -2,8 +2,8 @@
 //! GiB) to its disk with the real deploy agent, against a standalone siteboot (release build),
 //! and beside it, in the same run, the two limits imaging cannot beat: the line (one curl per
 //! host fetching the same bytes from the same URL over the same veth, to /dev/null) and the
-//! disk (one `dd bs=1M conv=fsync` per host of the same bytes onto a fresh disk of the same
-//! kind).
+//! disk (one `dd bs=4M oflag=direct conv=fsync` per host of the same bytes onto a fresh disk of
+//! the same kind).
 //!
 //! A host is a network namespace on the server's bridge with its own MAC. It gets a lease from
 //! siteboot (udhcpc), `siteboot host provision` starts its operation, it fetches its iPXE script
@@ -22,8 +22,8 @@
 //! tmpfs): a block device as the agent writes on a real host, with one page cache above it as a
 //! disk has (a buffered loop device would cache every byte twice), on storage every host shares
 //! as a rack's hosts share nothing but the line. The agent writes with O_DIRECT in 4 MiB
-//! chunks and syncs at the end; `dd bs=1M conv=fsync` writes through the page cache, whose copy
-//! can make it slower than the agent on a fast disk. Every disk is
+//! chunks and syncs at the end, and so does `dd` (a page-cache copy would make the limit slower
+//! than the agent on a fast disk). Every disk is
 //! created fresh (unallocated) for each measurement and deleted after it, also on failure; loop
 //! devices and files left by a driver that was killed are removed by the next one.
 
@@ -73,7 +73,7 @@ pub struct Sample {
     /// One curl per host of the same URL over the same veths, to /dev/null, until the last
     /// finished.
     pub line_seconds: f64,
-    /// One `dd bs=1M conv=fsync` per host of the same bytes onto a fresh disk of the same kind,
+    /// One `dd bs=4M oflag=direct conv=fsync` per host of the same bytes onto a fresh disk of the same kind,
     /// until the last finished.
     pub disk_seconds: f64,
     /// siteboot's user + system CPU while the agents ran.
@@ -339,7 +339,7 @@ impl ImagingLab {
                 let mut dd = Command::new("dd");
                 dd.arg(format!("if={}", self.image.display()))
                     .arg(format!("of={}", disk.device.display()))
-                    .args(["bs=1M", "conv=fsync", "status=none"]);
+                    .args(["bs=4M", "oflag=direct", "conv=fsync", "status=none"]);
                 Supervised::spawn(&format!("dd-{i}"), &mut dd, self.state.path())
             })
             .collect::<Result<_>>()?;

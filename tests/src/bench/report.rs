@@ -349,7 +349,7 @@ impl Results {
             md,
             "### Imaging: N hosts at once, each writing a {:.0} MiB raw image with the deploy agent\n\n\
              Disks: {}. Line: one curl per host of the same URL to /dev/null; disk: one \
-             `dd bs=1M conv=fsync` per host of the same bytes; both in the same run.\n\n\
+             `dd bs=4M oflag=direct conv=fsync` per host of the same bytes; both in the same run.\n\n\
              | hosts | seconds until all wrote and verified | MiB/s (aggregate) | line MiB/s | disk MiB/s | of min(line, disk) | siteboot CPU s | siteboot peak RSS MiB | agent CPU s per GiB |\n\
              |---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             self.settings.imaging_bytes as f64 / MIB,
