@@ -6,17 +6,19 @@
 //! every machine of the cluster.
 
 use std::collections::hash_map::DefaultHasher;
+use std::fmt::Debug;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::{FutureExt, StreamExt};
+use futures_util::{FutureExt, Stream, StreamExt};
 use kube::api::Api;
 use kube::runtime::controller::Controller;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use crate::context::{Reconciled, owner_machine_ref};
@@ -50,18 +52,10 @@ impl Owners {
         K: Reconciled,
     {
         let objects = controller.store();
-        let (machines, writer) = reflector::store();
-        let machine_changes = watcher(Api::<Machine>::all(client.clone()), Default::default())
-            .default_backoff()
-            .reflect(writer)
-            .touched_objects()
-            .predicate_filter(read_fields, Default::default());
-        let (clusters, writer) = reflector::store();
-        let cluster_changes = watcher(Api::<Cluster>::all(client.clone()), Default::default())
-            .default_backoff()
-            .reflect(writer)
-            .touched_objects()
-            .predicate_filter(read_fields, Default::default());
+        let (machines, machine_changes) = reflected(Api::<Machine>::all(client.clone()));
+        let machine_changes = machine_changes.predicate_filter(read_fields, Default::default());
+        let (clusters, cluster_changes) = reflected(Api::<Cluster>::all(client.clone()));
+        let cluster_changes = cluster_changes.predicate_filter(read_fields, Default::default());
         let controller = controller
             .watches_stream(machine_changes.boxed(), move |machine| of_machine(&machine))
             .watches_stream(cluster_changes.boxed(), move |cluster| {
@@ -96,6 +90,22 @@ impl Owners {
             .and_then(|name| self.clusters.get(&ObjectRef::new(&name).within(&namespace)));
         Some(OwnedBy { machine: owner, cluster })
     }
+}
+
+/// A watch of `api` that keeps the store returned and yields every object it touched, once
+/// stored: for `Controller::watches_stream`, so a pass the watch wakes reads what woke it.
+pub fn reflected<K>(
+    api: Api<K>,
+) -> (Store<K>, impl Stream<Item = Result<K, watcher::Error>> + Send + 'static)
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+{
+    let (store, writer) = reflector::store();
+    let changes = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .touched_objects();
+    (store, changes)
 }
 
 /// Whether `store`'s watch has listed everything once.

@@ -14,8 +14,8 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
 
 use crate::context::{Ctx, Error, Reconciled, Requeue};
 use crate::crd::{
@@ -84,11 +84,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync
     let templates = controller.store();
     // Every Host, whatever its site, kept by the watch that wakes the templates: a pass reads
     // the Hosts from here (written before the watch wakes it) rather than listing them all.
-    let (hosts, writer) = reflector::store();
-    let host_changes = watcher(Api::<Host>::all(client), watcher::Config::default())
-        .default_backoff()
-        .reflect(writer)
-        .touched_objects();
+    let (hosts, host_changes) = owners::reflected(Api::<Host>::all(client));
     let controller = controller
         .watches_stream(host_changes.boxed(), move |host| templates_for_host(&host, &templates));
     let hosts = Arc::new(hosts);

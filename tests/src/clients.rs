@@ -204,7 +204,7 @@ impl ThreadDhcp<'_> {
 
     /// Gets a lease and configures it; gives up after `timeout` or when `interrupted` says so.
     pub fn obtain(&self, timeout: Duration, interrupted: impl Fn() -> bool) -> Result<Lease> {
-        let chaddr = mac_bytes(self.mac)?;
+        let chaddr = self.mac.parse::<siteboot_boot::MacAddr>()?.octets();
         let socket = self.socket()?;
         // One transaction id for every retry, so a late answer to an earlier try still counts.
         let xid: u32 = u32::from_be_bytes([chaddr[2], chaddr[3], chaddr[4], chaddr[5]])
@@ -340,13 +340,6 @@ fn lease_of(ack: &Message) -> Lease {
         lease.domain = Some(domain.clone());
     }
     lease
-}
-
-/// `52:54:00:00:0c:01` -> its six bytes.
-fn mac_bytes(mac: &str) -> Result<[u8; 6]> {
-    let bytes: Vec<u8> =
-        mac.split(':').map(|b| u8::from_str_radix(b, 16)).collect::<Result<_, _>>()?;
-    bytes.try_into().map_err(|_| anyhow::anyhow!("not a MAC address: {mac}"))
 }
 
 /// Takes every IPv4 address off `iface` (in the calling thread's namespace), as a NIC has none
