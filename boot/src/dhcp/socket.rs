@@ -5,6 +5,10 @@
 //! No reply leaves before the lease it announces is on disk (and, with several replicas, in the
 //! site's [checkpoint](super::checkpoint)), so a crash at any moment loses no lease a client was
 //! told about. With leader election, nothing is answered outside this replica's term.
+//!
+//! The loop has a thread and a single-threaded runtime of its own, and syncs the lease file on
+//! that thread: it waits for each sync anyway, and on the shared runtime every batch cost a trip
+//! to the blocking pool and back plus wake-ups of idle workers, which was most of its CPU.
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -27,8 +31,8 @@ const MAX_BATCH: usize = 256;
 const MAX_DATAGRAM: usize = 9000;
 
 /// A UDP socket on `port` of all addresses, bound to `interface`: it sees broadcasts and sends
-/// them out of that interface only.
-pub fn bind_socket(interface: &str, port: u16) -> io::Result<UdpSocket> {
+/// them out of that interface only. Non-blocking, for [`DhcpService::run`].
+pub fn bind_socket(interface: &str, port: u16) -> io::Result<std::net::UdpSocket> {
     let socket = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP))?;
     socket.set_reuse_address(true)?;
     socket.set_broadcast(true)?;
@@ -39,7 +43,7 @@ pub fn bind_socket(interface: &str, port: u16) -> io::Result<UdpSocket> {
     socket.bind(&SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port).into()).map_err(|e| {
         io::Error::new(e.kind(), format!("binding UDP port {port} on {interface}: {e}"))
     })?;
-    UdpSocket::from_std(socket.into())
+    Ok(socket.into())
 }
 
 /// Sends each outcome's reply, if it has one, from the socket of the port it came in on.
@@ -86,9 +90,35 @@ impl DhcpService {
         self.leadership.as_ref().is_none_or(leading_now)
     }
 
-    /// Serves `dhcp` (port 67) and `pxe` (port 4011) until an I/O error, or until `shutdown`:
-    /// then it finishes the batch in hand, writes the lease file compactly, and returns.
+    /// Serves `dhcp` (port 67) and `pxe` (port 4011), both from [`bind_socket`], on a thread
+    /// of its own until an I/O error, or until `shutdown`: then it finishes the batch in hand,
+    /// writes the lease file compactly, and returns.
     pub async fn run(
+        self,
+        dhcp: std::net::UdpSocket,
+        pxe: std::net::UdpSocket,
+        shutdown: CancellationToken,
+    ) -> io::Result<()> {
+        let (done, finished) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new().name("siteboot-dhcp".to_owned()).spawn(move || {
+            let served = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .and_then(|runtime| {
+                    runtime.block_on(async {
+                        let dhcp = UdpSocket::from_std(dhcp)?;
+                        let pxe = UdpSocket::from_std(pxe)?;
+                        self.serve(dhcp, pxe, shutdown).await
+                    })
+                });
+            let _ = done.send(served);
+        })?;
+        finished.await.unwrap_or_else(|_| Err(io::Error::other("the DHCP thread panicked")))
+    }
+
+    /// The loop itself, on the DHCP thread: blocking there (the lease file's sync) holds up
+    /// DHCP only, which waits for it in any case.
+    async fn serve(
         mut self,
         dhcp: UdpSocket,
         pxe: UdpSocket,
@@ -152,7 +182,7 @@ impl DhcpService {
                 send_replies(&dhcp, &pxe, changes).await;
             }
         }
-        self.compact_on_shutdown().await;
+        self.compact_on_shutdown();
         Ok(())
     }
 
@@ -181,7 +211,7 @@ impl DhcpService {
             merged = merged.len(),
             "read the site's lease checkpoint"
         );
-        if !self.append(merged).await {
+        if !self.append(merged) {
             return false;
         }
         self.checkpoint_loaded = true;
@@ -202,7 +232,7 @@ impl DhcpService {
                 LeaseRecord::Declined { .. } => None,
             })
             .collect();
-        if !self.append(records).await {
+        if !self.append(records) {
             return false;
         }
         let Some(checkpoint) = self.checkpoint.clone() else {
@@ -222,28 +252,19 @@ impl DhcpService {
     }
 
     /// Appends `records` to the lease file and syncs it, compacting the file when it has grown.
-    async fn append(&mut self, records: Vec<LeaseRecord>) -> bool {
+    /// Blocks the DHCP thread (see [`serve`](Self::serve)).
+    fn append(&mut self, records: Vec<LeaseRecord>) -> bool {
         if records.is_empty() {
             return true;
         }
-        let Some(mut journal) = self.journal.take() else {
+        let Some(journal) = self.journal.as_mut() else {
             return true;
         };
         let live = self.server.table().durable_count();
-        let snapshot =
-            journal.should_compact(live + records.len()).then(|| self.server.table().records());
-        let (journal, result) = tokio::task::spawn_blocking(move || {
-            let mut result = journal.append(&records);
-            if result.is_ok()
-                && let Some(live) = snapshot
-            {
-                result = journal.compact(&live);
-            }
-            (journal, result)
-        })
-        .await
-        .expect("journal task does not panic");
-        self.journal = Some(journal);
+        let mut result = journal.append(&records);
+        if result.is_ok() && journal.should_compact(live + records.len()) {
+            result = journal.compact(&self.server.table().records());
+        }
         match result {
             Ok(()) => true,
             Err(e) => {
@@ -254,15 +275,11 @@ impl DhcpService {
     }
 
     /// Rewrites the lease file with the live leases only, so the next start replays little.
-    async fn compact_on_shutdown(&mut self) {
-        let Some(mut journal) = self.journal.take() else {
+    fn compact_on_shutdown(&mut self) {
+        let Some(journal) = self.journal.as_mut() else {
             return;
         };
-        let live = self.server.table().records();
-        let result = tokio::task::spawn_blocking(move || journal.compact(&live))
-            .await
-            .expect("journal task does not panic");
-        match result {
+        match journal.compact(&self.server.table().records()) {
             Ok(()) => tracing::info!("lease file written"),
             Err(e) => {
                 tracing::error!(error = %e, "cannot compact the lease file at shutdown (its records stay valid)")
