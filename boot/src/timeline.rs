@@ -77,14 +77,26 @@ impl Stage {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// Serialized with `at` (RFC 3339, UTC) beside `at_ms`; the string is made only when an event
+/// is read, not on the DHCP path that records it.
+#[derive(Debug, Clone)]
 pub struct Event {
-    /// RFC 3339, UTC.
-    pub at: String,
     /// Milliseconds since the Unix epoch, for computing durations.
     pub at_ms: u64,
     pub stage: Stage,
     pub detail: String,
+}
+
+impl Serialize for Event {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut s = serializer.serialize_struct("Event", 4)?;
+        s.serialize_field("at", &rfc3339(self.at_ms))?;
+        s.serialize_field("at_ms", &self.at_ms)?;
+        s.serialize_field("stage", &self.stage)?;
+        s.serialize_field("detail", &self.detail)?;
+        s.end()
+    }
 }
 
 /// A step as it was recorded, for live views.
@@ -146,12 +158,15 @@ impl Timeline {
         let detail = detail.into();
         tracing::info!(%mac, stage = stage.as_str(), "{detail}");
         self.stage_counts[stage.index()].fetch_add(1, Ordering::Relaxed);
-        let now = SystemTime::now();
-        let at_ms =
-            now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-        let event = Event { at: rfc3339(now), at_ms, stage, detail };
-        // Never blocks; with no one watching it only returns an error.
-        let _ = self.live.send(Recorded { mac, event: event.clone() });
+        let at_ms = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let event = Event { at_ms, stage, detail };
+        if self.live.receiver_count() > 0 {
+            // Never blocks: a viewer that falls behind loses steps, not the recorder.
+            let _ = self.live.send(Recorded { mac, event: event.clone() });
+        }
 
         let mut inner = self.inner.lock().expect("timeline lock");
         let seq = inner.next_seq;
@@ -191,9 +206,8 @@ impl Timeline {
 }
 
 /// RFC 3339 UTC with milliseconds, without pulling in a date crate.
-fn rfc3339(t: SystemTime) -> String {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs();
+fn rfc3339(at_ms: u64) -> String {
+    let (secs, millis) = (at_ms / 1000, at_ms % 1000);
     let (days, rem) = (secs / 86_400, secs % 86_400);
     let (y, m, day) = civil_from_days(days as i64);
     format!(
@@ -201,7 +215,7 @@ fn rfc3339(t: SystemTime) -> String {
         rem / 3600,
         (rem % 3600) / 60,
         rem % 60,
-        d.subsec_millis()
+        millis
     )
 }
 
@@ -225,9 +239,13 @@ mod tests {
 
     #[test]
     fn formats_rfc3339() {
-        let t = SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(1_764_693_296_123);
-        assert_eq!(rfc3339(t), "2025-12-02T16:34:56.123Z");
-        assert_eq!(rfc3339(SystemTime::UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_764_693_296_123), "2025-12-02T16:34:56.123Z");
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        let event = Event { at_ms: 1_764_693_296_123, stage: Stage::Report, detail: "x".into() };
+        assert_eq!(
+            serde_json::to_value(&event).unwrap(),
+            serde_json::json!({"at": "2025-12-02T16:34:56.123Z", "at_ms": 1_764_693_296_123u64, "stage": "report", "detail": "x"})
+        );
     }
 
     #[test]

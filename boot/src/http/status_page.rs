@@ -480,8 +480,7 @@ mod tests {
     fn a_hostile_detail_stays_inside_its_event() {
         let detail =
             "x\n\nevent: snapshot\ndata: {\"site\":\"owned\"}\r\n\n<img src=x onerror=alert(1)>";
-        let event =
-            Event { at: String::new(), at_ms: 5, stage: Stage::HttpFile, detail: detail.into() };
+        let event = Event { at_ms: 5, stage: Stage::HttpFile, detail: detail.into() };
         let step = Step {
             mac: "52:54:00:00:00:01".parse().unwrap(),
             step: StepView::of(&event),
@@ -506,12 +505,7 @@ mod tests {
             step: Some("writing image".into()),
             bytes: Some(ByteProgress { done: 5, total: 10 }),
         });
-        let long = Event {
-            at: String::new(),
-            at_ms: 7,
-            stage: Stage::Report,
-            detail: "é".repeat(MAX_DETAIL + 1),
-        };
+        let long = Event { at_ms: 7, stage: Stage::Report, detail: "é".repeat(MAX_DETAIL + 1) };
         let row =
             HostRow { host: summary, listed: true, chart: vec![], last: Some(StepView::of(&long)) };
         let json = serde_json::to_value(&row).unwrap();

@@ -125,7 +125,7 @@ mod tests {
     use super::*;
 
     fn event(at_ms: u64, stage: Stage, detail: &str) -> Event {
-        Event { at: String::new(), at_ms, stage, detail: detail.to_owned() }
+        Event { at_ms, stage, detail: detail.to_owned() }
     }
 
     fn phases(segments: &[Segment]) -> Vec<(Phase, u64, u64, u32)> {
