@@ -29,6 +29,8 @@ use crate::leadership::{LeadershipWatch, leading_now};
 const MAX_BATCH: usize = 256;
 /// Large enough for any DHCP message (RFC 2131's minimum is 576; jumbo frames fit too).
 const MAX_DATAGRAM: usize = 9000;
+/// Bytes of requests a DHCP socket may hold unread.
+const RECEIVE_QUEUE: usize = 4 << 20;
 
 /// A UDP socket on `port` of all addresses, bound to `interface`: it sees broadcasts and sends
 /// them out of that interface only. Non-blocking, for [`DhcpService::run`].
@@ -40,6 +42,12 @@ pub fn bind_socket(interface: &str, port: u16) -> io::Result<std::net::UdpSocket
         .bind_device(Some(interface.as_bytes()))
         .map_err(|e| io::Error::new(e.kind(), format!("binding to interface {interface}: {e}")))?;
     socket.set_nonblocking(true)?;
+    // Requests queue here while the loop syncs the lease file, and a rack powered on at once
+    // sends hundreds together: room for thousands rather than the default ~200 KiB's few hundred.
+    // The forced size passes net.core.rmem_max (root); otherwise the kernel caps the plain one.
+    if rustix::net::sockopt::set_socket_recv_buffer_size_force(&socket, RECEIVE_QUEUE).is_err() {
+        socket.set_recv_buffer_size(RECEIVE_QUEUE)?;
+    }
     socket.bind(&SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port).into()).map_err(|e| {
         io::Error::new(e.kind(), format!("binding UDP port {port} on {interface}: {e}"))
     })?;
