@@ -261,12 +261,20 @@ impl ProviderLab {
 
     /// Host `i`: its Host object and a simulated machine (manual: see [`Sims::manual`]).
     pub async fn add_host(&self, i: usize, manual: bool) -> Result<Arc<SimHost>> {
-        create_host(&self.hosts(), i).await?;
+        self.create_host(i).await?;
         let start = if manual { SimHost::start_manual } else { SimHost::start };
         let sim =
             Arc::new(start(&self.lab, appliance::BRIDGE, &sim_mac(i), self.siteboot.base_url())?);
         self.sims.lock().unwrap().push(sim.clone());
         Ok(sim)
+    }
+
+    /// Host `i`'s Host object, in the lab's site, without a machine behind it.
+    pub async fn create_host(&self, i: usize) -> Result<()> {
+        let mut host = Host::new(&host_name(i), HostSpec::new(sim_mac(i)));
+        host.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), SITE.to_owned())]));
+        self.hosts().create(&PostParams::default(), &host).await?;
+        Ok(())
     }
 
     /// Puts the real deploy ramdisk where the lab's `ramdisk` profile boots it from (in place
@@ -642,13 +650,6 @@ fn start_appliance_with(
 /// Where the kubeconfig of the appliance in `ns` is written.
 fn appliance_kubeconfig(env: &KubeEnv, ns: &Netns) -> PathBuf {
     env.dir().join(format!("siteboot-{}.kubeconfig", ns.name()))
-}
-
-async fn create_host(api: &Api<Host>, i: usize) -> Result<()> {
-    let mut host = Host::new(&host_name(i), HostSpec::new(sim_mac(i)));
-    host.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), SITE.to_owned())]));
-    api.create(&PostParams::default(), &host).await?;
-    Ok(())
 }
 
 fn object_namespace(object: &Value) -> &str {

@@ -4,8 +4,9 @@
 //! stopped (SIGTERM). Throughout, no address is given to two MACs (udhcpc's bindings, and
 //! perfdhcp's own uniqueness check), every client that had a lease keeps it when it renews
 //! with whichever replica leads, the frozen leader answers nothing once its term is over, and
-//! SIGTERM hands the Lease over at once instead of leaving it to expire. Every DHCPACK either
-//! replica sends is captured on the wire and checked too.
+//! SIGTERM hands the Lease over at once instead of leaving it to expire, and the replica that
+//! lost its term while frozen and then leads again runs its reconcilers again. Every DHCPACK
+//! either replica sends is captured on the wire and checked too.
 //!
 //! Failures panic while the processes are alive, so the appliances' logs get printed.
 
@@ -18,7 +19,7 @@ use kube::api::Api;
 use serde_json::{Value, json};
 use siteboot_tests::appliance::{self, Appliance};
 use siteboot_tests::clients::{AckCapture, ClientHost, Udhcpc, perfdhcp};
-use siteboot_tests::provider::{ProviderLab, SITE, SYSTEM_NS};
+use siteboot_tests::provider::{ProviderLab, SITE, SYSTEM_NS, host_name};
 use siteboot_tests::wait;
 
 const A: &str = "10.99.0.1";
@@ -213,4 +214,23 @@ async fn dhcp_fails_over_between_replicas_without_giving_an_address_twice() {
     }
     assert!(b.siteboot.exited().is_none(), "B is still serving");
     assert_acks_unique(&[&acks_a, &acks_b]);
+
+    // 5. B lost its term while frozen and leads again: its reconcilers started again too. With
+    // A gone, only B can take up a new Host.
+    assert!(
+        b.siteboot.log().contains("no longer leading: reconcilers stopped"),
+        "B's term did not end while it was frozen:\n{}",
+        b.siteboot.log()
+    );
+    lab.create_host(0).await.unwrap();
+    let taken_up = wait::for_async("B to reconcile a new Host", TAKEOVER, || async {
+        lab.host_states().await.ok()?.remove(&host_name(0))
+    })
+    .await;
+    if let Err(e) = taken_up {
+        panic!(
+            "{e}; B regained the Lease but did not restart its reconcilers:\n{}",
+            b.siteboot.log()
+        );
+    }
 }
