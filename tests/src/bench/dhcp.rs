@@ -98,6 +98,8 @@ pub fn run(settings: &Settings, dir: &Path) -> Result<Vec<Sample>> {
                     (p.pid(), Box::new(p))
                 }
             };
+            // For attaching a profiler (`perf record -p`, `strace -c -p`) to the server.
+            eprintln!("dhcp {server} run={run}: server pid {pid}");
             let sample = search(&lab, server, run, pid, settings, &work)?;
             eprintln!(
                 "dhcp {server} run={run}: {:.0} exchanges/s at offered {}/s",
@@ -122,10 +124,11 @@ fn search(
         let probe = probe(lab, pid, rate, settings.dhcp_seconds, work)?;
         let passed = probe.passed();
         eprintln!(
-            "  dhcp {server} {rate}/s: {} acks, {} drops of {} sent{}",
+            "  dhcp {server} {rate}/s: {} acks, {} drops of {} sent, {:.1} ms server CPU per 1,000 acks{}",
             probe.acks,
             probe.drops,
             probe.sent,
+            probe.cpu_seconds * 1e6 / probe.acks.max(1) as f64,
             if passed { "" } else { " (too many drops)" }
         );
         probes.push(probe);
