@@ -227,19 +227,20 @@ impl Results {
     }
 
     fn tftp_concurrent_table(&self, md: &mut String) {
-        let ipxe = tftp::Ask::IPXE;
+        let (ipxe, edk2) = (tftp::Ask::IPXE, tftp::Ask::EDK2);
         let _ = writeln!(
             md,
-            "### TFTP: {} clients at once, each fetching an iPXE binary as iPXE asks (blksize {}, tsize, no window)\n\n\
-             | file | server | seconds until all finish | failed transfers | vs tftpd-hpa | MiB/s (aggregate) | server CPU s |\n\
-             |---|---|---:|---:|---:|---:|---:|",
-            self.settings.tftp_clients, ipxe.block_size
+            "### TFTP: {} clients at once, each fetching an iPXE binary as its loader asks: iPXE (blksize {}, tsize, no window) or UEFI firmware (EDK2: blksize {}, windowsize {}, tsize)\n\n\
+             | file | asked as | server | seconds until all finish | failed transfers | vs tftpd-hpa | MiB/s (aggregate) | server CPU s |\n\
+             |---|---|---|---:|---:|---:|---:|---:|",
+            self.settings.tftp_clients, ipxe.block_size, edk2.block_size, edk2.window
         );
-        for file in tftp_concurrent::FILES {
+        for fetch in tftp_concurrent::FETCHES {
+            let (file, asked_as) = (fetch.file, fetch.asked_as);
             let of = |server: &str| -> Vec<&tftp_concurrent::Sample> {
                 self.tftp_concurrent
                     .iter()
-                    .filter(|s| s.server == server && s.file == file)
+                    .filter(|s| s.server == server && s.file == file && s.asked_as == asked_as)
                     .collect()
             };
             let secs = |s: &[&tftp_concurrent::Sample]| -> Vec<f64> {
@@ -257,7 +258,7 @@ impl Results {
                 let cpu: Vec<f64> = samples.iter().map(|s| s.server_cpu_seconds).collect();
                 let _ = writeln!(
                     md,
-                    "| {file} | {server} | {} | {} | {} | {} | {} |",
+                    "| {file} | {asked_as} | {server} | {} | {} | {} | {} | {} |",
                     cell(&secs(&samples), 3),
                     cell(&failed, 0),
                     ratio(peer, median(&secs(&samples))),

@@ -198,6 +198,11 @@ impl Ask {
     /// of at most 1432 (`TFTP_MAX_BLKSIZE`) and tsize, never windowsize: it acknowledges
     /// every block.
     pub const IPXE: Self = Self { block_size: 1432, window: 1, tsize: true };
+    /// What UEFI firmware's own PXE client (EDK2's `UefiPxeBcDxe`) asks for the boot file:
+    /// blksize 1468 (its `PXEBC_DEFAULT_PACKET_SIZE` of 1480 less the UDP and TFTP headers) and
+    /// windowsize 4 (`PcdPxeTftpWindowSize`'s default). It asks tsize in a request of its own
+    /// first and aborts that one after the OACK; here the one request asks all three.
+    pub const EDK2: Self = Self { block_size: 1468, window: 4, tsize: true };
 
     /// [`BLOCK_SIZE`] blocks in windows of `window`.
     pub fn large_blocks(window: u16) -> Self {

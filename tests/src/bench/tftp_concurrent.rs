@@ -1,6 +1,8 @@
 //! TFTP under load: N clients at once (200 in the published run), all from one address, each
-//! fetching a real iPXE binary the way iPXE asks for it ([`Ask::IPXE`]: blksize 1432 and tsize,
-//! one ACK per block), from siteboot, tftpd-hpa and dnsmasq. Measured: the time from the
+//! fetching a real iPXE binary the way its loader asks for it ([`FETCHES`]: iPXE chainloading
+//! itself, [`Ask::IPXE`], blksize 1432 and tsize, one ACK per block; UEFI firmware loading
+//! iPXE, [`Ask::EDK2`], blksize 1468 and windowsize 4), from siteboot, tftpd-hpa and dnsmasq.
+//! Measured: the time from the
 //! moment every client sends its request to the end of the last transfer, the transfers that
 //! failed (a client gives up after 5 retransmissions 1 s apart, or on an error packet, or with
 //! the wrong length), and the server's CPU time. A failure is counted, never fatal.
@@ -19,7 +21,23 @@ use super::{Lab, Settings};
 /// The binaries fetched, from Debian's `ipxe` package (installed by `scripts/setup`): the BIOS
 /// one (74 KiB) and the full UEFI build (831 KiB; siteboot hands UEFI firmware the smaller
 /// `snponly.efi` when it is there).
-pub const FILES: [&str; 2] = ["undionly.kpxe", "ipxe.efi"];
+const FILES: [&str; 2] = ["undionly.kpxe", "ipxe.efi"];
+
+/// A file and the client whose requests the clients copy.
+#[derive(Clone, Copy, Debug)]
+pub struct Fetch {
+    pub file: &'static str,
+    /// Who asks, as the table names it.
+    pub asked_as: &'static str,
+    pub ask: Ask,
+}
+
+/// What is measured: each binary as iPXE asks for it, and the UEFI one as UEFI firmware does.
+pub const FETCHES: [Fetch; 3] = [
+    Fetch { file: "undionly.kpxe", asked_as: "iPXE", ask: Ask::IPXE },
+    Fetch { file: "ipxe.efi", asked_as: "iPXE", ask: Ask::IPXE },
+    Fetch { file: "ipxe.efi", asked_as: "UEFI (EDK2)", ask: Ask::EDK2 },
+];
 const IPXE_DIR: &str = "/usr/lib/ipxe";
 /// How long the server's transfer processes may take to end after the clients are done.
 const SETTLE: Duration = Duration::from_secs(10);
@@ -30,6 +48,8 @@ const ERRORS_KEPT: usize = 5;
 pub struct Sample {
     pub server: String,
     pub file: String,
+    /// [`Fetch::asked_as`].
+    pub asked_as: String,
     pub file_bytes: u64,
     pub clients: usize,
     pub run: usize,
@@ -58,15 +78,15 @@ pub fn run(settings: &Settings, dir: &Path) -> Result<Vec<Sample>> {
             let lab = Lab::new("bm")?;
             lab.address_client()?;
             let running = tftp::start(server, &lab, &root, dir, clients)?;
-            for file in FILES {
+            for Fetch { file, asked_as, ask } in FETCHES {
                 let file_bytes = std::fs::metadata(root.join(file))?.len();
                 settle(server, running.pid);
                 let cpu = super::cpu_seconds(running.pid);
-                let outcome = fetch_all(&lab, file, file_bytes, clients)?;
+                let outcome = fetch_all(&lab, file, ask, file_bytes, clients)?;
                 settle(server, running.pid);
                 let server_cpu_seconds = super::cpu_seconds(running.pid) - cpu;
                 eprintln!(
-                    "tftp-concurrent {server} {file} x{clients} run={run}: {:.3} s, {} failed{}",
+                    "tftp-concurrent {server} {file} as {asked_as} x{clients} run={run}: {:.3} s, {} failed{}",
                     outcome.seconds,
                     outcome.failed,
                     outcome.errors.first().map(|e| format!(" ({e})")).unwrap_or_default()
@@ -74,6 +94,7 @@ pub fn run(settings: &Settings, dir: &Path) -> Result<Vec<Sample>> {
                 samples.push(Sample {
                     server: server.to_owned(),
                     file: file.to_owned(),
+                    asked_as: asked_as.to_owned(),
                     file_bytes,
                     clients,
                     run,
@@ -114,7 +135,7 @@ struct Outcome {
 
 /// `clients` transfers of `file` at once, each from its own socket (so its own port) in the
 /// client namespace, released together.
-fn fetch_all(lab: &Lab, file: &str, file_bytes: u64, clients: usize) -> Result<Outcome> {
+fn fetch_all(lab: &Lab, file: &str, ask: Ask, file_bytes: u64, clients: usize) -> Result<Outcome> {
     let sockets = lab.client.enter(move || {
         (0..clients).map(|_| Ok(UdpSocket::bind("0.0.0.0:0")?)).collect::<Result<Vec<_>>>()
     })?;
@@ -127,7 +148,7 @@ fn fetch_all(lab: &Lab, file: &str, file_bytes: u64, clients: usize) -> Result<O
                 let start = &start;
                 scope.spawn(move || {
                     start.wait();
-                    tftp::fetch(socket, server, file, Ask::IPXE)
+                    tftp::fetch(socket, server, file, ask)
                 })
             })
             .collect();
