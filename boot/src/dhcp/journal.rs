@@ -133,22 +133,20 @@ impl Journal {
             encode_line(&mut buf, r);
         }
         let end = self.len + buf.len() as u64;
-        let grown = if end > self.allocated {
-            // Synced together with the records, by the same fdatasync.
-            let to = end.next_multiple_of(GROWTH);
-            write_zeros(&self.file, self.allocated, to).map(|()| to)
+        // Zeros ahead of the records when they reach the end, synced by the records' fdatasync.
+        let allocated = self.allocated.max(end.next_multiple_of(GROWTH));
+        let written = if allocated > self.allocated {
+            write_zeros(&self.file, self.allocated, allocated)
         } else {
-            Ok(self.allocated)
+            Ok(())
         };
-        if let Err(e) = grown.and_then(|to| {
-            self.allocated = to;
-            write(&self.file, self.len, &buf)
-        }) {
+        if let Err(e) = written.and_then(|()| write(&self.file, self.len, &buf)) {
             // The replies these records announce are not sent: drop whatever part was written.
             self.torn = self.file.set_len(self.len).is_err();
             self.allocated = self.len;
             return Err(io_err(e));
         }
+        self.allocated = allocated;
         self.len = end;
         self.records_in_file += records.len();
         Ok(())

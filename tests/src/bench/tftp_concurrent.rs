@@ -2,10 +2,10 @@
 //! fetching a real iPXE binary the way its loader asks for it ([`FETCHES`]: iPXE chainloading
 //! itself, [`Ask::IPXE`], blksize 1432 and tsize, one ACK per block; UEFI firmware loading
 //! iPXE, [`Ask::EDK2`], blksize 1468 and windowsize 4), from siteboot, tftpd-hpa and dnsmasq.
-//! Measured: the time from the
-//! moment every client sends its request to the end of the last transfer, the transfers that
-//! failed (a client gives up after 5 retransmissions 1 s apart, or on an error packet, or with
-//! the wrong length), and the server's CPU time. A failure is counted, never fatal.
+//! Measured: the time from the moment every client sends its request to the end of the last
+//! transfer, the transfers that failed (a client gives up after 5 retransmissions 1 s apart, or
+//! on an error packet, or with the wrong length), and the server's CPU time. A failure is
+//! counted, never fatal.
 
 use std::net::UdpSocket;
 use std::path::Path;
