@@ -96,6 +96,12 @@ pub struct KubernetesFile {
     /// Hosts from. None by default: a machine gets Hosts of its own namespace only.
     #[serde(default)]
     pub host_namespaces: Vec<String>,
+    /// The least wipe a used host gets before another tenant may have it: `quick` (partition
+    /// tables and signatures; a forensic reader recovers files) or `full` (every block zeroed
+    /// and read back). A SitebootMachine's `spec.wipe` or a Host's may ask for more, never
+    /// less. `none` only for disposable lab hosts.
+    #[serde(default = "default_wipe")]
+    pub min_wipe: WipePolicy,
 }
 
 fn default_token_max_age() -> std::time::Duration {
@@ -124,6 +130,7 @@ pub struct KubernetesConfig {
     pub token_max_age: std::time::Duration,
     pub ramdisk_silence_timeout: std::time::Duration,
     pub host_namespaces: Vec<String>,
+    pub min_wipe: WipePolicy,
 }
 
 /// The `images:` section: the image cache in `<state_dir>/images`.
@@ -499,6 +506,7 @@ impl Config {
                     token_max_age: k.token_max_age,
                     ramdisk_silence_timeout: k.ramdisk_silence_timeout,
                     host_namespaces: k.host_namespaces.clone(),
+                    min_wipe: k.min_wipe,
                 })
             }
         };

@@ -27,7 +27,7 @@ use crate::crd::{
     ByteCount, Hardware, Host, HostState, Image, MachineAddress, Operation, OperationKind,
     RootDeviceHints, SitebootMachine, WipePolicy, now,
 };
-use crate::host::lifecycle::{completed, older_than};
+use crate::host::lifecycle::{self, completed, older_than, wipe};
 use crate::images::Readiness;
 use crate::machine::plan::provider_id;
 use crate::token;
@@ -253,10 +253,13 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
     let answer = match op.kind {
         OperationKind::Inspect => json!({ "action": "inspect", "operation": op.id }),
         OperationKind::Provision => {
-            let Some(p) = &host.spec.provisioning else { return Err(Refusal::NoOperation.into()) };
+            let image = match &op.image {
+                Some(image) => image.clone(),
+                None => hand_out(ctx, req, &host, &op).await?,
+            };
             let readiness = match &ctx.images {
-                Some(images) => images.prepare(&op.id, &p.image).await,
-                None => Readiness::Ready { url: p.image.url.clone(), size: 0 },
+                Some(images) => images.prepare(&op.id, &image).await,
+                None => Readiness::Ready { url: image.url.clone(), size: 0 },
             };
             let (url, size) = match readiness {
                 Readiness::Ready { url, size } => (url, size),
@@ -276,13 +279,62 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
                 local_hostname: &hostname,
                 provider_id: Some(&provider_id(&host)),
             };
-            provision_task(&op.id, &p.image, (&url, size), &hints, &meta)
+            provision_task(&op.id, &image, (&url, size), &hints, &meta)
         }
-        OperationKind::Deprovision => {
-            deprovision_task(&op.id, host.spec.wipe.unwrap_or(WipePolicy::Quick))
-        }
+        OperationKind::Deprovision => deprovision_task(&op.id, wipe(&host, ctx.min_wipe)),
     };
     Ok(AgentResponse::json(&answer))
+}
+
+/// Freezes the provisioning's image and its tenant's wipe into the Host's status from the
+/// trusted side, the SitebootMachine the Host is bound to (never from `spec.provisioning`,
+/// which whoever may edit a Host can change), the first time the ramdisk asks for its task.
+async fn hand_out(
+    ctx: &Ctx,
+    req: &AgentRequest,
+    host: &Host,
+    op: &Operation,
+) -> Result<Image, Failure> {
+    let bound = match binding(ctx, host).await? {
+        Ok(bound) => bound,
+        Err(refusal) => {
+            let note = format!("provisioning refused: {refusal}");
+            ctx.event(host, true, "ProvisioningRefused", note).await;
+            return Err(refusal.into());
+        }
+    };
+    let image = bound.sbm.spec.image;
+    let name = host.metadata.name.as_deref().unwrap_or_default();
+    let written = update_host_status(
+        &ctx.hosts_api(&host.namespace().unwrap_or_default()),
+        name,
+        |current| {
+            let current_op = authenticate(ctx, req, current)?;
+            if current_op.id != op.id {
+                return Err(Refusal::NoOperation);
+            }
+            let mut status = current.status.clone().unwrap_or_default();
+            // Handed out already (a second question racing this one): that image stays.
+            if current_op.image.is_some() {
+                return Ok(None);
+            }
+            lifecycle::hand_out(&mut status, &image, bound.sbm.spec.wipe);
+            Ok(Some(status))
+        },
+    )
+    .await??;
+    match written {
+        Some(_) => {
+            tracing::info!(host = %host_key(host), operation = %op.id, image = %image.url, "provisioning handed out");
+            Ok(image)
+        }
+        // Someone else's hand-out won: use what it froze.
+        None => {
+            let (_, fresh) = host_of(ctx, req).await?;
+            let op = authenticate(ctx, req, &fresh)?;
+            op.image.ok_or_else(|| Refusal::NoOperation.into())
+        }
+    }
 }
 
 /// The answer for a ramdisk with nothing to do, when the cached Host shows nothing for it: no
@@ -411,6 +463,11 @@ async fn finish(
         let op = authenticate(ctx, req, current)?;
         if op.kind != kind {
             return Err(Refusal::WrongOperation(op.kind));
+        }
+        // A provisioning succeeds only with the image it was handed (what the host reports as
+        // written must be what the trusted side chose).
+        if kind == OperationKind::Provision && ok && op.image.is_none() {
+            return Err(Refusal::BadRequest("no image was handed out: ask for the task".into()));
         }
         let mut status = completed(current, kind, ok, &message, hardware.clone());
         if let Some(images) = &ctx.images {
@@ -568,15 +625,16 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
     })
 }
 
-/// The bootstrap data Secret of the machine `host` is bound to, found from the binding alone:
-/// the Host's `consumerRef` names a SitebootMachine with the same uid whose `spec.hostRef` names
-/// this Host; its owner Machine names the Secret (`spec.bootstrap.dataSecretName`), read in
-/// the Machine's namespace. Nothing a Host says can point at another Secret. `Ok(None)`: the
-/// Secret does not exist yet.
-async fn bootstrap_secret(
-    ctx: &Ctx,
-    host: &Host,
-) -> Result<Result<Option<Secret>, Refusal>, kube::Error> {
+/// The SitebootMachine and Machine a Host is bound to.
+struct Bound {
+    sbm: SitebootMachine,
+    machine: Machine,
+}
+
+/// What `host` is bound to, found from the binding alone: the Host's `consumerRef` names a
+/// SitebootMachine with the same uid whose `spec.hostRef` names this Host, owned by a Machine
+/// that still exists with the uid it names. Nothing a Host says can point elsewhere.
+async fn binding(ctx: &Ctx, host: &Host) -> Result<Result<Bound, Refusal>, kube::Error> {
     let not_bound = |why: &str| Ok(Err(Refusal::NotBound(why.to_owned())));
     let Some(consumer) = &host.spec.consumer_ref else { return not_bound("no consumerRef") };
     if consumer.kind != "SitebootMachine" {
@@ -606,10 +664,25 @@ async fn bootstrap_secret(
     if machine.metadata.uid.as_deref() != Some(owner.uid.as_str()) {
         return not_bound("its owner Machine was replaced");
     }
-    let Some(name) = machine.spec.bootstrap.data_secret_name else {
+    Ok(Ok(Bound { sbm, machine }))
+}
+
+/// The bootstrap data Secret of the machine `host` is bound to ([`binding`]): its Machine's
+/// `spec.bootstrap.dataSecretName`, read in the Machine's namespace. `Ok(None)`: the Secret
+/// does not exist yet.
+async fn bootstrap_secret(
+    ctx: &Ctx,
+    host: &Host,
+) -> Result<Result<Option<Secret>, Refusal>, kube::Error> {
+    let bound = match binding(ctx, host).await? {
+        Ok(bound) => bound,
+        Err(refusal) => return Ok(Err(refusal)),
+    };
+    let Some(name) = bound.machine.spec.bootstrap.data_secret_name else {
         return Ok(Ok(None));
     };
-    Api::<Secret>::namespaced(ctx.client.clone(), &consumer.namespace).get_opt(&name).await.map(Ok)
+    let namespace = bound.machine.metadata.namespace.unwrap_or_default();
+    Api::<Secret>::namespaced(ctx.client.clone(), &namespace).get_opt(&name).await.map(Ok)
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use siteboot_boot::inventory::LinuxBoot;
 
 use crate::cache::HostIndex;
 use crate::conditions::Reason;
-use crate::crd::{Host, HostStatus};
+use crate::crd::{Host, HostStatus, WipePolicy};
 use crate::machine::plan::Policy as MachinePolicy;
 
 /// How long a ramdisk token stays valid after it is issued, unless configured
@@ -40,6 +40,9 @@ pub struct Ctx {
     pub token_max_age: Duration,
     /// How long a booted ramdisk may stay silent before its host is quarantined.
     pub ramdisk_silence_timeout: Duration,
+    /// The least wipe a used host gets before anyone else may have it
+    /// (`kubernetes.min_wipe`); a tenant or a Host may ask for more, never less.
+    pub min_wipe: WipePolicy,
     /// What the SitebootMachine reconciler may do (its site, identity, host namespaces).
     pub machine_policy: MachinePolicy,
     pub backoff: Backoff,
@@ -74,6 +77,7 @@ impl Ctx {
             ramdisk,
             token_max_age: TOKEN_MAX_AGE,
             ramdisk_silence_timeout: RAMDISK_SILENCE_TIMEOUT,
+            min_wipe: WipePolicy::Quick,
             backoff: Backoff::default(),
             images: None,
             workloads: Default::default(),

@@ -235,6 +235,7 @@ mod tests {
                 token_hash: Some("secret-hash".into()),
                 token_address: Some("10.99.0.100".into()),
                 token_issued: None,
+                image: None,
                 bootstrap_delivered: false,
                 step: Some("writing image".into()),
                 last_heard: None,

@@ -154,6 +154,7 @@ mod tests {
                 format: None,
                 grow_last_partition: false,
             },
+            wipe: None,
             host_ref: None,
         };
         let mut t = SitebootMachineTemplate::new(

@@ -206,6 +206,16 @@ impl SimHost {
         self.http_from_host(method, path, token, body)
     }
 
+    /// The task its ramdisk gets with `token`, asked again while the answer is `wait` (the
+    /// appliance still fetches the image), for at most a minute.
+    pub fn task(&self, token: &str) -> Result<Value> {
+        crate::wait::for_("a task other than wait", Duration::from_secs(60), || {
+            let (status, body) = self.http("GET", "/agent/v1/task", Some(token), None).ok()?;
+            let task: Value = serde_json::from_str(&body).ok().filter(|_| status == 200)?;
+            (task["action"] != "wait").then_some(task)
+        })
+    }
+
     /// A request over plain HTTP from this host's address, whatever the path (what an old
     /// or misconfigured ramdisk would send): (status, body).
     pub fn http_plain(

@@ -517,6 +517,7 @@ async fn bootstrap_data_reaches_only_the_claimed_host_with_its_token() {
             .0,
         403
     );
+    assert_eq!(sim.task(&fresh).unwrap()["action"], "provision");
     let (status, body) =
         sim.http("POST", "/agent/v1/complete", Some(&fresh), Some(&json!({ "ok": true }))).unwrap();
     assert_eq!(status, 200, "{body}");

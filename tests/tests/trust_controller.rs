@@ -2,7 +2,8 @@
 //! one lab: someone who may edit Hosts (but not read Secrets) plants a Host for a waiting
 //! machine, points a Host at another namespace's kubeconfig, and makes a second Host with a
 //! claimed host's boot MAC; a host asks for its bootstrap data again after delivery; a host
-//! whose wipe failed is released and retried; a claimed Host is deleted.
+//! whose wipe failed is released and retried; a claimed Host is deleted. Round two (issue 22):
+//! the Host editor swaps the image mid-provisioning and sets `wipe: none` on a used host.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use siteboot_controller::crd::{ConsumerRef, Host, HostSpec, HostState, SITE_LABEL};
-use siteboot_tests::provider::{NS, ProviderLab, SITE, Sims};
+use siteboot_tests::provider::{NS, ProviderLab, SITE, Sims, image_spec};
 use siteboot_tests::sim::SimHost;
 use siteboot_tests::wait;
 
@@ -28,7 +29,10 @@ async fn host_editors_and_replays_get_no_join_secrets_and_used_hosts_are_wiped()
 
     // A machine waits: its only host is still being inspected.
     lab.create_cluster("c", SECRET_VALUE).await.unwrap();
-    lab.create_template("t", "v1").await.unwrap();
+    // The tenant asks for a full wipe of its hosts when it lets go of them.
+    lab.create_template_spec("t", json!({ "image": image_spec("v1"), "wipe": "full" }))
+        .await
+        .unwrap();
     lab.create_machine_deployment("workers", "c", "t", 1).await.unwrap();
     let sbm = wait::for_async("a SitebootMachine", STEP, || async {
         lab.api("SitebootMachine").list(&ListParams::default()).await.ok()?.items.pop()
@@ -68,6 +72,27 @@ async fn host_editors_and_replays_get_no_join_secrets_and_used_hosts_are_wiped()
     lab.wait_hosts(HostState::Provisioning, 1, STEP).await.unwrap();
     sim.reboot();
     let token = wait_new_token(&sim, Some(&token)).await;
+
+    // Round two, item 5: someone who may edit Hosts swaps `spec.provisioning.image` for their
+    // own OS just before the ramdisk asks for its task, and again each time it is told to wait.
+    // The task names the machine's image, frozen into the operation.
+    let swap = json!({ "spec": { "provisioning": { "image": image_spec("v2") } } });
+    let task = wait::for_async("a provision task", STEP, || async {
+        hosts.patch("host-0", &PatchParams::default(), &Patch::Merge(&swap)).await.ok()?;
+        let (status, body) = sim.http("GET", "/agent/v1/task", Some(&token), None).ok()?;
+        let task: serde_json::Value = serde_json::from_str(&body).ok().filter(|_| status == 200)?;
+        (task["action"] != "wait").then_some(task)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (&task["action"], &task["image"]["checksum"]),
+        (&json!("provision"), &image_spec("v1")["checksum"]),
+        "the Host editor's image was handed out: {task}"
+    );
+    hosts.patch("host-0", &PatchParams::default(), &Patch::Merge(&swap)).await.unwrap();
+    let again = sim.task(&token).unwrap();
+    assert_eq!(again["image"]["checksum"], image_spec("v1")["checksum"], "{again}");
 
     // Hole 3: the Host pointed at another namespace's kubeconfig. The field no longer exists
     // (it is pruned), and siteboot may not read Secrets there at all.
@@ -145,9 +170,13 @@ async fn host_editors_and_replays_get_no_join_secrets_and_used_hosts_are_wiped()
     assert_eq!(h.status.unwrap().state, Some(HostState::Provisioned));
 
     // The machine goes; the wipe fails; the host is Quarantined and released; it is wiped
-    // before it goes (and would be before any reuse).
+    // before it goes (and would be before any reuse). Round two, item 8: a Host editor's
+    // `wipe: none` skips nothing, and the tenant's `full` is what the ramdisk is told.
+    let no_wipe = json!({ "spec": { "wipe": "none" } });
+    hosts.patch("host-0", &PatchParams::default(), &Patch::Merge(&no_wipe)).await.unwrap();
     lab.scale("workers", 0).await.unwrap();
     let wipe = wait_new_token(&sim, None).await;
+    assert_eq!(sim.task(&wipe).unwrap()["wipe"], "full", "the tenant's wipe, not the editor's");
     let (status, _) = sim
         .http(
             "POST",
@@ -168,6 +197,7 @@ async fn host_editors_and_replays_get_no_join_secrets_and_used_hosts_are_wiped()
     }
     sim.reboot();
     let wipe = wait_new_token(&sim, Some(&wipe)).await;
+    assert_eq!(sim.task(&wipe).unwrap()["wipe"], "full", "still owed after a failed wipe");
     let (status, _) =
         sim.http("POST", "/agent/v1/complete", Some(&wipe), Some(&json!({ "ok": true }))).unwrap();
     assert_eq!(status, 200);

@@ -56,6 +56,7 @@ async fn a_passive_listener_reads_no_join_secret_and_plain_http_gets_none() {
         "plain HTTP answered {status}: {body:?}"
     );
 
+    assert_eq!(sim.task(&token).unwrap()["action"], "provision");
     // Everything on the bridge while the host fetches its data and finishes provisioning.
     let capture = Capture::start(&lab.lab, appliance::BRIDGE);
     let (status, data) = sim.http("GET", "/agent/v1/bootstrap", Some(&token), None).unwrap();

@@ -52,7 +52,10 @@ pub struct HostSpec {
     /// What to install. Set by the consumer; removing it deprovisions the host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provisioning: Option<Provisioning>,
-    /// How disks are wiped when the host is deprovisioned. Default `quick`.
+    /// A stronger wipe than the site's `min_wipe` for this host when it is deprovisioned
+    /// (`full`, say, for a host whose disks must never keep a tenant's data). It can only add:
+    /// a host is wiped with the strongest of this, the site's `min_wipe` and what its last
+    /// SitebootMachine asked for, so whoever may edit a Host cannot skip or weaken a wipe.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wipe: Option<WipePolicy>,
     /// Which disk the image goes to. Absent: the smallest disk that holds the image.
@@ -147,15 +150,35 @@ pub struct Provisioning {
     // agent API finds the data from the binding (consumerRef -> SitebootMachine -> Machine).
 }
 
+/// How much of a previous tenant's data a deprovisioning removes (docs/security.md says what
+/// each level guarantees).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum WipePolicy {
-    /// Partition tables and signatures at the start and end of every disk.
+    /// Partition tables and signatures at the start and end of every disk: the next OS sees
+    /// empty disks, but a forensic reader recovers the previous tenant's files.
     Quick,
-    /// Every block of every disk.
+    /// Every block of every disk zeroed (through the device's zero-out where it has one) and
+    /// read back: nothing recoverable through the block device.
     Full,
-    /// Nothing: for disposable test hosts only.
+    /// Nothing: for disposable test hosts only (a site whose `min_wipe` is `none`).
     None,
+}
+
+impl WipePolicy {
+    /// How much it removes: none < quick < full.
+    fn rank(self) -> u8 {
+        match self {
+            WipePolicy::None => 0,
+            WipePolicy::Quick => 1,
+            WipePolicy::Full => 2,
+        }
+    }
+
+    /// The stronger of the two.
+    pub fn stronger(self, other: WipePolicy) -> WipePolicy {
+        if other.rank() > self.rank() { other } else { self }
+    }
 }
 
 /// Where a host is in its lifecycle.
@@ -197,6 +220,11 @@ pub struct Operation {
     /// host's kernel command line; a new one is minted each time the host boots into it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_hash: Option<String>,
+    /// The image this operation writes, frozen from the SitebootMachine the Host is bound to
+    /// when the ramdisk first asks for its task: what a Host editor writes into
+    /// `spec.provisioning` afterwards changes nothing here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<Image>,
     /// The address the token was issued to: requests from elsewhere are refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_address: Option<String>,
@@ -325,6 +353,11 @@ pub struct HostStatus {
     /// edit a Host cannot clear it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub wipe_required: bool,
+    /// The wipe the host's last tenant asked for (its SitebootMachine's `spec.wipe`), frozen
+    /// when its provisioning was handed out; cleared when the host is Available again. In
+    /// status, where those who may edit a Host cannot lower it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wipe_owed: Option<WipePolicy>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_transition_time: Option<Time>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

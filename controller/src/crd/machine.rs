@@ -9,6 +9,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::common::{Conditions, Image, MachineAddress};
+use super::host::WipePolicy;
 
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
@@ -40,6 +41,11 @@ pub struct SitebootMachineSpec {
     pub host_selector: Option<HostSelector>,
     /// The OS image written to the host's disk.
     pub image: Image,
+    /// How the host is wiped when this machine lets go of it: `quick` or `full`. The site's
+    /// `min_wipe` applies whatever this says; this can only ask for more. Frozen into the Host
+    /// when its provisioning starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wipe: Option<WipePolicy>,
     /// The host allocated to this machine. Kept in spec (not status) so `clusterctl move`, which
     /// does not restore status, keeps the binding.
     #[serde(default, skip_serializing_if = "Option::is_none")]

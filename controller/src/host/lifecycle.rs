@@ -21,8 +21,8 @@ use crate::conditions::BMC_READY;
 
 use crate::crd::capi::DELETE_FOR_MOVE_ANNOTATION;
 use crate::crd::{
-    Hardware, Host, HostState, HostStatus, Installed, Operation, OperationKind, WipePolicy, now,
-    set_condition,
+    Hardware, Host, HostState, HostStatus, Image, Installed, Operation, OperationKind, WipePolicy,
+    now, set_condition,
 };
 
 /// Annotation an operator sets on a Quarantined host to try again from Registering.
@@ -50,8 +50,9 @@ pub struct Transition {
     pub message: String,
 }
 
-/// What the reconciler should do for `host` now.
-pub fn next(host: &Host) -> Option<Transition> {
+/// What the reconciler should do for `host` now, on a site whose wipe between tenants is at
+/// least `min_wipe`.
+pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
     let status = host.status.as_ref();
     let state = status.and_then(|s| s.state);
     let wanted = host.spec.consumer_ref.is_some() && host.spec.provisioning.is_some();
@@ -69,7 +70,12 @@ pub fn next(host: &Host) -> Option<Transition> {
                 return None;
             }
             if status.is_some_and(|s| s.wipe_required) {
-                deprovision(host, "WipeBeforeReuse", "the host may hold a previous tenant's data")
+                deprovision(
+                    host,
+                    min_wipe,
+                    "WipeBeforeReuse",
+                    "the host may hold a previous tenant's data",
+                )
             } else if status.and_then(|s| s.hardware.as_ref()).is_some() {
                 t(HostState::Available, None, "Registered", "hardware already known")
             } else {
@@ -89,6 +95,7 @@ pub fn next(host: &Host) -> Option<Transition> {
         ),
         Some(HostState::Provisioning) if !wanted => deprovision(
             host,
+            min_wipe,
             "ProvisioningCancelled",
             "the consumer let go of the host while it was provisioning",
         ),
@@ -96,10 +103,11 @@ pub fn next(host: &Host) -> Option<Transition> {
             let installed = status.and_then(|s| s.installed.as_ref());
             let provisioning = host.spec.provisioning.as_ref();
             if !wanted {
-                deprovision(host, "DeprovisioningStarted", "released by its consumer")
+                deprovision(host, min_wipe, "DeprovisioningStarted", "released by its consumer")
             } else if installed.map(|i| &i.image) != provisioning.map(|p| &p.image) {
                 deprovision(
                     host,
+                    min_wipe,
                     "ImageChanged",
                     "spec.provisioning.image differs from what is installed",
                 )
@@ -107,7 +115,7 @@ pub fn next(host: &Host) -> Option<Transition> {
                 None
             }
         }
-        Some(HostState::Deprovisioning) if host.spec.wipe == Some(WipePolicy::None) => {
+        Some(HostState::Deprovisioning) if wipe(host, min_wipe) == WipePolicy::None => {
             t(HostState::Available, None, "Deprovisioned", "wipe policy none: nothing to do")
         }
         Some(HostState::Quarantined) if retry_requested(host) => {
@@ -180,8 +188,21 @@ pub fn ramdisk_silence(op: &RamdiskContact<'_>, now: i64, max_silence: Duration)
     ))
 }
 
-fn deprovision(host: &Host, reason: &'static str, message: &str) -> Option<Transition> {
-    if host.spec.wipe == Some(WipePolicy::None) {
+/// How `host` is wiped when it is deprovisioned: the strongest of the site's `min_wipe`, what
+/// its last tenant asked for (frozen in status) and the Host's own `spec.wipe`. Each can only
+/// add, so neither a Host editor nor a later tenant can weaken the wipe a tenant is owed.
+pub fn wipe(host: &Host, min_wipe: WipePolicy) -> WipePolicy {
+    let owed = host.status.as_ref().and_then(|s| s.wipe_owed);
+    [owed, host.spec.wipe].into_iter().flatten().fold(min_wipe, WipePolicy::stronger)
+}
+
+fn deprovision(
+    host: &Host,
+    min_wipe: WipePolicy,
+    reason: &'static str,
+    message: &str,
+) -> Option<Transition> {
+    if wipe(host, min_wipe) == WipePolicy::None {
         return Some(Transition {
             to: HostState::Available,
             operation: None,
@@ -226,6 +247,7 @@ pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
         token_hash: None,
         token_address: None,
         token_issued: None,
+        image: None,
         bootstrap_delivered: false,
         step: None,
         bytes: None,
@@ -242,10 +264,11 @@ pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
             status.conditions.retain(|c| c.type_ != BMC_READY);
         }
         HostState::Provisioning => status.wipe_required = true,
-        // Only a successful wipe (or the operator's `wipe: none`) leads here from a used host.
+        // Only a successful wipe (or a site's `min_wipe: none`) leads here from a used host.
         HostState::Available => {
             status.installed = None;
             status.wipe_required = false;
+            status.wipe_owed = None;
         }
         _ => {}
     }
@@ -314,15 +337,35 @@ pub fn completed(
     if let Some(hw) = hardware {
         status.hardware = Some(hw);
     }
+    // What was written is the image frozen into the operation, never what `spec.provisioning`
+    // says now (a Host editor may have changed it since).
+    let frozen = host.status.as_ref().and_then(|s| s.operation.as_ref()?.image.as_ref());
     if transition.to == HostState::Provisioned
-        && let (Some(p), Some(c)) = (&host.spec.provisioning, &host.spec.consumer_ref)
+        && let (Some(image), Some(c)) = (frozen, &host.spec.consumer_ref)
     {
         status.installed = Some(Installed {
-            image: p.image.clone(),
+            image: image.clone(),
             consumer: format!("{}/{}", c.namespace, c.name),
         });
     }
     status
+}
+
+/// Freezes into `status` what the trusted side (the SitebootMachine the Host is bound to)
+/// decided for the provisioning under way: the image its task writes, and the wipe its tenant
+/// asked for (kept from any earlier tenant too: the stronger one stays owed). Nothing a Host
+/// editor writes afterwards changes either. `false`: no provisioning is under way.
+pub fn hand_out(status: &mut HostStatus, image: &Image, tenant_wipe: Option<WipePolicy>) -> bool {
+    let Some(op) = status.operation.as_mut().filter(|op| op.kind == OperationKind::Provision)
+    else {
+        return false;
+    };
+    op.image = Some(image.clone());
+    status.wipe_owed = match (status.wipe_owed, tenant_wipe) {
+        (Some(a), Some(b)) => Some(a.stronger(b)),
+        (a, b) => a.or(b),
+    };
+    true
 }
 
 /// Whether `host` waits in Registering for its BMC to be checked: it has one, and this
@@ -400,7 +443,7 @@ pub enum Deletion {
 }
 
 /// The step for a Host being deleted (`metadata.deletionTimestamp` set).
-pub fn on_delete(host: &Host) -> Deletion {
+pub fn on_delete(host: &Host, min_wipe: WipePolicy) -> Deletion {
     let annotations = host.metadata.annotations.as_ref();
     if annotations.is_some_and(|a| a.contains_key(DELETE_FOR_MOVE_ANNOTATION)) {
         return Deletion::Moved;
@@ -416,7 +459,7 @@ pub fn on_delete(host: &Host) -> Deletion {
         return Deletion::WaitForWipe;
     }
     if status.is_some_and(|s| s.wipe_required) {
-        return match deprovision(host, "WipeBeforeDelete", "the Host is deleted") {
+        return match deprovision(host, min_wipe, "WipeBeforeDelete", "the Host is deleted") {
             Some(t) if t.operation.is_some() => Deletion::Wipe(t),
             _ => Deletion::Finish,
         };
@@ -433,14 +476,17 @@ pub fn older_than(time: &Time, max_age_secs: i64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{Bmc, ConsumerRef, HostSpec, Image, Provisioning, set_condition};
+    use crate::crd::{Bmc, ConsumerRef, HostSpec, Provisioning, set_condition};
+
+    /// The site's wipe in these tests.
+    const MIN_WIPE: WipePolicy = WipePolicy::Quick;
 
     fn host() -> Host {
         Host::new("h", HostSpec::new("52:54:00:00:00:01"))
     }
 
     fn step(h: &mut Host) -> Option<HostState> {
-        let t = next(h)?;
+        let t = next(h, MIN_WIPE)?;
         h.status = Some(apply(h, &t));
         Some(t.to)
     }
@@ -487,6 +533,7 @@ mod tests {
         assert_eq!(step(&mut h), None);
         claim(&mut h, 1);
         assert_eq!(step(&mut h), Some(HostState::Provisioning));
+        assert!(hand_out(h.status.as_mut().unwrap(), &image(1), None));
         h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
         assert_eq!(h.status.as_ref().unwrap().installed.as_ref().unwrap().image, image(1));
         assert_eq!(step(&mut h), None, "provisioned and wanted");
@@ -721,6 +768,7 @@ mod tests {
         claim(&mut h, 1);
         assert_eq!(step(&mut h), Some(HostState::Provisioning));
         assert!(h.status.as_ref().unwrap().wipe_required);
+        assert!(hand_out(h.status.as_mut().unwrap(), &image(1), None));
         h
     }
 
@@ -751,29 +799,31 @@ mod tests {
     fn a_deleted_host_waits_for_release_and_wipe() {
         let mut h = provisioned();
         h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
-        assert_eq!(on_delete(&h), Deletion::WaitForRelease);
+        assert_eq!(on_delete(&h, MIN_WIPE), Deletion::WaitForRelease);
         h.spec.consumer_ref = None;
         h.spec.provisioning = None;
         // The lifecycle starts the wipe (released); deletion waits for it.
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning));
-        assert_eq!(on_delete(&h), Deletion::WaitForWipe);
+        assert_eq!(on_delete(&h, MIN_WIPE), Deletion::WaitForWipe);
         h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None));
-        assert_eq!(on_delete(&h), Deletion::Finish);
+        assert_eq!(on_delete(&h, MIN_WIPE), Deletion::Finish);
 
         // Quarantined with data on it: wiped before it goes.
         let mut q = provisioned();
         q.status = Some(completed(&q, OperationKind::Provision, false, "x", None));
         q.spec.consumer_ref = None;
         q.spec.provisioning = None;
-        let Deletion::Wipe(t) = on_delete(&q) else { panic!("{:?}", on_delete(&q)) };
+        let Deletion::Wipe(t) = on_delete(&q, MIN_WIPE) else {
+            panic!("{:?}", on_delete(&q, MIN_WIPE))
+        };
         assert_eq!(t.to, HostState::Deprovisioning);
 
         // Never used: nothing to wait for. Forced: nothing either.
-        assert_eq!(on_delete(&host()), Deletion::Finish);
+        assert_eq!(on_delete(&host(), MIN_WIPE), Deletion::Finish);
         let mut forced = provisioned();
         forced.metadata.annotations =
             Some([(FORCE_DELETE_ANNOTATION.to_owned(), "".to_owned())].into());
-        assert_eq!(on_delete(&forced), Deletion::Finish);
+        assert_eq!(on_delete(&forced, MIN_WIPE), Deletion::Finish);
     }
 
     #[test]
@@ -783,10 +833,88 @@ mod tests {
         h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
         h.metadata.annotations =
             Some([(DELETE_FOR_MOVE_ANNOTATION.to_owned(), "".to_owned())].into());
-        assert_eq!(on_delete(&h), Deletion::Moved);
+        assert_eq!(on_delete(&h, MIN_WIPE), Deletion::Moved);
         // Released with data on it: no wipe either.
         h.spec.consumer_ref = None;
         h.spec.provisioning = None;
-        assert_eq!(on_delete(&h), Deletion::Moved);
+        assert_eq!(on_delete(&h, MIN_WIPE), Deletion::Moved);
+    }
+
+    /// The wipe a used host gets, for each thing that may ask: the site, the tenant (frozen at
+    /// hand-out) and the Host. Each can only add: a Host editor's `none` or `quick` never
+    /// weakens what the site or the tenant asked for.
+    #[test]
+    fn a_host_is_wiped_with_the_strongest_wipe_anyone_trusted_asked_for() {
+        use WipePolicy::{Full, None as Nothing, Quick};
+        let levels = [None, Some(Nothing), Some(Quick), Some(Full)];
+        for site in [Nothing, Quick, Full] {
+            for tenant in levels {
+                for editor in levels {
+                    let mut h = provisioned();
+                    h.status.as_mut().unwrap().wipe_owed = None;
+                    hand_out(h.status.as_mut().unwrap(), &image(1), tenant);
+                    h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+                    h.spec.wipe = editor;
+                    h.spec.consumer_ref = None;
+                    h.spec.provisioning = None;
+                    let rank = |w: WipePolicy| [Nothing, Quick, Full].iter().position(|l| *l == w);
+                    let expected = [Some(site), tenant, editor]
+                        .into_iter()
+                        .flatten()
+                        .max_by_key(|w| rank(*w))
+                        .unwrap();
+                    assert_eq!(
+                        wipe(&h, site),
+                        expected,
+                        "site {site:?} tenant {tenant:?} editor {editor:?}"
+                    );
+                    let t = next(&h, site).unwrap();
+                    if expected == Nothing {
+                        assert_eq!(t.to, HostState::Available);
+                    } else {
+                        assert_eq!(
+                            (t.to, t.operation),
+                            (HostState::Deprovisioning, Some(OperationKind::Deprovision))
+                        );
+                    }
+                    if expected != Nothing {
+                        h.status = Some(apply(&h, &t));
+                        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None));
+                        assert_eq!(h.status.as_ref().unwrap().wipe_owed, None, "owed until wiped");
+                    }
+                }
+            }
+        }
+        // What the Host editor attacks with: `none` on a site whose minimum is quick.
+        let mut h = provisioned();
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        h.spec.wipe = Some(Nothing);
+        h.spec.consumer_ref = None;
+        assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "wiped, not Available");
+    }
+
+    /// What the operation writes is frozen when it is handed out: a Host editor who swaps
+    /// `spec.provisioning.image` mid-way changes neither the task nor what is recorded as
+    /// installed (which then differs from the swapped spec, so the host is wiped, never kept).
+    #[test]
+    fn the_image_written_is_the_one_handed_out_not_the_one_in_spec() {
+        let mut h = provisioned();
+        h.spec.provisioning.as_mut().unwrap().image = image(9);
+        let op = h.status.as_ref().unwrap().operation.clone().unwrap();
+        assert_eq!(op.image, Some(image(1)));
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        assert_eq!(h.status.as_ref().unwrap().installed.as_ref().unwrap().image, image(1));
+        assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "spec and disk differ: wipe");
+
+        // Not a provisioning: nothing is handed out.
+        let mut idle = HostStatus::default();
+        assert!(!hand_out(&mut idle, &image(1), Some(WipePolicy::Full)));
+        assert_eq!(idle.wipe_owed, None);
+        // A later tenant never lowers what an earlier one is still owed.
+        let mut h = provisioned();
+        let status = h.status.as_mut().unwrap();
+        status.wipe_owed = Some(WipePolicy::Full);
+        hand_out(status, &image(2), Some(WipePolicy::Quick));
+        assert_eq!(status.wipe_owed, Some(WipePolicy::Full));
     }
 }

@@ -80,8 +80,8 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
 
 /// The lifecycle's next step, or quarantine for a ramdisk gone silent.
 fn next_step(ctx: &Ctx) -> impl Fn(&Host) -> Option<Transition> + use<> {
-    let max_silence = ctx.ramdisk_silence_timeout;
-    move |host| lifecycle::silent(host, max_silence).or_else(|| lifecycle::next(host))
+    let (max_silence, min_wipe) = (ctx.ramdisk_silence_timeout, ctx.min_wipe);
+    move |host| lifecycle::silent(host, max_silence).or_else(|| lifecycle::next(host, min_wipe))
 }
 
 /// How often a Host with nothing to do is looked at again.
@@ -174,14 +174,14 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error
     if !host.finalizers().iter().any(|f| f == FINALIZER) {
         return Ok(Action::await_change());
     }
-    match lifecycle::on_delete(host) {
+    match lifecycle::on_delete(host, ctx.min_wipe) {
         // Meanwhile the lifecycle goes on: a consumer that lets go waits for the wipe it starts.
         Deletion::WaitForRelease | Deletion::WaitForWipe => match next_step(ctx)(host) {
             Some(t) => transit(host, ctx, api, &t, next_step(ctx)).await,
             None => Ok(Action::requeue(Duration::from_secs(30))),
         },
         Deletion::Wipe(t) => {
-            let still = |h: &Host| match lifecycle::on_delete(h) {
+            let still = |h: &Host| match lifecycle::on_delete(h, ctx.min_wipe) {
                 Deletion::Wipe(t) => Some(t),
                 _ => None,
             };

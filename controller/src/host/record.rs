@@ -208,7 +208,7 @@ mod tests {
         // The lifecycle then has nothing to do: no inspection, no imaging, no wipe.
         let mut restored = h.clone();
         restored.status = restore(&h).map(|(s, ..)| s);
-        assert_eq!(super::super::lifecycle::next(&restored), None);
+        assert_eq!(super::super::lifecycle::next(&restored, crate::crd::WipePolicy::Quick), None);
     }
 
     #[test]
@@ -238,7 +238,8 @@ mod tests {
             assert!(status.wipe_required, "{what}");
             let mut restored = h.clone();
             restored.status = Some(status);
-            let next = super::super::lifecycle::next(&restored).unwrap();
+            let next =
+                super::super::lifecycle::next(&restored, crate::crd::WipePolicy::Quick).unwrap();
             assert_eq!(next.to, HostState::Deprovisioning, "{what}: wiped, never Available");
         }
     }

@@ -665,6 +665,7 @@ mod tests {
                 provider_id: None,
                 host_selector: None,
                 image: image(),
+                wipe: None,
                 host_ref: None,
             },
         );
