@@ -80,7 +80,11 @@ pub fn wipe(
     let io = |action| move |error| WipeError::Io { action, device: device.to_owned(), error };
     let file = File::options().read(true).write(true).open(device).map_err(io("opening"))?;
     let found = match policy {
-        Policy::Quick => partitions(&file, size, sector).map_err(io("reading the tables of"))?,
+        // Unreadable tables must not stop the wipe: the disk's own ends are still cleared.
+        Policy::Quick => partitions(&file, size, sector).unwrap_or_else(|e| {
+            eprintln!("siteboot-agent: reading the tables of {}: {e}", device.display());
+            Vec::new()
+        }),
         Policy::Full | Policy::None => Vec::new(),
     };
     let ranges = regions(policy, size, &found);
@@ -145,7 +149,7 @@ mod tests {
     use std::process::Command;
 
     use super::*;
-    use crate::partition::tests::{run, written_disk};
+    use crate::partition::tests::{forge_gpt, run, written_disk};
 
     #[test]
     fn quick_regions_cover_both_ends_of_disk_and_partitions() {
@@ -232,5 +236,20 @@ mod tests {
         let wiped = wipe(disk.path(), 64 * MIB, 512, Policy::Full, |_| {}).unwrap();
         assert_eq!(wiped, 64 * MIB);
         assert!(std::fs::read(disk.path()).unwrap().iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn quick_wipe_of_a_disk_with_a_hostile_gpt_still_clears_both_ends() {
+        let (disk, _) = used_disk();
+        // Both headers claim 1024 entries of 4 GiB each, with valid CRCs.
+        for lba in [1, 64 * MIB / 512 - 1] {
+            forge_gpt(disk.as_file(), lba, 84, &0xffff_fff8_u32.to_le_bytes());
+        }
+        let wiped = wipe(disk.path(), 64 * MIB, 512, Policy::Quick, |_| {}).unwrap();
+        assert_eq!(wiped, 2 * MIB);
+        let bytes = std::fs::read(disk.path()).unwrap();
+        assert!(bytes[..MIB as usize].iter().all(|b| *b == 0));
+        assert!(bytes[63 * MIB as usize..].iter().all(|b| *b == 0));
+        assert_eq!(probe(disk.path(), 0, 64 * MIB), "");
     }
 }
