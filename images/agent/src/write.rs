@@ -88,8 +88,8 @@ pub(crate) const CHUNK: usize = 4 << 20;
 /// of the disk by at most this many chunks, then waits for it.
 const CHUNKS: usize = 3;
 
-/// [`CHUNK`] bytes at an [`ALIGN`]ed address, as O_DIRECT needs, to be written at `offset`: a
-/// `Vec` with room to start at its first aligned byte.
+/// [`CHUNK`] bytes at an [`ALIGN`]ed address, as O_DIRECT needs, to be written at `offset` (or
+/// read into, [`Chunk::room`]): a `Vec` with room to start at its first aligned byte.
 pub(crate) struct Chunk {
     memory: Vec<u8>,
     start: usize,
