@@ -36,7 +36,8 @@ pub enum PartitionError {
     Io { action: &'static str, device: PathBuf, error: io::Error },
     #[error("the image has no partition table (neither GPT nor MBR) to add the seed partition to")]
     NoTable,
-    #[error("the image's GPT header is damaged: {0}")]
+    /// A header damaged or out of bounds (a previous tenant's may be hostile): the field named.
+    #[error("the GPT header is refused: its {0}")]
     BadGpt(&'static str),
     #[error(
         "no room for the seed: the last partition ends at sector {last_end}, the seed would start at {seed_start}"
@@ -97,6 +98,11 @@ struct Gpt {
 }
 
 const ENTRY_SIZE: usize = 128;
+/// The largest entry accepted: the UEFI spec allows 128 × 2^n bytes, tables in use have 128.
+const MAX_ENTRY_SIZE: u32 = 4096;
+/// The most entries accepted (tables in use have 128): with [`MAX_ENTRY_SIZE`], an entry array
+/// of at most 4 MiB is read, whatever a previous tenant's header claims.
+const MAX_ENTRIES: u32 = 1024;
 
 impl Gpt {
     fn entries_lba(&self) -> u64 {
@@ -112,8 +118,9 @@ impl Gpt {
         &self.entries[i * self.entry_size()..][..self.entry_size()]
     }
 
-    /// Checks the header as read from sector 1 (sizes, then its CRC).
-    fn check(header: &[u8]) -> Result<(), PartitionError> {
+    /// Checks a header as read from a disk of `sectors` `sector`-byte sectors: its size and CRC,
+    /// then the entry array it describes (bounded, and within the disk).
+    fn check(header: &[u8], sectors: u64, sector: u64) -> Result<(), PartitionError> {
         let size = u32_at(header, 12) as usize;
         if !(92..=header.len()).contains(&size) {
             return Err(PartitionError::BadGpt("header size"));
@@ -124,8 +131,15 @@ impl Gpt {
             return Err(PartitionError::BadGpt("header CRC"));
         }
         let (count, entry) = (u32_at(header, 80), u32_at(header, 84));
-        if !(1..=1024).contains(&count) || entry < ENTRY_SIZE as u32 || entry % 8 != 0 {
-            return Err(PartitionError::BadGpt("entry count or size"));
+        if !(1..=MAX_ENTRIES).contains(&count) {
+            return Err(PartitionError::BadGpt("entry count"));
+        }
+        if !entry.is_power_of_two() || !(ENTRY_SIZE as u32..=MAX_ENTRY_SIZE).contains(&entry) {
+            return Err(PartitionError::BadGpt("entry size"));
+        }
+        let array_sectors = (u64::from(count) * u64::from(entry)).div_ceil(sector);
+        if u64_at(header, 72).checked_add(array_sectors).is_none_or(|end| end > sectors) {
+            return Err(PartitionError::BadGpt("entries LBA"));
         }
         Ok(())
     }
@@ -289,7 +303,7 @@ pub fn add_seed_partition(
     let mut mbr = Mbr(read(0, sector as usize)?);
     let header = read(1, sector as usize)?;
     let (first, last) = if header.starts_with(GPT_SIGNATURE) {
-        Gpt::check(&header)?;
+        Gpt::check(&header, geometry.sectors, sector)?;
         let (count, entry_size) = (u32_at(&header, 80) as usize, u32_at(&header, 84) as usize);
         let old_backup = u64_at(&header, 32);
         let entries = read(u64_at(&header, 72), count * entry_size)?;
@@ -335,7 +349,11 @@ pub fn partitions(file: &File, size: u64, sector: u64) -> io::Result<Vec<(u64, u
     }
     for lba in [1, sectors - 1] {
         let header = read(lba, sector as usize)?;
-        if !header.starts_with(GPT_SIGNATURE) || Gpt::check(&header).is_err() {
+        if !header.starts_with(GPT_SIGNATURE) {
+            continue;
+        }
+        if let Err(e) = Gpt::check(&header, sectors, sector) {
+            eprintln!("siteboot-agent: ignoring the GPT at sector {lba}: {e}");
             continue;
         }
         let (count, entry_size) = (u32_at(&header, 80) as usize, u32_at(&header, 84) as usize);
@@ -405,6 +423,16 @@ pub(crate) mod tests {
         disk
     }
 
+    /// Rewrites the GPT header at `lba` of `disk` (512-byte sectors) with `value` at byte `at`
+    /// and a valid CRC: a hostile table, not a damaged one.
+    pub(crate) fn forge_gpt(disk: &File, lba: u64, at: usize, value: &[u8]) {
+        let mut header = vec![0; 512];
+        disk.read_exact_at(&mut header, lba * 512).unwrap();
+        header[at..at + value.len()].copy_from_slice(value);
+        seal(&mut header);
+        disk.write_all_at(&header, lba * 512).unwrap();
+    }
+
     fn sfdisk_dump(disk: &Path) -> String {
         run("sfdisk", &["-d", disk.to_str().unwrap()], None)
     }
@@ -472,5 +500,31 @@ pub(crate) mod tests {
         damaged.as_file().write_all_at(b"X", 512 + 60).unwrap();
         let e = add_seed_partition(damaged.path(), 100 * MIB, 512, true).unwrap_err();
         assert!(matches!(e, PartitionError::BadGpt("header CRC")), "{e}");
+    }
+
+    #[test]
+    fn hostile_gpt_headers_are_refused_by_field() {
+        let cases: [(usize, &[u8], &str); 5] = [
+            // Entries "past" the disk: the byte offset overflows.
+            (72, &(u64::MAX / 4).to_le_bytes(), "entries LBA"),
+            // Passes a multiple-of-8 check: 1024 entries of 4 GiB, 4 TiB to allocate.
+            (84, &0xffff_fff8_u32.to_le_bytes(), "entry size"),
+            (84, &0xffff_ffff_u32.to_le_bytes(), "entry size"),
+            (84, &192_u32.to_le_bytes(), "entry size"),
+            (80, &0xffff_ffff_u32.to_le_bytes(), "entry count"),
+        ];
+        for (at, value, field) in cases {
+            let disk = written_disk(32, 32, "label: gpt\n,8M,U\n,,L\n");
+            let intact = partitions(disk.as_file(), 32 * MIB, 512).unwrap();
+            assert_eq!(intact.len(), 2, "{intact:?}");
+            forge_gpt(disk.as_file(), 1, at, value);
+            // The hostile primary is ignored; the intact backup still lists the partitions.
+            let found = partitions(disk.as_file(), 32 * MIB, 512).unwrap();
+            assert_eq!(found, intact, "{field}");
+            disk.as_file().set_len(100 * MIB).unwrap();
+            let e = add_seed_partition(disk.path(), 100 * MIB, 512, true).unwrap_err();
+            assert!(matches!(e, PartitionError::BadGpt(f) if f == field), "{field}: {e}");
+            assert!(e.to_string().contains(field), "{e}");
+        }
     }
 }

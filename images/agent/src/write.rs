@@ -80,17 +80,17 @@ pub enum WriteError {
 
 /// O_DIRECT's alignment of buffers, disk offsets and lengths: 4096 covers disks with 512- and
 /// 4096-byte logical blocks, and the file system blocks under a regular file.
-const ALIGN: usize = 4096;
+pub(crate) const ALIGN: usize = 4096;
 /// Bytes per disk write (a multiple of [`ALIGN`]): large enough that a write's fixed cost is
 /// small against its bytes.
-const CHUNK: usize = 4 << 20;
+pub(crate) const CHUNK: usize = 4 << 20;
 /// Chunk buffers per disk: one filling while the others are written. The download runs ahead
 /// of the disk by at most this many chunks, then waits for it.
 const CHUNKS: usize = 3;
 
-/// [`CHUNK`] bytes at an [`ALIGN`]ed address, as O_DIRECT needs, to be written at `offset`: a
-/// `Vec` with room to start at its first aligned byte.
-struct Chunk {
+/// [`CHUNK`] bytes at an [`ALIGN`]ed address, as O_DIRECT needs, to be written at `offset` (or
+/// read into, [`Chunk::room`]): a `Vec` with room to start at its first aligned byte.
+pub(crate) struct Chunk {
     memory: Vec<u8>,
     start: usize,
     len: usize,
@@ -98,7 +98,7 @@ struct Chunk {
 }
 
 impl Chunk {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let memory = vec![0; CHUNK + ALIGN];
         let start = memory.as_ptr().align_offset(ALIGN);
         Self { memory, start, len: 0, offset: 0 }
@@ -116,23 +116,39 @@ impl Chunk {
     fn bytes(&self) -> &[u8] {
         &self.memory[self.start..self.start + self.len]
     }
+
+    /// All [`CHUNK`] bytes, to read into.
+    pub(crate) fn room(&mut self) -> &mut [u8] {
+        &mut self.memory[self.start..self.start + CHUNK]
+    }
 }
 
-/// Opens the disk for writing with O_DIRECT, so its bytes are not copied into the page cache
-/// (most of the agent's CPU when they were), or without where its file system refuses
+/// Opens the disk as `options` say with O_DIRECT, so its bytes are not copied into the page
+/// cache (most of the agent's CPU when they were), or without where its file system refuses
 /// O_DIRECT (EINVAL). Returns whether it is direct.
-fn open_disk(path: &Path) -> io::Result<(File, bool)> {
-    match File::options().write(true).custom_flags(libc::O_DIRECT).open(path) {
+pub(crate) fn open_disk(path: &Path, options: &std::fs::OpenOptions) -> io::Result<(File, bool)> {
+    match options.clone().custom_flags(libc::O_DIRECT).open(path) {
         Ok(file) => Ok((file, true)),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
             eprintln!(
-                "siteboot-agent: {} refuses O_DIRECT ({e}): writing it through the page cache",
+                "siteboot-agent: {} refuses O_DIRECT ({e}): using the page cache",
                 path.display()
             );
-            Ok((File::options().write(true).open(path)?, false))
+            Ok((options.open(path)?, false))
         }
         Err(e) => Err(e),
     }
+}
+
+/// Turns O_DIRECT off for `file`'s later reads and writes: for those off [`ALIGN`].
+pub(crate) fn stop_direct(file: &File) -> io::Result<()> {
+    let fd = file.as_raw_fd();
+    // SAFETY: F_GETFL and F_SETFL take no pointers; the descriptor is open for the calls.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Writes `chunk` to its place on the disk. Only an image's last chunk can end off
@@ -143,12 +159,7 @@ fn write_chunk(file: &File, direct: bool, chunk: &Chunk) -> io::Result<()> {
     let aligned = if direct { data.len() - data.len() % ALIGN } else { data.len() };
     file.write_all_at(&data[..aligned], chunk.offset)?;
     if aligned < data.len() {
-        let fd = file.as_raw_fd();
-        // SAFETY: F_GETFL and F_SETFL take no pointers; the descriptor is open for the calls.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        stop_direct(file)?;
         file.write_all_at(&data[aligned..], chunk.offset + aligned as u64)?;
     }
     Ok(())
@@ -240,10 +251,8 @@ struct Device {
 
 impl Device {
     fn open(path: &Path, capacity: u64) -> Result<Self, WriteError> {
-        let (file, direct) = open_disk(path).map_err(|error| WriteError::Io {
-            action: "opening",
-            device: path.to_owned(),
-            error,
+        let (file, direct) = open_disk(path, File::options().write(true)).map_err(|error| {
+            WriteError::Io { action: "opening", device: path.to_owned(), error }
         })?;
         Self::new(path, file, direct, capacity)
     }
@@ -673,7 +682,7 @@ mod tests {
         for len in LENGTHS {
             let raw = image(len);
             let disk = marked_disk(len + 3 * ALIGN);
-            let (_, direct) = open_disk(disk.path()).unwrap();
+            let (_, direct) = open_disk(disk.path(), File::options().write(true)).unwrap();
             assert!(direct, "/var/tmp refuses O_DIRECT: these tests need a file system with it");
             let source = tempfile::NamedTempFile::new().unwrap();
             std::fs::write(source.path(), &raw).unwrap();
@@ -688,7 +697,7 @@ mod tests {
     #[test]
     fn a_disk_that_refuses_o_direct_is_written_through_the_page_cache() {
         // Character devices refuse O_DIRECT with EINVAL, as some file systems do.
-        let (_, direct) = open_disk(Path::new("/dev/null")).unwrap();
+        let (_, direct) = open_disk(Path::new("/dev/null"), File::options().write(true)).unwrap();
         assert!(!direct);
         // What is written then: the same bytes, in pieces as a decompressor hands them.
         for len in LENGTHS {
