@@ -4,7 +4,7 @@
 //! result from the disk's first byte. qcow2 is refused: its bytes are not a disk's.
 //!
 //! The digest can only be checked at the end, after the disk was written: a mismatch fails the
-//! write, and the caller wipes the disk's ends ([`crate::wipe::wipe_ends`]) so nothing
+//! write, and the caller wipes the disk quickly ([`crate::wipe::wipe`]) so nothing
 //! half-written boots.
 //!
 //! The disk is written with O_DIRECT (where its file system allows it) in 4 MiB chunks from
