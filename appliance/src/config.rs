@@ -510,6 +510,7 @@ impl Config {
                 })
             }
         };
+        check_served_roots(&file)?;
         let known_hosts_only = file.dhcp.known_hosts_only.unwrap_or(kubernetes.is_some());
         Ok(Self {
             kubernetes,
@@ -711,6 +712,66 @@ fn check_tftp(t: &TftpSettings) -> Result<(), FieldError> {
         ));
     }
     Ok(())
+}
+
+/// Refuses a served directory (`http.root`, `tftp.root`, `tftp.ipxe_dir`: anyone on the
+/// provisioning segment reads what they hold) that holds what no one there may read: the state
+/// directory (leases, host records, the generated TLS key), the TLS key, BMC credentials files
+/// and user-data files.
+fn check_served_roots(file: &ConfigFile) -> Result<(), FieldError> {
+    let mut secrets: Vec<(String, &Path)> = vec![("state_dir".into(), &file.state_dir)];
+    if let Some(tls) = &file.http.tls {
+        secrets.push(("http.tls.key".into(), &tls.key));
+    }
+    for (i, host) in file.hosts.iter().enumerate() {
+        if let Some(bmc) = &host.bmc {
+            secrets.push((format!("hosts[{i}].bmc.credentials_file"), &bmc.credentials_file));
+        }
+        if let Some(user_data) = &host.user_data {
+            secrets.push((format!("hosts[{i}].user_data"), user_data));
+        }
+    }
+    let served = [
+        ("http.root", file.http.root.as_deref()),
+        ("tftp.root", file.tftp.root.as_deref()),
+        ("tftp.ipxe_dir", Some(file.tftp.ipxe_dir.as_path())),
+    ];
+    for (field, root) in served {
+        let Some(root) = root else { continue };
+        let real_root = resolved(root);
+        if let Some((what, path)) =
+            secrets.iter().find(|(_, p)| resolved(p).starts_with(&real_root))
+        {
+            return Err(FieldError::new(
+                field,
+                format!(
+                    "{} holds {what} ({}), which everyone on the provisioning segment could then read: serve a directory without it",
+                    root.display(),
+                    path.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `path` with its symbolic links resolved as far as it exists (the rest as written), so a
+/// directory and a path inside it compare however either is spelt.
+fn resolved(path: &Path) -> PathBuf {
+    let mut missing = Vec::new();
+    let mut at = path;
+    loop {
+        if let Ok(found) = at.canonicalize() {
+            return missing.iter().rev().fold(found, |p: PathBuf, name| p.join(name));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                missing.push(name.to_owned());
+                at = parent;
+            }
+            _ => return path.to_path_buf(),
+        }
+    }
 }
 
 fn check_dir(path: &Path, field: &str) -> Result<(), FieldError> {
@@ -1166,6 +1227,57 @@ unknown_hosts:
             let config = Config::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
             assert_eq!(config.known_hosts_only, expected, "{text}");
         }
+    }
+
+    /// What anyone on the segment reads: a served root holding the state directory, the TLS
+    /// key, a BMC credentials file or a user-data file is refused, however the path is spelt.
+    #[test]
+    fn a_served_root_never_holds_what_the_segment_may_not_read() {
+        let served = tempfile::tempdir().unwrap();
+        let root = served.path().display().to_string();
+        let inside = |name: &str| served.path().join(name).display().to_string();
+        std::os::unix::fs::symlink(served.path(), served.path().join("alias")).unwrap();
+        let state = |dir: &str| GOOD.replace("/tmp/x", dir);
+        let http = |config: String, http: &str| format!("{config}http:\n{http}");
+        let tftp_root = |config: String| {
+            config.replace("  ipxe_dir: IPXE\n", &format!("  ipxe_dir: IPXE\n  root: {root}\n"))
+        };
+        let user_data = |config: String, path: &str| {
+            config.replace(
+                "    profile: linux\n",
+                &format!(
+                    "    profile: linux\n    image: {{ url: 'http://x/os.img', checksum: 'sha256:{}' }}\n    user_data: {path}\nramdisk_profile: linux\n",
+                    "0".repeat(64)
+                ),
+            )
+        };
+        let http_root = format!("  root: {root}\n");
+        for (config, field, holds) in [
+            (http(state(&inside("state")), &http_root), "http.root", "state_dir"),
+            (http(state(&inside("alias/state/deeper")), &http_root), "http.root", "state_dir"),
+            (
+                http(
+                    tftp_root(GOOD.into()),
+                    &format!("  tls:\n    certificate: /c.pem\n    key: {}\n", inside("tls.key")),
+                ),
+                "tftp.root",
+                "http.tls.key",
+            ),
+            (
+                http(user_data(GOOD.into(), &inside("alias/node.user-data")), &http_root),
+                "http.root",
+                "hosts[0].user_data",
+            ),
+        ] {
+            let e = error_of(&config);
+            assert_eq!(e.field, field, "{e}\n{config}");
+            assert!(e.message.contains(holds), "{e}");
+        }
+        // Beside each other is fine.
+        std::fs::create_dir(served.path().join("www")).unwrap();
+        let beside = http(state(&inside("state")), &format!("  root: {}\n", inside("www")));
+        let (_dir, text) = with_ipxe(&beside);
+        Config::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     }
 
     #[test]
