@@ -181,22 +181,28 @@ pub async fn driver_for(
 ) -> Result<Arc<dyn BmcDriver>, BmcError> {
     let Some(spec) = spec_of(host)? else { return Ok(Arc::new(SelfBooting)) };
     let namespace = kube::ResourceExt::namespace(host).unwrap_or_default();
-    let credentials = load_credentials(client, &namespace, &spec.credentials_name).await?;
-    let client = RedfishClient::new(spec.address, credentials, spec.pin)?;
-    Ok(Arc::new(Redfish::new(client).with_boot_mode(spec.boot_mode)))
+    let secrets: kube::Api<Secret> = kube::Api::namespaced(client.clone(), &namespace);
+    let name = &spec.credentials_name;
+    let secret = secrets.get_opt(name).await.map_err(|e| BmcError::Credentials {
+        name: format!("{namespace}/{name}"),
+        why: format!("cannot be read: {e}"),
+    })?;
+    Ok(Arc::new(redfish_for(spec, &namespace, secret.as_ref())?))
 }
 
-async fn load_credentials(
-    client: &kube::Client,
+/// The Redfish driver for `spec` with the credentials Secret it names (`None`: there is none),
+/// read from `namespace`. No I/O.
+pub fn redfish_for(
+    spec: BmcSpec,
     namespace: &str,
-    name: &str,
-) -> Result<Credentials, BmcError> {
+    secret: Option<&Secret>,
+) -> Result<Redfish, BmcError> {
+    let name = &spec.credentials_name;
     let fail = |why: String| BmcError::Credentials { name: format!("{namespace}/{name}"), why };
-    let secrets: kube::Api<Secret> = kube::Api::namespaced(client.clone(), namespace);
-    let secret = secrets
-        .get_opt(name)
-        .await
-        .map_err(|e| fail(format!("cannot be read: {e}")))?
-        .ok_or_else(|| fail("does not exist".into()))?;
-    Credentials::from_secret_data(&secret.data.unwrap_or_default()).map_err(|e| fail(e.to_string()))
+    let secret = secret.ok_or_else(|| fail("does not exist".into()))?;
+    let data = secret.data.clone().unwrap_or_default();
+    let credentials = Credentials::from_secret_data(&data).map_err(|e| fail(e.to_string()))?;
+    let client = RedfishClient::new(spec.address, credentials, spec.pin)?;
+    Ok(Redfish::new(client).with_boot_mode(spec.boot_mode))
 }
+
