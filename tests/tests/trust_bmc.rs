@@ -80,8 +80,8 @@ async fn bmc_ready_after(
     before: Option<(String, String, String)>,
 ) -> (String, String, String) {
     wait::for_async("the Host's BMCReady condition", STEP, || async {
-        let host = hosts.get("planted").await.ok()?;
-        let c = condition(&host.status?.conditions, BMC_READY)?;
+        let status = hosts.get("planted").await.ok()?.status?;
+        let c = condition(&status.conditions, BMC_READY)?;
         let now = (c.status.clone(), c.reason.clone(), c.message.clone());
         (Some(&now) != before.as_ref()).then_some(now)
     })
@@ -127,7 +127,11 @@ async fn a_host_editor_gets_no_bmc_credentials_sent_to_a_server_of_theirs() {
     hosts.create(&pp, &host).await.unwrap();
     let refused = bmc_ready_after(&hosts, None).await;
     let reached = seen.lock().unwrap().clone();
-    assert!(reached.is_empty(), "the editor's server got {} request(s): {reached:#?}", reached.len());
+    assert!(
+        reached.is_empty(),
+        "the editor's server got {} request(s): {reached:#?}",
+        reached.len()
+    );
     assert_eq!(refused.1, "BMCCredentialsNotForThisAddress", "{refused:?}");
     assert!(!refused.2.contains("10.99.0.42"), "the Secret's address is shown: {refused:?}");
     assert_nothing_echoed(&lab).await;
@@ -136,19 +140,31 @@ async fn a_host_editor_gets_no_bmc_credentials_sent_to_a_server_of_theirs() {
     // answers is not echoed.
     secrets.create(&pp, &secret("its-own-bmc", &attacker)).await.unwrap();
     let point = |name: &str| json!({ "spec": { "bmc": { "credentialsName": name } } });
-    hosts.patch("planted", &PatchParams::default(), &Patch::Merge(point("its-own-bmc"))).await.unwrap();
+    hosts
+        .patch("planted", &PatchParams::default(), &Patch::Merge(point("its-own-bmc")))
+        .await
+        .unwrap();
     let failed = bmc_ready_after(&hosts, Some(refused)).await;
     assert_eq!(failed.1, "BMCFailed", "{failed:?}");
     assert!(
-        seen.lock().unwrap().iter().any(|h| h.to_ascii_lowercase().contains("authorization: basic ")),
+        seen.lock()
+            .unwrap()
+            .iter()
+            .any(|h| h.to_ascii_lowercase().contains("authorization: basic ")),
         "the listener is reachable from siteboot"
     );
-    assert!(failed.2.chars().count() <= 200 && !failed.2.chars().any(char::is_control), "{failed:?}");
+    assert!(
+        failed.2.chars().count() <= 200 && !failed.2.chars().any(char::is_control),
+        "{failed:?}"
+    );
     assert_nothing_echoed(&lab).await;
 
     // The editor points the Host back at the other host's Secret: checked again before
     // anything is sent, through the next rechecks too.
-    hosts.patch("planted", &PatchParams::default(), &Patch::Merge(point("other-bmc"))).await.unwrap();
+    hosts
+        .patch("planted", &PatchParams::default(), &Patch::Merge(point("other-bmc")))
+        .await
+        .unwrap();
     let refused = bmc_ready_after(&hosts, Some(failed)).await;
     assert_eq!(refused.1, "BMCCredentialsNotForThisAddress", "{refused:?}");
     let before = seen.lock().unwrap().len();

@@ -15,11 +15,12 @@ use siteboot_agent::Fingerprint;
 use siteboot_boot::inventory::BoxFuture;
 
 pub use self::address::{AddressError, RedfishAddress, Transport};
-pub use self::credentials::{Credentials, CredentialsError};
+pub use self::credentials::{BindingError, BoundCredentials, Credentials, CredentialsError};
 pub use self::redfish::{Redfish, RedfishClient};
 use crate::crd::{BootMode, Host, PowerState};
 
-/// What went wrong talking to a BMC, or before.
+/// What went wrong talking to a BMC, or before. Whatever answers at `spec.bmc.address` may be
+/// a Host editor's server: what it says is carried as [`Echoed`] only.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BmcError {
     #[error(transparent)]
@@ -28,22 +29,82 @@ pub enum BmcError {
     InvalidFingerprint(String),
     #[error("the BMC credentials Secret {name:?} {why}")]
     Credentials { name: String, why: String },
+    /// The Secret names no BMC. Its address is what the operator vouches for, so the command
+    /// is offered only for the case that the Host's address is the right one.
+    #[error(
+        "the BMC credentials Secret {namespace}/{name} does not name the BMC it is for, so they \
+         are sent nowhere. If they are the credentials of the BMC at {address}, add its address \
+         to the Secret: kubectl -n {namespace} patch secret {name} --type merge -p \
+         '{{\"stringData\":{{\"address\":\"{address}\"}}}}'"
+    )]
+    CredentialsUnbound { namespace: String, name: String, address: RedfishAddress },
+    /// The Secret names another BMC (which one is not said: the Secret's content is not the
+    /// Host editor's to read).
+    #[error(
+        "the BMC credentials Secret {namespace}/{name} is for another BMC than spec.bmc.address \
+         {address}: nothing was sent"
+    )]
+    CredentialsNotForThisAddress { namespace: String, name: String, address: RedfishAddress },
+    #[error(
+        "spec.bmc.certificateFingerprint pins a certificate that the BMC credentials Secret \
+         {namespace}/{name} does not pin: nothing was sent (the Secret's certificateFingerprint \
+         is the one trusted)"
+    )]
+    CredentialsNotForThisCertificate { namespace: String, name: String },
     #[error("the BMC at {address} is unreachable after {attempts} attempt(s): {reason}")]
-    Unreachable { address: String, attempts: u32, reason: String },
+    Unreachable { address: String, attempts: u32, reason: Echoed },
     #[error("the BMC at {address} did not answer within {after:?} ({attempts} attempt(s))")]
     Timeout { address: String, after: Duration, attempts: u32 },
     #[error("the BMC at {address} refused the credentials (wrong username or password?)")]
     Unauthorized { address: String },
     #[error("the BMC has no {path} (wrong system in spec.bmc.address?)")]
-    NotFound { path: String },
+    NotFound { path: Echoed },
     #[error("the BMC at {address} is not trusted: {reason}")]
-    Untrusted { address: String, reason: String },
+    Untrusted { address: String, reason: Echoed },
     #[error("the BMC refused {path}: {message}")]
-    Rejected { path: String, message: String },
+    Rejected { path: Echoed, message: Echoed },
     #[error("the BMC failed {path} ({attempts} attempt(s)): {message}")]
-    ServerError { path: String, attempts: u32, message: String },
+    ServerError { path: Echoed, attempts: u32, message: Echoed },
     #[error("the BMC's answer makes no sense: {0}")]
-    Protocol(String),
+    Protocol(Echoed),
+}
+
+/// Text from a BMC's answer (or made around it), fit for a condition, an Event or a log: no
+/// control or bidirectional formatting characters, at most [`Echoed::MAX`] characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Echoed(String);
+
+impl Echoed {
+    pub const MAX: usize = 120;
+
+    pub fn new(text: &str) -> Self {
+        let bidi = |c: char| matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        let mut printable = text.chars().filter(|&c| !c.is_control() && !bidi(c));
+        let mut kept: String = printable.by_ref().take(Self::MAX).collect();
+        if printable.next().is_some() {
+            kept.pop();
+            kept.push('…');
+        }
+        Self(kept)
+    }
+}
+
+impl From<&str> for Echoed {
+    fn from(text: &str) -> Self {
+        Self::new(text)
+    }
+}
+
+impl From<String> for Echoed {
+    fn from(text: String) -> Self {
+        Self::new(&text)
+    }
+}
+
+impl std::fmt::Display for Echoed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 impl BmcError {
@@ -52,6 +113,9 @@ impl BmcError {
         match self {
             Self::InvalidAddress(_) | Self::InvalidFingerprint(_) => "BMCSpecInvalid",
             Self::Credentials { .. } => "BMCCredentialsMissing",
+            Self::CredentialsUnbound { .. } => "BMCCredentialsUnbound",
+            Self::CredentialsNotForThisAddress { .. } => "BMCCredentialsNotForThisAddress",
+            Self::CredentialsNotForThisCertificate { .. } => "BMCCredentialsNotForThisCertificate",
             Self::Unreachable { .. } | Self::Timeout { .. } => "BMCUnreachable",
             Self::Unauthorized { .. } => "BMCUnauthorized",
             Self::NotFound { .. } => "BMCSystemNotFound",
@@ -191,19 +255,31 @@ pub async fn driver_for(
 }
 
 /// The Redfish driver for `spec` with the credentials Secret it names (`None`: there is none),
-/// read from `namespace`. No I/O.
+/// read from `namespace`: only if the Secret names the BMC `spec` does. No I/O.
 pub fn redfish_for(
     spec: BmcSpec,
     namespace: &str,
     secret: Option<&Secret>,
 ) -> Result<Redfish, BmcError> {
-    let name = &spec.credentials_name;
-    let fail = |why: String| BmcError::Credentials { name: format!("{namespace}/{name}"), why };
-    let secret = secret.ok_or_else(|| fail("does not exist".into()))?;
+    let (namespace, name) = (namespace.to_owned(), spec.credentials_name);
+    let missing = |why: String| BmcError::Credentials { name: format!("{namespace}/{name}"), why };
+    let secret = secret.ok_or_else(|| missing("does not exist".into()))?;
     let data = secret.data.clone().unwrap_or_default();
-    let credentials = Credentials::from_secret_data(&data).map_err(|e| fail(e.to_string()))?;
-    let client = RedfishClient::new(spec.address, credentials, spec.pin)?;
-    Ok(Redfish::new(client).with_boot_mode(spec.boot_mode))
+    let bound = match BoundCredentials::from_secret_data(&data, &spec.address, spec.pin) {
+        Ok(bound) => bound,
+        Err(BindingError::Unusable(e)) => return Err(missing(e.to_string())),
+        Err(BindingError::Unbound) => {
+            return Err(BmcError::CredentialsUnbound { namespace, name, address: spec.address });
+        }
+        Err(BindingError::OtherAddress) => {
+            let address = spec.address;
+            return Err(BmcError::CredentialsNotForThisAddress { namespace, name, address });
+        }
+        Err(BindingError::OtherCertificate) => {
+            return Err(BmcError::CredentialsNotForThisCertificate { namespace, name });
+        }
+    };
+    Ok(Redfish::new(RedfishClient::new(bound)?).with_boot_mode(spec.boot_mode))
 }
 
 #[cfg(test)]
