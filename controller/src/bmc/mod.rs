@@ -37,14 +37,14 @@ pub enum BmcError {
          to the Secret: kubectl -n {namespace} patch secret {name} --type merge -p \
          '{{\"stringData\":{{\"address\":\"{address}\"}}}}'"
     )]
-    CredentialsUnbound { namespace: String, name: String, address: RedfishAddress },
+    CredentialsUnbound { namespace: String, name: String, address: String },
     /// The Secret names another BMC (which one is not said: the Secret's content is not the
     /// Host editor's to read).
     #[error(
         "the BMC credentials Secret {namespace}/{name} is for another BMC than spec.bmc.address \
          {address}: nothing was sent"
     )]
-    CredentialsNotForThisAddress { namespace: String, name: String, address: RedfishAddress },
+    CredentialsNotForThisAddress { namespace: String, name: String, address: String },
     #[error(
         "spec.bmc.certificateFingerprint pins a certificate that the BMC credentials Secret \
          {namespace}/{name} does not pin: nothing was sent (the Secret's certificateFingerprint \
@@ -269,10 +269,11 @@ pub fn redfish_for(
         Ok(bound) => bound,
         Err(BindingError::Unusable(e)) => return Err(missing(e.to_string())),
         Err(BindingError::Unbound) => {
-            return Err(BmcError::CredentialsUnbound { namespace, name, address: spec.address });
+            let address = spec.address.to_string();
+            return Err(BmcError::CredentialsUnbound { namespace, name, address });
         }
         Err(BindingError::OtherAddress) => {
-            let address = spec.address;
+            let address = spec.address.to_string();
             return Err(BmcError::CredentialsNotForThisAddress { namespace, name, address });
         }
         Err(BindingError::OtherCertificate) => {
