@@ -12,7 +12,8 @@ use serde::Deserialize;
 use siteboot_agent::Fingerprint;
 use siteboot_boot::MacAddr;
 use siteboot_controller::bmc::{
-    BmcDriver, BmcError, Credentials, Redfish, RedfishAddress, RedfishClient, identity_check,
+    BmcDriver, BmcError, BoundCredentials, Credentials, Redfish, RedfishAddress, RedfishClient,
+    identity_check,
 };
 use siteboot_controller::crd::BootMode;
 
@@ -100,7 +101,9 @@ pub fn read_credentials(path: &Path) -> Result<Credentials, BmcFailure> {
 /// `mac`.
 pub async fn connect(bmc: &HostBmc, mac: MacAddr) -> Result<Redfish, BmcFailure> {
     let credentials = read_credentials(&bmc.credentials_file)?;
-    let client = RedfishClient::new(bmc.address.clone(), credentials, bmc.pin)?;
+    // The operator's configuration names both the BMC and the file: nothing to bind against.
+    let bound = BoundCredentials::trusted(bmc.address.clone(), bmc.pin, credentials);
+    let client = RedfishClient::new(bound)?;
     let driver = Redfish::new(client).with_boot_mode(bmc.boot_mode);
     let identity = bounded(driver.identity()).await?;
     let (ok, _, why) = identity_check(&mac.to_string(), &identity);

@@ -24,6 +24,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -41,7 +42,6 @@ use siteboot_tests::redfish::{Domain, Libvirt, Machine, Sushy, SushyOptions};
 use siteboot_tests::vm::Firmware;
 
 const USER: (&str, &str) = ("admin", "correct horse");
-const CREDENTIALS: &str = "bmc-credentials";
 const CLUSTER: &str = "e2e";
 /// The bootstrap data: a script, so the test OS runs it and prints its exit code.
 const BOOTSTRAP: &str = "#!/bin/sh\necho \"user-data on $(hostname)\"\nexit 7\n";
@@ -121,18 +121,6 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     let libvirt = Libvirt::start(&lab.lab).unwrap();
     let sushy =
         Sushy::start(SushyOptions { user: USER, tls: None, netns: Some(&lab.lab) }).unwrap();
-    let secret = Secret {
-        metadata: ObjectMeta { name: Some(CREDENTIALS.into()), ..Default::default() },
-        string_data: Some(BTreeMap::from([
-            ("username".to_owned(), USER.0.to_owned()),
-            ("password".to_owned(), USER.1.to_owned()),
-        ])),
-        ..Default::default()
-    };
-    Api::<Secret>::namespaced(lab.env.client(), NS)
-        .create(&PostParams::default(), &secret)
-        .await
-        .unwrap();
     lab.create_cluster(CLUSTER, BOOTSTRAP).await.unwrap();
 
     let scenarios = scenarios();
@@ -245,6 +233,24 @@ impl<'a> ResetRule<'a> {
 }
 
 /// What every scenario shares.
+/// Writes the BMC credentials Secret `<host>-bmc`, for the BMC at `address` (siteboot sends
+/// them nowhere else); returns its name.
+async fn credentials(lab: &ProviderLab, host: &str, address: &str) -> Result<String> {
+    let name = format!("{host}-bmc");
+    let secret = Secret {
+        metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() },
+        data: Some(BTreeMap::from(
+            [("username", USER.0), ("password", USER.1), ("address", address)]
+                .map(|(k, v)| (k.to_owned(), ByteString(v.as_bytes().to_vec()))),
+        )),
+        ..Default::default()
+    };
+    let secrets = Api::<Secret>::namespaced(lab.env.client(), NS);
+    let patch = PatchParams::apply("provision-vm").force();
+    secrets.patch(&name, &patch, &Patch::Apply(&secret)).await?;
+    Ok(name)
+}
+
 struct Env<'a> {
     lab: &'a ProviderLab,
     libvirt: &'a Libvirt,
@@ -274,9 +280,10 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
         (SITE_LABEL.to_owned(), SITE.to_owned()),
         (VM_LABEL.to_owned(), s.name.to_owned()),
     ]));
+    let address = env.sushy.address(&domain);
     host.spec.bmc = Some(Bmc {
-        address: env.sushy.address(&domain),
-        credentials_name: CREDENTIALS.into(),
+        credentials_name: credentials(env.lab, s.name, &address).await?,
+        address,
         certificate_fingerprint: None,
         boot_mode: s.boot_mode,
     });
@@ -380,8 +387,8 @@ async fn failures(env: &Env<'_>) -> Result<()> {
         (VM_LABEL.to_owned(), FAILURES.to_owned()),
     ]));
     host.spec.bmc = Some(Bmc {
+        credentials_name: credentials(env.lab, FAILURES, &dead).await?,
         address: dead,
-        credentials_name: CREDENTIALS.into(),
         certificate_fingerprint: None,
         boot_mode: None,
     });
@@ -418,7 +425,10 @@ async fn failures(env: &Env<'_>) -> Result<()> {
     let host = hosts.get(FAILURES).await?;
     ensure!(state(&host) == Some(HostState::Registering), "state {:?}", state(&host));
     ensure!(env.libvirt.state(&domain)? == "shut off", "powered on through a BMC that failed");
-    let fixed = json!({ "spec": { "bmc": { "address": env.sushy.address(&domain) } } });
+    // The operator gives the BMC's right address to the Secret and the Host.
+    let address = env.sushy.address(&domain);
+    credentials(env.lab, FAILURES, &address).await?;
+    let fixed = json!({ "spec": { "bmc": { "address": address } } });
     hosts.patch(FAILURES, &PatchParams::default(), &Patch::Merge(&fixed)).await?;
     wait_host(&hosts, FAILURES, "Available", PHASE_TIMEOUT, |h| {
         state(h) == Some(HostState::Available)

@@ -18,7 +18,8 @@ use siteboot_agent::Fingerprint;
 use siteboot_controller::bmc::redfish::protocol::ResetType;
 use siteboot_controller::bmc::redfish::retry::RetryPolicy;
 use siteboot_controller::bmc::{
-    BmcDriver, BmcError, Credentials, Identity, Redfish, RedfishAddress, RedfishClient,
+    BmcDriver, BmcError, BoundCredentials, Credentials, Identity, Redfish, RedfishAddress,
+    RedfishClient,
 };
 use siteboot_controller::conditions::BMC_READY;
 use siteboot_controller::crd::{
@@ -42,7 +43,8 @@ fn runtime() -> tokio::runtime::Runtime {
 
 fn client(address: &str, password: &str, pin: Option<Fingerprint>) -> RedfishClient {
     let address: RedfishAddress = address.parse().unwrap();
-    RedfishClient::new(address, Credentials::new(USER.0, password).unwrap(), pin).unwrap()
+    let credentials = Credentials::new(USER.0, password).unwrap();
+    RedfishClient::new(BoundCredentials::trusted(address, pin, credentials)).unwrap()
 }
 
 /// Polls the power state until it is `want`.
@@ -149,7 +151,7 @@ fn a_pinned_certificate_is_the_whole_of_the_trust() {
     let other = Fingerprint([0x5a; 32]);
     let error = rt.block_on(client(&address, USER.1, Some(other)).power()).unwrap_err();
     assert!(
-        matches!(&error, BmcError::Untrusted { reason, .. } if reason.contains(&pin.to_string())),
+        matches!(&error, BmcError::Untrusted { reason, .. } if reason.to_string().contains(&pin.to_string())),
         "{error}"
     );
     // Without a pin, the platform's CAs do not vouch for a self-signed certificate.
@@ -195,6 +197,8 @@ async fn the_host_reconciler_checks_boots_reboots_and_powers_off_through_the_bmc
         string_data: Some(BTreeMap::from([
             ("username".to_owned(), USER.0.to_owned()),
             ("password".to_owned(), password.to_owned()),
+            // The BMC these credentials are for: siteboot sends them nowhere else.
+            ("address".to_owned(), sushy.address(&domain)),
         ])),
         ..Default::default()
     };

@@ -15,7 +15,9 @@ pub enum Transport {
     Http,
 }
 
-/// A Redfish BMC and the system on it that is the host.
+/// A Redfish BMC and the system on it that is the host. Two spellings of one address (the
+/// scheme's aliases, a default port, a trailing slash, a DNS name's case, an IPv6 address's
+/// zeros) parse equal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedfishAddress {
     pub transport: Transport,
@@ -74,7 +76,12 @@ impl FromStr for RedfishAddress {
         if !valid_id {
             return Err(fail("the system id is not letters, digits, '-', '_' and '.'"));
         }
-        Ok(Self { transport, host: host.to_owned(), port, system: path.to_owned() })
+        // One spelling per BMC, so that addresses compare equal when they name the same one.
+        let host = match host.parse::<IpAddr>() {
+            Ok(ip) => ip.to_string(),
+            Err(_) => host.to_ascii_lowercase(),
+        };
+        Ok(Self { transport, host, port, system: path.to_owned() })
     }
 }
 
@@ -147,6 +154,16 @@ mod tests {
             (a.host.as_str(), a.port, a.authority()),
             ("fd00::1", 8443, "[fd00::1]:8443".into())
         );
+    }
+
+    #[test]
+    fn spellings_of_one_address_parse_equal() {
+        let one = parse("redfish+https://bmc-1.example/redfish/v1/Systems/1").unwrap();
+        assert_eq!(parse("redfish://BMC-1.Example:443/redfish/v1/Systems/1/"), Ok(one));
+        let v6 = parse("redfish+https://[fd00::1]/redfish/v1/Systems/1").unwrap();
+        assert_eq!(parse("redfish://[FD00:0:0::0001]:443/redfish/v1/Systems/1"), Ok(v6));
+        let other_system = parse("redfish+https://bmc-1.example/redfish/v1/Systems/A").unwrap();
+        assert_ne!(parse("redfish+https://bmc-1.example/redfish/v1/Systems/a"), Ok(other_system));
     }
 
     #[test]

@@ -15,11 +15,12 @@ use siteboot_agent::Fingerprint;
 use siteboot_boot::inventory::BoxFuture;
 
 pub use self::address::{AddressError, RedfishAddress, Transport};
-pub use self::credentials::{Credentials, CredentialsError};
+pub use self::credentials::{BindingError, BoundCredentials, Credentials, CredentialsError};
 pub use self::redfish::{Redfish, RedfishClient};
 use crate::crd::{BootMode, Host, PowerState};
 
-/// What went wrong talking to a BMC, or before.
+/// What went wrong talking to a BMC, or before. Whatever answers at `spec.bmc.address` may be
+/// a Host editor's server: what it says is carried as [`Echoed`] only.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BmcError {
     #[error(transparent)]
@@ -28,22 +29,82 @@ pub enum BmcError {
     InvalidFingerprint(String),
     #[error("the BMC credentials Secret {name:?} {why}")]
     Credentials { name: String, why: String },
+    /// The Secret names no BMC. Its address is what the operator vouches for, so the command
+    /// is offered only for the case that the Host's address is the right one.
+    #[error(
+        "the BMC credentials Secret {namespace}/{name} does not name the BMC it is for, so they \
+         are sent nowhere. If they are the credentials of the BMC at {address}, add its address \
+         to the Secret: kubectl -n {namespace} patch secret {name} --type merge -p \
+         '{{\"stringData\":{{\"address\":\"{address}\"}}}}'"
+    )]
+    CredentialsUnbound { namespace: String, name: String, address: String },
+    /// The Secret names another BMC (which one is not said: the Secret's content is not the
+    /// Host editor's to read).
+    #[error(
+        "the BMC credentials Secret {namespace}/{name} is for another BMC than spec.bmc.address \
+         {address}: nothing was sent"
+    )]
+    CredentialsNotForThisAddress { namespace: String, name: String, address: String },
+    #[error(
+        "spec.bmc.certificateFingerprint pins a certificate that the BMC credentials Secret \
+         {namespace}/{name} does not pin: nothing was sent (the Secret's certificateFingerprint \
+         is the one trusted)"
+    )]
+    CredentialsNotForThisCertificate { namespace: String, name: String },
     #[error("the BMC at {address} is unreachable after {attempts} attempt(s): {reason}")]
-    Unreachable { address: String, attempts: u32, reason: String },
+    Unreachable { address: String, attempts: u32, reason: Echoed },
     #[error("the BMC at {address} did not answer within {after:?} ({attempts} attempt(s))")]
     Timeout { address: String, after: Duration, attempts: u32 },
     #[error("the BMC at {address} refused the credentials (wrong username or password?)")]
     Unauthorized { address: String },
     #[error("the BMC has no {path} (wrong system in spec.bmc.address?)")]
-    NotFound { path: String },
+    NotFound { path: Echoed },
     #[error("the BMC at {address} is not trusted: {reason}")]
-    Untrusted { address: String, reason: String },
+    Untrusted { address: String, reason: Echoed },
     #[error("the BMC refused {path}: {message}")]
-    Rejected { path: String, message: String },
+    Rejected { path: Echoed, message: Echoed },
     #[error("the BMC failed {path} ({attempts} attempt(s)): {message}")]
-    ServerError { path: String, attempts: u32, message: String },
+    ServerError { path: Echoed, attempts: u32, message: Echoed },
     #[error("the BMC's answer makes no sense: {0}")]
-    Protocol(String),
+    Protocol(Echoed),
+}
+
+/// Text from a BMC's answer (or made around it), fit for a condition, an Event or a log: no
+/// control or bidirectional formatting characters, at most [`Echoed::MAX`] characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Echoed(String);
+
+impl Echoed {
+    pub const MAX: usize = 120;
+
+    pub fn new(text: &str) -> Self {
+        let bidi = |c: char| matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        let mut printable = text.chars().filter(|&c| !c.is_control() && !bidi(c));
+        let mut kept: String = printable.by_ref().take(Self::MAX).collect();
+        if printable.next().is_some() {
+            kept.pop();
+            kept.push('…');
+        }
+        Self(kept)
+    }
+}
+
+impl From<&str> for Echoed {
+    fn from(text: &str) -> Self {
+        Self::new(text)
+    }
+}
+
+impl From<String> for Echoed {
+    fn from(text: String) -> Self {
+        Self::new(&text)
+    }
+}
+
+impl std::fmt::Display for Echoed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 impl BmcError {
@@ -52,6 +113,9 @@ impl BmcError {
         match self {
             Self::InvalidAddress(_) | Self::InvalidFingerprint(_) => "BMCSpecInvalid",
             Self::Credentials { .. } => "BMCCredentialsMissing",
+            Self::CredentialsUnbound { .. } => "BMCCredentialsUnbound",
+            Self::CredentialsNotForThisAddress { .. } => "BMCCredentialsNotForThisAddress",
+            Self::CredentialsNotForThisCertificate { .. } => "BMCCredentialsNotForThisCertificate",
             Self::Unreachable { .. } | Self::Timeout { .. } => "BMCUnreachable",
             Self::Unauthorized { .. } => "BMCUnauthorized",
             Self::NotFound { .. } => "BMCSystemNotFound",
@@ -181,22 +245,215 @@ pub async fn driver_for(
 ) -> Result<Arc<dyn BmcDriver>, BmcError> {
     let Some(spec) = spec_of(host)? else { return Ok(Arc::new(SelfBooting)) };
     let namespace = kube::ResourceExt::namespace(host).unwrap_or_default();
-    let credentials = load_credentials(client, &namespace, &spec.credentials_name).await?;
-    let client = RedfishClient::new(spec.address, credentials, spec.pin)?;
-    Ok(Arc::new(Redfish::new(client).with_boot_mode(spec.boot_mode)))
+    let secrets: kube::Api<Secret> = kube::Api::namespaced(client.clone(), &namespace);
+    let name = &spec.credentials_name;
+    let secret = secrets.get_opt(name).await.map_err(|e| BmcError::Credentials {
+        name: format!("{namespace}/{name}"),
+        why: format!("cannot be read: {e}"),
+    })?;
+    Ok(Arc::new(redfish_for(spec, &namespace, secret.as_ref())?))
 }
 
-async fn load_credentials(
-    client: &kube::Client,
+/// The Redfish driver for `spec` with the credentials Secret it names (`None`: there is none),
+/// read from `namespace`: only if the Secret names the BMC `spec` does. No I/O.
+pub fn redfish_for(
+    spec: BmcSpec,
     namespace: &str,
-    name: &str,
-) -> Result<Credentials, BmcError> {
-    let fail = |why: String| BmcError::Credentials { name: format!("{namespace}/{name}"), why };
-    let secrets: kube::Api<Secret> = kube::Api::namespaced(client.clone(), namespace);
-    let secret = secrets
-        .get_opt(name)
-        .await
-        .map_err(|e| fail(format!("cannot be read: {e}")))?
-        .ok_or_else(|| fail("does not exist".into()))?;
-    Credentials::from_secret_data(&secret.data.unwrap_or_default()).map_err(|e| fail(e.to_string()))
+    secret: Option<&Secret>,
+) -> Result<Redfish, BmcError> {
+    let (namespace, name) = (namespace.to_owned(), spec.credentials_name);
+    let missing = |why: String| BmcError::Credentials { name: format!("{namespace}/{name}"), why };
+    let secret = secret.ok_or_else(|| missing("does not exist".into()))?;
+    let data = secret.data.clone().unwrap_or_default();
+    let bound = match BoundCredentials::from_secret_data(&data, &spec.address, spec.pin) {
+        Ok(bound) => bound,
+        Err(BindingError::Unusable(e)) => return Err(missing(e.to_string())),
+        Err(BindingError::Unbound) => {
+            let address = spec.address.to_string();
+            return Err(BmcError::CredentialsUnbound { namespace, name, address });
+        }
+        Err(BindingError::OtherAddress) => {
+            let address = spec.address.to_string();
+            return Err(BmcError::CredentialsNotForThisAddress { namespace, name, address });
+        }
+        Err(BindingError::OtherCertificate) => {
+            return Err(BmcError::CredentialsNotForThisCertificate { namespace, name });
+        }
+    };
+    Ok(Redfish::new(RedfishClient::new(bound)?).with_boot_mode(spec.boot_mode))
+}
+
+#[cfg(test)]
+mod tests {
+    //! A Host editor's attack on the credentials: a loopback listener stands in for the server
+    //! the editor names, and records every request that reaches it.
+
+    use std::collections::BTreeMap;
+    use std::net::{Ipv4Addr, SocketAddr};
+    use std::sync::Mutex;
+
+    use k8s_openapi::ByteString;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::crd::{Bmc, HostSpec};
+
+    const SYSTEM: &str = "/redfish/v1/Systems/1";
+
+    /// The request heads a listener received, each as text.
+    type Seen = Arc<Mutex<Vec<String>>>;
+
+    /// A listener answering every request with `answer(request head)`: status and body.
+    async fn listen(answer: fn(&str) -> (u16, String)) -> (SocketAddr, Seen) {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let seen: Seen = Arc::default();
+        let record = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut tcp, _)) = listener.accept().await {
+                let mut head = Vec::new();
+                let mut buf = [0; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tcp.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&head).into_owned();
+                record.lock().unwrap().push(head.clone());
+                let (status, body) = answer(&head);
+                let response = format!(
+                    "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = tcp.write_all(response.as_bytes()).await;
+            }
+        });
+        (address, seen)
+    }
+
+    /// A BMC without a session service whose system is `52:54:00:00:00:01`'s.
+    fn bmc(head: &str) -> (u16, String) {
+        if head.starts_with(&format!("GET {SYSTEM} ")) {
+            (200, r#"{"UUID": "0b5a1c2d-0000-4000-8000-0123456789ab", "PowerState": "On"}"#.into())
+        } else {
+            (200, "{}".into())
+        }
+    }
+
+    fn host(address: &str) -> Host {
+        let mut host = Host::new("victim", HostSpec::new("52:54:00:00:00:01".to_owned()));
+        host.metadata.namespace = Some("metal".into());
+        host.spec.bmc = Some(Bmc {
+            address: address.to_owned(),
+            credentials_name: "other-bmc".into(),
+            certificate_fingerprint: None,
+            boot_mode: None,
+        });
+        host
+    }
+
+    /// The credentials Secret of another host's BMC: `address`, if given, names that BMC.
+    fn secret(address: Option<&str>) -> Secret {
+        let mut data = BTreeMap::from([
+            ("username".to_owned(), ByteString(b"root".to_vec())),
+            ("password".to_owned(), ByteString(b"other-hosts-password".to_vec())),
+        ]);
+        if let Some(address) = address {
+            data.insert("address".into(), ByteString(address.as_bytes().to_vec()));
+        }
+        Secret { data: Some(data), ..Secret::default() }
+    }
+
+    /// What siteboot does for `host` with `secret`: builds the driver, asks for the identity.
+    async fn check(host: &Host, secret: &Secret) -> Result<Option<Identity>, BmcError> {
+        let spec = spec_of(host)?.unwrap();
+        redfish_for(spec, "metal", Some(secret))?.identity().await
+    }
+
+    #[tokio::test]
+    async fn credentials_for_another_bmc_never_reach_the_address_a_host_editor_names() {
+        let (listener, seen) = listen(bmc).await;
+        let attacker = format!("redfish+http://{listener}{SYSTEM}");
+        let secret = secret(Some("redfish+https://10.0.0.77/redfish/v1/Systems/1"));
+        let result = check(&host(&attacker), &secret).await;
+        let seen = seen.lock().unwrap().clone();
+        assert!(seen.is_empty(), "the editor's server got {} request(s): {seen:?}", seen.len());
+        let error = result.unwrap_err();
+        assert_eq!(error.reason(), "BMCCredentialsNotForThisAddress", "{error}");
+        assert!(!error.to_string().contains("10.0.0.77"), "the Secret's address leaked: {error}");
+
+        // A Secret that names no BMC at all is no better.
+        let result = check(&host(&attacker), &self::secret(None)).await;
+        assert_eq!(seen.len(), 0);
+        let error = result.unwrap_err();
+        assert_eq!(error.reason(), "BMCCredentialsUnbound", "{error}");
+        assert!(
+            error.to_string().contains(r#"--type merge -p '{"stringData":{"address":""#),
+            "{error}"
+        );
+    }
+
+    #[tokio::test]
+    async fn credentials_go_to_the_bmc_their_secret_names_however_the_address_is_spelt() {
+        let (listener, seen) = listen(bmc).await;
+        let port = listener.port();
+        let secret = secret(Some(&format!("redfish+http://127.0.0.1:{port}{SYSTEM}/")));
+        let host = host(&format!("redfish+http://127.0.0.1:{port}{SYSTEM}"));
+        let identity = check(&host, &secret).await.unwrap().unwrap();
+        assert_eq!(identity.uuid, "0b5a1c2d-0000-4000-8000-0123456789ab");
+        let basic = base64::Engine::encode(
+            &base64::engine::general_purpose::STANDARD,
+            "root:other-hosts-password",
+        );
+        let seen = seen.lock().unwrap().clone();
+        assert!(seen.iter().any(|h| h.contains(&format!("Basic {basic}"))), "{seen:?}");
+    }
+
+    /// 10 KiB of control characters, escape sequences and markup.
+    fn garbage() -> String {
+        "\u{1b}[2J<script>alert(1)</script>\r\n\0\u{7}BODY-ECHOED\t".repeat(10 * 1024 / 48)
+    }
+
+    /// An error siteboot writes into a condition, an Event and its log.
+    fn assert_echo_is_bounded(error: &BmcError) {
+        let message = error.to_string();
+        assert!(message.chars().count() <= 200, "{} characters: {message:?}", message.len());
+        assert!(!message.chars().any(char::is_control), "{message:?}");
+    }
+
+    #[tokio::test]
+    async fn what_a_bmc_answers_is_echoed_bounded_and_printable() {
+        let (listener, _) = listen(|head| match head.starts_with(&format!("GET {SYSTEM} ")) {
+            true => (400, garbage()),
+            false => (200, "{}".into()),
+        })
+        .await;
+        let address = format!("redfish+http://{listener}{SYSTEM}");
+        let error = check(&host(&address), &secret(Some(&address))).await.unwrap_err();
+        assert_echo_is_bounded(&error);
+        assert!(!error.to_string().contains("BODY-ECHOED"), "a raw body is echoed: {error}");
+
+        // The Redfish error's own message is echoed, cut short.
+        let (listener, _) = listen(|head| match head.starts_with(&format!("GET {SYSTEM} ")) {
+            true => (400, serde_json::json!({"error": {"message": garbage()}}).to_string()),
+            false => (200, "{}".into()),
+        })
+        .await;
+        let address = format!("redfish+http://{listener}{SYSTEM}");
+        let error = check(&host(&address), &secret(Some(&address))).await.unwrap_err();
+        assert_echo_is_bounded(&error);
+        assert!(error.to_string().contains("BODY-ECHOED"), "{error}");
+
+        // So is what a successful answer says that makes no sense.
+        let (listener, _) = listen(|head| match head.starts_with(&format!("GET {SYSTEM} ")) {
+            true => (200, serde_json::json!({"UUID": garbage(), "PowerState": "On"}).to_string()),
+            false => (200, "{}".into()),
+        })
+        .await;
+        let address = format!("redfish+http://{listener}{SYSTEM}");
+        let error = check(&host(&address), &secret(Some(&address))).await.unwrap_err();
+        assert_echo_is_bounded(&error);
+    }
 }

@@ -19,10 +19,10 @@ use http::{HeaderValue, Method, Request, StatusCode, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
-use rustls::{ClientConfig, RootCertStore};
+use rustls::{CertificateError, ClientConfig, OtherError, RootCertStore};
 use serde_json::Value;
 use siteboot_agent::Fingerprint;
-use siteboot_agent::pin::PinnedCertificate;
+use siteboot_agent::pin::{PinMismatch, PinnedCertificate};
 use siteboot_boot::inventory::BoxFuture;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
@@ -30,7 +30,7 @@ use tokio_rustls::TlsConnector;
 
 use self::protocol::{BootOverride, ResetType};
 use self::retry::{Next, RetryPolicy};
-use super::{BmcDriver, BmcError, Credentials, Identity, RedfishAddress, Transport};
+use super::{BmcDriver, BmcError, BoundCredentials, Identity, RedfishAddress, Transport};
 use crate::crd::{BootMode, PowerState};
 
 /// How long one request may take, connecting and TLS included.
@@ -46,10 +46,9 @@ enum Auth {
     Session { token: HeaderValue },
 }
 
-/// A client for the system `address` names.
+/// A client for the system its credentials are bound to.
 pub struct RedfishClient {
-    address: RedfishAddress,
-    credentials: Credentials,
+    bound: BoundCredentials,
     /// `None` for `redfish+http://`.
     tls: Option<TlsConnector>,
     timeout: Duration,
@@ -60,20 +59,15 @@ pub struct RedfishClient {
 }
 
 impl RedfishClient {
-    /// A client for `address`; with `pin`, TLS trusts only that certificate, else the
-    /// platform's CA certificates.
-    pub fn new(
-        address: RedfishAddress,
-        credentials: Credentials,
-        pin: Option<Fingerprint>,
-    ) -> Result<Self, BmcError> {
-        let tls = match address.transport {
+    /// A client for the BMC `bound` names, the only one its credentials go to; with a pin,
+    /// TLS trusts only that certificate, else the platform's CA certificates.
+    pub fn new(bound: BoundCredentials) -> Result<Self, BmcError> {
+        let tls = match bound.address().transport {
             Transport::Http => None,
-            Transport::Https => Some(tls_connector(&address, pin)?),
+            Transport::Https => Some(tls_connector(bound.address(), bound.pin())?),
         };
         Ok(Self {
-            address,
-            credentials,
+            bound,
             tls,
             timeout: DEFAULT_TIMEOUT,
             retry: RetryPolicy::default(),
@@ -90,12 +84,12 @@ impl RedfishClient {
     }
 
     pub fn address(&self) -> &RedfishAddress {
-        &self.address
+        self.bound.address()
     }
 
     /// The system resource.
     pub async fn system(&self) -> Result<Value, BmcError> {
-        self.get(&self.address.system).await
+        self.get(&self.address().system).await
     }
 
     pub async fn power(&self) -> Result<PowerState, BmcError> {
@@ -107,14 +101,14 @@ impl RedfishClient {
     }
 
     pub async fn reset(&self, reset: ResetType) -> Result<(), BmcError> {
-        let path = protocol::reset_path(&self.address.system);
+        let path = protocol::reset_path(&self.address().system);
         self.call(Method::POST, &path, Some(protocol::reset_body(reset)), false).await.map(drop)
     }
 
     /// Makes the next boot, only that one, a network boot.
     pub async fn boot_once_from_network(&self, mode: Option<BootMode>) -> Result<(), BmcError> {
         let body = protocol::boot_once_from_network_body(mode);
-        self.call(Method::PATCH, &self.address.system, Some(body), true).await.map(drop)
+        self.call(Method::PATCH, &self.address().system, Some(body), true).await.map(drop)
     }
 
     /// The system's UUID and the MACs of its EthernetInterfaces.
@@ -183,16 +177,17 @@ impl RedfishClient {
                 if bytes.iter().all(u8::is_ascii_whitespace) {
                     return Ok(Value::Null);
                 }
-                serde_json::from_slice(bytes)
-                    .map_err(|e| BmcError::Protocol(format!("{path}: the answer is not JSON: {e}")))
+                serde_json::from_slice(bytes).map_err(|e| {
+                    BmcError::Protocol(format!("{path}: the answer is not JSON: {e}").into())
+                })
             }
             StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
-                Err(BmcError::Unauthorized { address: self.address.authority() })
+                Err(BmcError::Unauthorized { address: self.address().authority() })
             }
-            StatusCode::NOT_FOUND => Err(BmcError::NotFound { path: path.to_owned() }),
+            StatusCode::NOT_FOUND => Err(BmcError::NotFound { path: path.into() }),
             s => Err(BmcError::Rejected {
-                path: path.to_owned(),
-                message: protocol::error_message(s, bytes),
+                path: path.into(),
+                message: protocol::error_message(s, bytes).into(),
             }),
         }
     }
@@ -215,7 +210,7 @@ impl RedfishClient {
     }
 
     async fn open_session(&self, sessions: &str) -> Result<Auth, BmcError> {
-        let body = protocol::session_body(&self.credentials);
+        let body = protocol::session_body(self.bound.credentials());
         let (status, bytes, headers) = self
             .with_retries(false, || async {
                 let (status, bytes, headers) =
@@ -229,9 +224,9 @@ impl RedfishClient {
             return Ok(Auth::Basic);
         }
         self.check(sessions, status, &bytes)?;
-        let token = headers.get("x-auth-token").cloned().ok_or(BmcError::Protocol(format!(
-            "{sessions}: the new session has no X-Auth-Token"
-        )))?;
+        let token = headers.get("x-auth-token").cloned().ok_or(BmcError::Protocol(
+            format!("{sessions}: the new session has no X-Auth-Token").into(),
+        ))?;
         let location = headers
             .get(header::LOCATION)
             .and_then(|l| l.to_str().ok())
@@ -259,7 +254,7 @@ impl RedfishClient {
             };
             match retry::after_failure(&self.retry, made, idempotent, &error) {
                 Next::RetryAfter(delay) => {
-                    tracing::debug!(bmc = %self.address, attempt = made, error = %error, "retrying in {delay:?}");
+                    tracing::debug!(bmc = %self.address(), attempt = made, error = %error, "retrying in {delay:?}");
                     tokio::time::sleep(delay).await;
                 }
                 Next::GiveUp => return Err(error.with_attempts(made)),
@@ -291,14 +286,14 @@ impl RedfishClient {
         let mut request = Request::builder()
             .method(method)
             .uri(path)
-            .header(header::HOST, self.address.authority())
+            .header(header::HOST, self.address().authority())
             .header(header::ACCEPT, "application/json")
             .header("OData-Version", "4.0");
         match auth {
             None => {}
             Some(Auth::Basic) => {
-                let pair =
-                    format!("{}:{}", self.credentials.username(), self.credentials.password());
+                let credentials = self.bound.credentials();
+                let pair = format!("{}:{}", credentials.username(), credentials.password());
                 let encoded = base64::engine::general_purpose::STANDARD.encode(pair);
                 request = request.header(header::AUTHORIZATION, format!("Basic {encoded}"));
             }
@@ -315,10 +310,10 @@ impl RedfishClient {
         };
         let request = request
             .body(Full::new(bytes))
-            .map_err(|e| BmcError::Protocol(format!("{path} makes no request: {e}")))?;
+            .map_err(|e| BmcError::Protocol(format!("{path} makes no request: {e}").into()))?;
         let timeout = self.timeout;
         tokio::time::timeout(timeout, self.connect_and_send(request)).await.map_err(|_| {
-            BmcError::Timeout { address: self.address.authority(), after: timeout, attempts: 1 }
+            BmcError::Timeout { address: self.address().authority(), after: timeout, attempts: 1 }
         })?
     }
 
@@ -326,22 +321,24 @@ impl RedfishClient {
         &self,
         request: Request<Full<Bytes>>,
     ) -> Result<(StatusCode, Bytes, http::HeaderMap), BmcError> {
-        let address = self.address.authority();
+        let address = self.address().authority();
         let unreachable = |reason: String| BmcError::Unreachable {
             address: address.clone(),
             attempts: 1,
-            reason,
+            reason: reason.into(),
         };
-        let tcp = TcpStream::connect((self.address.host.as_str(), self.address.port))
+        let tcp = TcpStream::connect((self.address().host.as_str(), self.address().port))
             .await
             .map_err(|e| unreachable(e.to_string()))?;
         let _ = tcp.set_nodelay(true);
         match &self.tls {
             None => exchange_on(tcp, request, &address).await,
             Some(tls) => {
-                let name = server_name(&self.address.host)?;
+                let name = server_name(&self.address().host)?;
                 let stream = tls.connect(name, tcp).await.map_err(|e| match untrusted(&e) {
-                    Some(reason) => BmcError::Untrusted { address: address.clone(), reason },
+                    Some(reason) => {
+                        BmcError::Untrusted { address: address.clone(), reason: reason.into() }
+                    }
                     None => unreachable(format!("TLS handshake: {e}")),
                 })?;
                 exchange_on(stream, request, &address).await
@@ -358,8 +355,7 @@ impl Drop for RedfishClient {
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         let client = Self {
-            address: self.address.clone(),
-            credentials: self.credentials.clone(),
+            bound: self.bound.clone(),
             tls: self.tls.clone(),
             timeout: self.timeout,
             retry: RetryPolicy { attempts: 1, ..self.retry },
@@ -377,9 +373,9 @@ impl Drop for RedfishClient {
 fn server_error(path: &str, status: StatusCode, bytes: &[u8]) -> Result<(), BmcError> {
     if status.is_server_error() {
         return Err(BmcError::ServerError {
-            path: path.to_owned(),
+            path: path.into(),
             attempts: 1,
-            message: protocol::error_message(status, bytes),
+            message: protocol::error_message(status, bytes).into(),
         });
     }
     Ok(())
@@ -393,7 +389,8 @@ async fn exchange_on<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let broken = |e: hyper::Error| BmcError::Protocol(format!("HTTP exchange with {address}: {e}"));
+    let broken =
+        |e: hyper::Error| BmcError::Protocol(format!("HTTP exchange with {address}: {e}").into());
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(broken)?;
     let exchange = async {
@@ -403,7 +400,9 @@ where
         let bytes = Limited::new(body, MAX_RESPONSE)
             .collect()
             .await
-            .map_err(|e| BmcError::Protocol(format!("reading the answer from {address}: {e}")))?
+            .map_err(|e| {
+                BmcError::Protocol(format!("reading the answer from {address}: {e}").into())
+            })?
             .to_bytes();
         Ok((status, bytes, parts.headers))
     };
@@ -434,7 +433,7 @@ fn tls_connector(
             if roots.is_empty() {
                 return Err(BmcError::Untrusted {
                     address: address.authority(),
-                    reason: "the platform has no CA certificates: pin the BMC's certificate in spec.bmc.certificateFingerprint".into(),
+                    reason: "the platform has no CA certificates: pin the BMC's certificate in the credentials Secret's certificateFingerprint".into(),
                 });
             }
             builder.with_root_certificates(roots).with_no_client_auth()
@@ -445,19 +444,25 @@ fn tls_connector(
 
 fn server_name(host: &str) -> Result<ServerName<'static>, BmcError> {
     ServerName::try_from(host.to_owned())
-        .map_err(|_| BmcError::Protocol(format!("{host:?} is not a TLS server name")))
+        .map_err(|_| BmcError::Protocol(format!("{host:?} is not a TLS server name").into()))
 }
 
-/// Why the handshake refused the BMC's certificate, if that is what failed.
+/// Why the handshake refused the BMC's certificate, if that is what failed. A pin mismatch
+/// names only the certificate presented (the pinned one is the operator's), so that it fits
+/// in what is echoed.
 fn untrusted(e: &io::Error) -> Option<String> {
-    match e.get_ref()?.downcast_ref::<rustls::Error>()? {
-        error @ rustls::Error::InvalidCertificate(_) => Some(error.to_string()),
-        _ => None,
+    let error = e.get_ref()?.downcast_ref::<rustls::Error>()?;
+    let rustls::Error::InvalidCertificate(invalid) = error else { return None };
+    if let CertificateError::Other(OtherError(other)) = invalid
+        && let Some(mismatch) = other.downcast_ref::<PinMismatch>()
+    {
+        return Some(format!("its certificate is {}, not the pinned one", mismatch.presented));
     }
+    Some(error.to_string())
 }
 
 fn protocol_error(e: protocol::ProtocolError) -> BmcError {
-    BmcError::Protocol(e.0)
+    BmcError::Protocol(e.0.into())
 }
 
 /// [`BmcDriver`] over a [`RedfishClient`].
@@ -533,6 +538,7 @@ mod tests {
     use tokio::net::TcpListener;
 
     use super::*;
+    use crate::bmc::Credentials;
 
     const SESSIONS: &str = "/redfish/v1/SessionService/Sessions";
     const SYSTEM: &str = "/redfish/v1/Systems/1";
@@ -677,7 +683,8 @@ mod tests {
             first_delay: Duration::from_millis(1),
             max_delay: Duration::from_millis(2),
         };
-        RedfishClient::new(address, Credentials::new("admin", password).unwrap(), None)
+        let credentials = Credentials::new("admin", password).unwrap();
+        RedfishClient::new(BoundCredentials::trusted(address, None, credentials))
             .unwrap()
             .with_limits(Duration::from_secs(5), retry)
     }

@@ -111,10 +111,15 @@ pub struct Bmc {
     /// `redfish+https://host[:port]/redfish/v1/Systems/<id>` (`redfish://` is the same);
     /// `redfish+http://...` only for a BMC without TLS.
     pub address: String,
-    /// A Secret in the Host's namespace with `username` and `password`.
+    /// A Secret in the Host's namespace with `username`, `password` and `address`: the BMC
+    /// these credentials are for (`address` as here; spelt another way is fine), optionally
+    /// with `certificateFingerprint`. They are sent only to that BMC: a Host whose address
+    /// differs, or that names a Secret without `address`, is refused before anything is sent.
     pub credentials_name: String,
     /// `sha256:<64 hex digits>`: trust exactly the BMC certificate with this SHA-256 (of its
     /// DER encoding) instead of the platform's CA certificates, for BMCs with self-signed ones.
+    /// The pin trusted is the credentials Secret's `certificateFingerprint`; set here, it must
+    /// be the same.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^sha256:[0-9a-f]{64}$"))]
     pub certificate_fingerprint: Option<String>,

@@ -144,22 +144,19 @@ pub fn boot_override(system: &Value) -> BootOverride {
     }
 }
 
-/// What went wrong, from an error answer: the first extended message, else `error.message`,
-/// else the body itself (cut short).
+/// What went wrong, from an error answer: the status, and the Redfish error's own message (the
+/// first extended message, else `error.message`). Never the body itself: whatever answers may
+/// be a server a Host editor named, and the message ends up in the Host's status.
 pub fn error_message(status: StatusCode, body: &[u8]) -> String {
     let parsed: Option<Value> = serde_json::from_slice(body).ok();
     let message = parsed.as_ref().and_then(|v| {
         let error = &v["error"];
-        error["@Message.ExtendedInfo"][0]["Message"]
-            .as_str()
-            .or(error["message"].as_str())
-            .map(str::to_owned)
+        error["@Message.ExtendedInfo"][0]["Message"].as_str().or(error["message"].as_str())
     });
-    let message = message.unwrap_or_else(|| {
-        let text = String::from_utf8_lossy(body);
-        text.chars().take(200).collect::<String>().trim().to_owned()
-    });
-    if message.is_empty() { status.to_string() } else { format!("{status}: {message}") }
+    match message.map(str::trim) {
+        None | Some("") => status.to_string(),
+        Some(message) => format!("{status}: {message}"),
+    }
 }
 
 /// An answer siteboot cannot make sense of.
@@ -265,9 +262,6 @@ mod tests {
             "400 Bad Request: The property Foo is unknown."
         );
         assert_eq!(error_message(StatusCode::NOT_FOUND, b""), "404 Not Found");
-        assert_eq!(
-            error_message(StatusCode::BAD_GATEWAY, b"upstream down"),
-            "502 Bad Gateway: upstream down"
-        );
+        assert_eq!(error_message(StatusCode::BAD_GATEWAY, b"upstream down"), "502 Bad Gateway");
     }
 }
