@@ -1,6 +1,8 @@
 //! The Kubernetes side of siteboot: the Host inventory, the Cluster API infrastructure
 //! provider and the Cluster API bootstrap provider, reconciled from inside the appliance.
 
+#![forbid(unsafe_code)]
+
 pub mod agent;
 pub mod bmc;
 pub mod bootstrap;

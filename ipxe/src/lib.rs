@@ -5,6 +5,8 @@
 //! Building a `Word` is the only check, so a script assembled from `Word`s is safe by
 //! construction ("parse, don't validate").
 
+#![forbid(unsafe_code)]
+
 mod binaries;
 mod script;
 

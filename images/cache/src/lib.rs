@@ -3,6 +3,8 @@
 //! under the state directory, where the boot plane serves it to many hosts at once. See
 //! [`store`] for the directory layout and [`Cache`] for the guarantees.
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod fetch;
 pub mod store;

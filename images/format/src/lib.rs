@@ -4,6 +4,8 @@
 //! exactly the same rules. Per-chunk manifests (for ramdisks fetching from each other) will
 //! live here too.
 
+#![forbid(unsafe_code)]
+
 mod digest;
 mod reference;
 mod verify;
