@@ -778,6 +778,13 @@ fn check_dir(path: &Path, field: &str) -> Result<(), FieldError> {
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => Ok(()),
         Ok(_) => Err(FieldError::new(field, format!("{} is not a directory", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(FieldError::new(
+            field,
+            format!(
+                "{}: no such directory (create it, or point {field} elsewhere)",
+                path.display()
+            ),
+        )),
         Err(e) => Err(FieldError::new(field, format!("{}: {e}", path.display()))),
     }
 }
