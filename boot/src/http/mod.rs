@@ -24,7 +24,6 @@
 //! the requests in flight get the configured `drain_timeout` to finish.
 
 mod deadline;
-mod rate;
 mod sendfile;
 #[cfg(test)]
 mod server_tests;
@@ -58,12 +57,12 @@ use crate::decision::ipxe_script;
 use crate::files::{FileError, FileRoot};
 use crate::inventory::{AgentRequest, BootRequest};
 use crate::metrics::{HttpRefusal, HttpRoute, Metrics};
+use crate::rate::{Rate, RateLimiter};
 use crate::timeline::Stage;
 use crate::tls::{ServerIdentity, TlsFiles};
 use crate::{AgentEndpoint, BootPlane, MacAddr};
 
 use deadline::WriteDeadline;
-use rate::{Rate, RateLimiter};
 use sendfile::{FileChunks, SendfileStream};
 pub use static_files::{RangeRequest, parse_range};
 pub use status_page::StatusPage;
