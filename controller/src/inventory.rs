@@ -54,12 +54,11 @@ impl KubeInventory {
             }
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning) => {
                 if !request.remote_holds_mac {
-                    tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host_key(&host), "boot script asked for by an address that does not hold this MAC; no token issued");
                     let note = format!(
                         "{} asked for this host's boot script but does not hold its MAC; no token issued",
                         request.remote
                     );
-                    self.ctx.event(&*host, true, "TokenRefused", note).await;
+                    self.ctx.segment_warning(&host, "TokenRefused", note).await;
                     return Some(ramdisk_boot(&self.ctx.ramdisk, None));
                 }
                 match self.issue_token(&host, request).await {
@@ -108,12 +107,11 @@ impl KubeInventory {
                 Some((token, id))
             }
             (Err(delivered), _) => {
-                tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host_key(host), operation = %delivered, "boot script asked for after the operation's bootstrap data was delivered; no new token");
                 let note = format!(
                     "{} asked for a new token after operation {delivered} delivered its bootstrap data; refused (retry the host to start a new operation)",
                     request.remote
                 );
-                self.ctx.event(host, true, "TokenRefused", note).await;
+                self.ctx.segment_warning(host, "TokenRefused", note).await;
                 None
             }
             _ => None,

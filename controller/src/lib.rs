@@ -21,5 +21,6 @@ pub mod run;
 pub mod selection;
 pub mod site;
 pub mod template;
+pub mod throttle;
 pub mod token;
 pub mod workload;
