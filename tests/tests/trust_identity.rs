@@ -161,6 +161,35 @@ async fn a_flood_of_boot_script_requests_writes_one_event() {
     assert!(logged <= 2, "{logged} log lines for the refused scripts");
 }
 
+/// What every machine on the segment reads of a claimed host that is being provisioned (the
+/// status page's stream, `/timeline`, `/metrics`): its name, state and steps, but not its
+/// tenant (the SitebootMachine's name; the lab's tenant shares the Hosts' namespace) nor its
+/// operation's id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_segment_reads_no_tenant_or_operation_of_a_claimed_host() {
+    let lab = provisioning_lab().await;
+    let (victim, _) = provisioning_victim(&lab).await;
+    let intruder = Intruder::join(&lab).await;
+    let host = lab.hosts().get(&host_of(&lab, &victim).await).await.unwrap();
+    let consumer = host.spec.consumer_ref.clone().expect("the victim is claimed");
+    let operation = host.status.and_then(|s| s.operation).expect("an operation").id;
+
+    let mac = victim.mac().to_owned();
+    let mut stream = intruder.host.ns.command("curl");
+    stream.args(["-sS", "-m", "3", &format!("{}/status/events", intruder.base_url)]);
+    // Ended by `-m`: the stream never ends by itself.
+    let stream = String::from_utf8_lossy(&stream.output().unwrap().stdout).into_owned();
+    assert!(stream.contains(&mac) && stream.contains("Provisioning"), "{stream}");
+    let timeline = intruder.get(&format!("/timeline/{mac}")).1;
+    assert!(timeline.contains("ipxe-script"), "{timeline}");
+    let published = [stream, timeline, intruder.get("/timeline").1, intruder.get("/metrics").1];
+    for text in published {
+        for secret in [&consumer.name, &consumer.uid, &operation] {
+            assert!(!text.contains(secret.as_str()), "{secret} is published: {text}");
+        }
+    }
+}
+
 /// The name of the Host whose boot MAC is `sim`'s.
 async fn host_of(lab: &ProviderLab, sim: &SimHost) -> String {
     let hosts = lab.hosts().list(&ListParams::default()).await.unwrap();
