@@ -692,7 +692,7 @@ impl Inventory for StaticInventory {
                     name: Some(host.name.clone()),
                     state,
                     address: host.reservation.as_ref().map(|r| r.address),
-                    consumer: None,
+                    claim: None,
                     operation: record.operation.map(|op| OperationSummary {
                         kind: format!("{:?}", op.kind),
                         step: op.step,

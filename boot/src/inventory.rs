@@ -97,8 +97,9 @@ impl AgentResponse {
     }
 }
 
-/// One host as the status page lists it: what the operator watches, nothing secret (no tokens,
-/// bootstrap data, BMC addresses or credentials).
+/// One host as the status page lists it, to every machine on the segment: what an operator
+/// there watches, nothing secret (no tokens, bootstrap data, BMC addresses or credentials) and
+/// nothing of its tenant (who claimed it, its image, its operation's id).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct HostSummary {
     pub mac: MacAddr,
@@ -111,10 +112,18 @@ pub struct HostSummary {
     /// The address the inventory knows it by, if any (Kubernetes mode: its Host's). The
     /// status page prefers the lease this appliance's DHCP gave it.
     pub address: Option<Ipv4Addr>,
-    /// What it is claimed by (Kubernetes mode: `SitebootMachine <namespace>/<name>`).
-    pub consumer: Option<String>,
+    /// Whether a SitebootMachine holds it (Kubernetes mode); who does stays behind the
+    /// Kubernetes API.
+    pub claim: Option<Claim>,
     /// The ramdisk operation under way (Kubernetes mode).
     pub operation: Option<OperationSummary>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Claim {
+    Claimed,
+    Free,
 }
 
 /// A ramdisk operation as far as it has reported.

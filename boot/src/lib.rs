@@ -18,6 +18,7 @@ mod mac;
 pub mod metrics;
 pub mod neighbors;
 mod plane;
+pub mod rate;
 pub mod tftp;
 pub mod timeline;
 pub mod tls;

@@ -2,8 +2,8 @@
 //! written: read the Host, compute, write with its resourceVersion, retry on conflict.
 
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -17,6 +17,7 @@ use crate::cache::HostIndex;
 use crate::conditions::Reason;
 use crate::crd::{Host, HostStatus, WipePolicy};
 use crate::machine::plan::Policy as MachinePolicy;
+use crate::throttle::Throttle;
 
 /// How long a ramdisk token stays valid after it is issued, unless configured
 /// (`kubernetes.token_max_age`).
@@ -47,6 +48,8 @@ pub struct Ctx {
     pub machine_policy: MachinePolicy,
     pub backoff: Backoff,
     pub recorder: Recorder,
+    /// Bounds the Events that machines on the segment can cause ([`Ctx::segment_warning`]).
+    pub segment_events: Mutex<Throttle>,
     /// The appliance's image cache, which the ramdisk downloads images from. `None`: the
     /// ramdisk fetches each image from its source itself.
     pub images: Option<Arc<crate::images::ImageService>>,
@@ -79,6 +82,7 @@ impl Ctx {
             ramdisk_silence_timeout: RAMDISK_SILENCE_TIMEOUT,
             min_wipe: WipePolicy::Quick,
             backoff: Backoff::default(),
+            segment_events: Mutex::default(),
             images: None,
             workloads: Default::default(),
         }
@@ -106,6 +110,25 @@ impl Ctx {
         if let Err(e) = self.recorder.publish(&event, &object.object_ref(&())).await {
             tracing::warn!(object = %object.meta().name.as_deref().unwrap_or(""), error = %e, "cannot record an Event");
         }
+    }
+
+    /// Logs and publishes a Warning Event about `host` for something any machine on the
+    /// provisioning segment can cause (one per request it sends), through [`Throttle`]: at most
+    /// one per Host and reason a minute, the next one counting those left out.
+    pub async fn segment_warning(&self, host: &Host, reason: &'static str, note: String) {
+        let key = host_key(host);
+        let admitted = self.segment_events.lock().expect("event throttle lock").admit(
+            &key,
+            reason,
+            Instant::now(),
+        );
+        let Some(left_out) = admitted else { return };
+        let note = match left_out {
+            0 => note,
+            n => format!("{note} ({n} more since the last such Event, not recorded one by one)"),
+        };
+        tracing::warn!(host = %key, reason, "{note}");
+        self.event(host, true, reason, note).await;
     }
 
     /// Runs `controller` until `shutdown`, each object through `pass`. A success forgets the

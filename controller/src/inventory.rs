@@ -12,8 +12,8 @@
 //! A token is minted only for a request from the address that holds the MAC's lease; its hash
 //! is written to the Host before the script leaves, so the ramdisk can use it at once.
 //!
-//! The status page lists the Host cache: name, state, address, consumer and the ramdisk's
-//! progress, nothing from a Secret or the BMC.
+//! The status page lists the Host cache: name, state, address, whether it is claimed and the
+//! ramdisk's progress; nothing from a Secret or the BMC, nothing naming its tenant.
 
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use siteboot_boot::MacAddr;
 use siteboot_boot::inventory::{
-    AgentRequest, AgentResponse, BootAction, BootRequest, BoxFuture, ByteProgress, HostSummary,
-    Inventory, LocalBoot, OperationSummary,
+    AgentRequest, AgentResponse, BootAction, BootRequest, BoxFuture, ByteProgress, Claim,
+    HostSummary, Inventory, LocalBoot, OperationSummary,
 };
 
 use crate::conditions::paused_itself;
@@ -54,12 +54,11 @@ impl KubeInventory {
             }
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning) => {
                 if !request.remote_holds_mac {
-                    tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host_key(&host), "boot script asked for by an address that does not hold this MAC; no token issued");
                     let note = format!(
                         "{} asked for this host's boot script but does not hold its MAC; no token issued",
                         request.remote
                     );
-                    self.ctx.event(&*host, true, "TokenRefused", note).await;
+                    self.ctx.segment_warning(&host, "TokenRefused", note).await;
                     return Some(ramdisk_boot(&self.ctx.ramdisk, None));
                 }
                 match self.issue_token(&host, request).await {
@@ -108,12 +107,11 @@ impl KubeInventory {
                 Some((token, id))
             }
             (Err(delivered), _) => {
-                tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host_key(host), operation = %delivered, "boot script asked for after the operation's bootstrap data was delivered; no new token");
                 let note = format!(
                     "{} asked for a new token after operation {delivered} delivered its bootstrap data; refused (retry the host to start a new operation)",
                     request.remote
                 );
-                self.ctx.event(host, true, "TokenRefused", note).await;
+                self.ctx.segment_warning(host, "TokenRefused", note).await;
                 None
             }
             _ => None,
@@ -164,7 +162,7 @@ fn summary(mac: MacAddr, hosts: &[Arc<Host>]) -> HostSummary {
             name: Some(names.join(", ")),
             state: "two Hosts share this boot MAC".to_owned(),
             address: None,
-            consumer: None,
+            claim: None,
             operation: None,
         };
     };
@@ -186,11 +184,7 @@ fn summary(mac: MacAddr, hosts: &[Arc<Host>]) -> HostSummary {
         address: status.into_iter().flat_map(|s| &s.addresses).find_map(|a| {
             (a.kind == "InternalIP").then(|| a.address.parse::<Ipv4Addr>().ok()).flatten()
         }),
-        consumer: host
-            .spec
-            .consumer_ref
-            .as_ref()
-            .map(|c| format!("{} {}/{}", c.kind, c.namespace, c.name)),
+        claim: Some(if host.spec.consumer_ref.is_some() { Claim::Claimed } else { Claim::Free }),
         operation: status.and_then(|s| s.operation.as_ref()).map(|op| OperationSummary {
             kind: format!("{:?}", op.kind),
             step: op.step.clone(),
@@ -203,7 +197,8 @@ fn summary(mac: MacAddr, hosts: &[Arc<Host>]) -> HostSummary {
 mod tests {
     use super::*;
     use crate::crd::{
-        ByteCount, ConsumerRef, HostSpec, HostStatus, MachineAddress, Operation, OperationKind,
+        ByteCount, ConsumerRef, HostSpec, HostStatus, Image, MachineAddress, Operation,
+        OperationKind,
     };
 
     fn host(name: &str) -> Host {
@@ -212,13 +207,16 @@ mod tests {
         host
     }
 
+    /// Whatever a Host holds, its summary (published to every machine on the segment) names
+    /// no tenant, operation, image or token.
     #[test]
-    fn a_summary_shows_state_address_consumer_and_progress_and_no_token() {
+    fn a_summary_shows_state_address_claim_and_progress_and_nothing_of_the_tenant() {
+        const DIGEST: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
         let mut claimed = host("node-1");
         claimed.spec.consumer_ref = Some(ConsumerRef {
             api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
             kind: "SitebootMachine".into(),
-            namespace: "default".into(),
+            namespace: "tenant-ns".into(),
             name: "worker-0".into(),
             uid: "u".into(),
         });
@@ -230,12 +228,17 @@ mod tests {
             ],
             operation: Some(Operation {
                 kind: OperationKind::Provision,
-                id: "op-1".into(),
+                id: "op-1f2e3d".into(),
                 started: now(),
                 token_hash: Some("secret-hash".into()),
                 token_address: Some("10.99.0.100".into()),
                 token_issued: None,
-                image: None,
+                image: Some(Image {
+                    url: "http://images.tenant.example/node.raw".into(),
+                    checksum: format!("sha256:{DIGEST}"),
+                    format: None,
+                    grow_last_partition: false,
+                }),
                 bootstrap_delivered: false,
                 step: Some("writing image".into()),
                 last_heard: None,
@@ -248,7 +251,6 @@ mod tests {
         assert_eq!(summary.name.as_deref(), Some("site-a/node-1"));
         assert_eq!(summary.state, "Provisioning");
         assert_eq!(summary.address, Some("10.99.0.100".parse().unwrap()));
-        assert_eq!(summary.consumer.as_deref(), Some("SitebootMachine default/worker-0"));
         let operation = summary.operation.clone().unwrap();
         assert_eq!(
             (operation.kind.as_str(), operation.step.as_deref()),
@@ -256,7 +258,12 @@ mod tests {
         );
         assert_eq!(operation.bytes, Some(ByteProgress { done: 512, total: 2048 }));
         let shown = serde_json::to_string(&summary).unwrap();
-        assert!(!shown.contains("secret-hash") && !shown.contains("op-1"), "{shown}");
+        assert!(shown.contains(r#""claim":"claimed""#), "{shown}");
+        for secret in
+            ["tenant-ns", "worker-0", "op-1f2e3d", DIGEST, "images.tenant.example", "secret-hash"]
+        {
+            assert!(!shown.contains(secret), "{secret} is published: {shown}");
+        }
     }
 
     #[test]
@@ -267,7 +274,8 @@ mod tests {
         cordoned.spec.online = false;
         let summary = summary(mac, &[Arc::new(cordoned.clone())]);
         assert_eq!(summary.state, "New (maintenance) (offline)");
-        assert_eq!((summary.address, summary.consumer, summary.operation), (None, None, None));
+        assert_eq!(summary.claim, Some(Claim::Free));
+        assert_eq!((summary.address, summary.operation), (None, None));
         let both = super::summary(mac, &[Arc::new(cordoned), Arc::new(host("node-1"))]);
         assert_eq!(both.name.as_deref(), Some("site-a/node-1, site-a/node-2"));
         assert_eq!(both.state, "two Hosts share this boot MAC");

@@ -23,5 +23,6 @@ pub mod run;
 pub mod selection;
 pub mod site;
 pub mod template;
+pub mod throttle;
 pub mod token;
 pub mod workload;

@@ -379,22 +379,24 @@ async fn kubernetes_mode_lists_the_host_cache_and_follows_host_changes() {
     assert_eq!(writing["max"], json!(4 << 20), "{writing}");
     assert!(writing["text"].as_str().unwrap().contains("writing image (25%"), "{writing}");
 
-    // A claim shows its consumer.
+    // A claim shows as such, never who holds the host.
     let claim = json!({ "spec": { "consumerRef": { "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
         "kind": "SitebootMachine", "namespace": "metal", "name": "<b>worker-0</b>", "uid": "u-1" } } });
     lab.hosts().patch("host-1", &PatchParams::default(), &Patch::Merge(&claim)).await.unwrap();
     let consumer = browse(&mut || {
         browser.wait(
-            "host-1's consumer",
+            "host-1's claim",
             &format!(
-                "const c = {}.cells[4].textContent; return c.includes('worker-0') ? c : null;",
+                "const c = {}.cells[4].textContent; return c === 'claimed' ? c : null;",
                 row(&provider::sim_mac(1))
             ),
             PAGE_TIMEOUT,
         )
     })
     .unwrap();
-    assert_eq!(consumer, "SitebootMachine metal/<b>worker-0</b>");
+    assert_eq!(consumer, "claimed");
+    let page = browse(&mut || browser.eval("return document.body.textContent;")).unwrap();
+    assert!(!page.as_str().unwrap().contains("worker-0"), "the tenant is shown: {page}");
 
     // A cordon shows in the state.
     let patch = json!({ "spec": { "maintenance": true } });

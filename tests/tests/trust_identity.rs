@@ -11,13 +11,15 @@ use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::api::PostParams;
+use k8s_openapi::api::events::v1::Event;
+use kube::Api;
+use kube::api::{ListParams, PostParams};
 use siteboot_boot::neighbors::{ArpTable, KernelArp};
 use siteboot_controller::crd::{Host, HostSpec, HostState, SITE_LABEL};
 use siteboot_tests::appliance::{self, mac_dashed};
 use siteboot_tests::clients::{ClientHost, Udhcpc};
 use siteboot_tests::netns::Netns;
-use siteboot_tests::provider::{ProviderLab, SITE, Sims};
+use siteboot_tests::provider::{NS, ProviderLab, SITE, Sims};
 use siteboot_tests::sim::{self, SimHost};
 
 const ROLLOUT: Duration = Duration::from_secs(300);
@@ -117,6 +119,86 @@ async fn a_lease_taken_with_a_forged_chaddr_gives_no_identity() {
     );
 
     intruder.assert_gets_nothing(&victim, &victim_token);
+}
+
+/// Any machine on the segment can ask for a host's boot script. Each ask from an address that
+/// does not hold the MAC is worth a Warning Event, but 200 of them must not become 200 writes
+/// to the API server (nor 200 log lines): at most one Event per Host and reason a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_of_boot_script_requests_writes_one_event() {
+    let lab = provisioning_lab().await;
+    let (victim, _) = provisioning_victim(&lab).await;
+    let intruder = Intruder::join(&lab).await;
+    let host = host_of(&lab, &victim).await;
+
+    let url = format!("{}/boot/{}.ipxe", intruder.base_url, mac_dashed(victim.mac()));
+    let mut curl = intruder.host.ns.command("curl");
+    curl.args(["-sS", "-w", "%{http_code}\n"]);
+    for _ in 0..200 {
+        curl.args(["-o", "/dev/null", &url]);
+    }
+    let codes = siteboot_tests::netns::output(&mut curl).unwrap();
+    assert_eq!(codes.lines().filter(|c| *c == "200").count(), 200, "{codes}");
+
+    // Each script is answered after its Event was written, so all of them are in by now.
+    let events: Api<Event> = Api::namespaced(lab.env.client(), NS);
+    let refused: Vec<Event> = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some("TokenRefused")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(host.as_str())
+        })
+        .collect();
+    // A repeated Event is one object whose series counts the writes.
+    let writes: i32 = refused.iter().map(|e| e.series.as_ref().map_or(1, |s| s.count)).sum();
+    let notes: Vec<_> = refused.iter().map(|e| e.note.clone().unwrap_or_default()).collect();
+    assert!((1..=2).contains(&writes), "{writes} TokenRefused writes for {host}: {notes:?}");
+    let logged = lab.siteboot.log().matches("does not hold its MAC").count();
+    assert!(logged <= 2, "{logged} log lines for the refused scripts");
+}
+
+/// What every machine on the segment reads of a claimed host that is being provisioned (the
+/// status page's stream, `/timeline`, `/metrics`): its name, state and steps, but not its
+/// tenant (the SitebootMachine's name; the lab's tenant shares the Hosts' namespace) nor its
+/// operation's id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_segment_reads_no_tenant_or_operation_of_a_claimed_host() {
+    let lab = provisioning_lab().await;
+    let (victim, _) = provisioning_victim(&lab).await;
+    let intruder = Intruder::join(&lab).await;
+    let host = lab.hosts().get(&host_of(&lab, &victim).await).await.unwrap();
+    let consumer = host.spec.consumer_ref.clone().expect("the victim is claimed");
+    let operation = host.status.and_then(|s| s.operation).expect("an operation").id;
+
+    let mac = victim.mac().to_owned();
+    let mut stream = intruder.host.ns.command("curl");
+    stream.args(["-sS", "-m", "3", &format!("{}/status/events", intruder.base_url)]);
+    // Ended by `-m`: the stream never ends by itself.
+    let stream = String::from_utf8_lossy(&stream.output().unwrap().stdout).into_owned();
+    assert!(stream.contains(&mac) && stream.contains("Provisioning"), "{stream}");
+    let timeline = intruder.get(&format!("/timeline/{mac}")).1;
+    assert!(timeline.contains("ipxe-script"), "{timeline}");
+    let published = [stream, timeline, intruder.get("/timeline").1, intruder.get("/metrics").1];
+    for text in published {
+        for secret in [&consumer.name, &consumer.uid, &operation] {
+            assert!(!text.contains(secret.as_str()), "{secret} is published: {text}");
+        }
+    }
+}
+
+/// The name of the Host whose boot MAC is `sim`'s.
+async fn host_of(lab: &ProviderLab, sim: &SimHost) -> String {
+    let hosts = lab.hosts().list(&ListParams::default()).await.unwrap();
+    hosts
+        .items
+        .into_iter()
+        .find(|h| h.spec.boot_mac_address == sim.mac())
+        .and_then(|h| h.metadata.name)
+        .unwrap()
 }
 
 /// A Kubernetes-mode lab with one manual simulated host and a Cluster whose bootstrap data is

@@ -24,7 +24,6 @@
 //! the requests in flight get the configured `drain_timeout` to finish.
 
 mod deadline;
-mod rate;
 mod sendfile;
 #[cfg(test)]
 mod server_tests;
@@ -58,12 +57,12 @@ use crate::decision::ipxe_script;
 use crate::files::{FileError, FileRoot};
 use crate::inventory::{AgentRequest, BootRequest};
 use crate::metrics::{HttpRefusal, HttpRoute, Metrics};
+use crate::rate::{Rate, RateLimiter};
 use crate::timeline::Stage;
 use crate::tls::{ServerIdentity, TlsFiles};
 use crate::{AgentEndpoint, BootPlane, MacAddr};
 
 use deadline::WriteDeadline;
-use rate::{Rate, RateLimiter};
 use sendfile::{FileChunks, SendfileStream};
 pub use static_files::{RangeRequest, parse_range};
 pub use status_page::StatusPage;
@@ -132,7 +131,7 @@ pub struct HttpSettings {
     #[serde(with = "humantime_serde")]
     pub stall_timeout: Duration,
     /// Serve the status page at `GET /` on `port`: the site's hosts (state, MAC, address,
-    /// consumer), their boot timelines and this appliance's health, read-only, to anyone who
+    /// claimed or free), their boot timelines and this appliance's health, read-only, to anyone who
     /// can reach the port (see docs/security.md for what it shows).
     pub status_page: bool,
 }
@@ -567,7 +566,8 @@ impl HttpServer {
         let Some(digest) = digest else {
             return text(StatusCode::NOT_FOUND, "expected /images/sha256/<64 lower-case hex>\n");
         };
-        self.serve(images.open_file(&digest.hex()), path, req, head, remote, chunks).await
+        // The digest is the only key to a tenant's image: timelines and logs name the route only.
+        self.serve(images.open_file(&digest.hex()), IMAGE_STEP, req, head, remote, chunks).await
     }
 
     async fn ipxe_binary(
@@ -760,26 +760,27 @@ fn ipv4(remote: SocketAddr) -> Option<Ipv4Addr> {
     }
 }
 
-/// A script's kernel-command-line secret: never logged.
-const TOKEN_ARG: &str = "siteboot.token=";
+/// What the timeline calls a download of a cached image.
+const IMAGE_STEP: &str = "/images/sha256/<digest>";
 
-/// What the timeline says about a script: its first command after the banner, with any token
-/// redacted (timelines and logs are not secret).
+/// What a script's kernel command line carries that the timeline leaves out: the token (a
+/// secret) and the operation's id, which stays behind the Kubernetes API.
+const REDACTED_ARGS: [&str; 2] = ["siteboot.token=", "siteboot.operation="];
+
+/// What the timeline says about a script: its first command after the banner, with its token
+/// and operation redacted (the timeline is published to the whole segment).
 fn describe_script(script: &str) -> String {
     let line = script
         .lines()
         .find(|l| !l.starts_with("#!") && !l.starts_with("echo") && !l.trim().is_empty())
         .unwrap_or("(empty)");
-    let redacted: Vec<String> =
-        line.split(' ')
-            .map(|w| {
-                if w.starts_with(TOKEN_ARG) {
-                    format!("{TOKEN_ARG}<redacted>")
-                } else {
-                    w.to_owned()
-                }
-            })
-            .collect();
+    let redacted: Vec<String> = line
+        .split(' ')
+        .map(|w| match REDACTED_ARGS.iter().find(|arg| w.starts_with(*arg)) {
+            Some(arg) => format!("{arg}<redacted>"),
+            None => w.to_owned(),
+        })
+        .collect();
     redacted.join(" ").chars().take(300).collect()
 }
 
@@ -835,9 +836,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn script_descriptions_redact_tokens() {
-        let script = "#!ipxe\necho hi\nkernel http://h/k siteboot.token=s3cret quiet\nboot\n";
-        assert_eq!(describe_script(script), "kernel http://h/k siteboot.token=<redacted> quiet");
+    fn script_descriptions_redact_tokens_and_operations() {
+        let script = "#!ipxe\necho hi\n\
+            kernel http://h/k siteboot.token=s3cret siteboot.operation=0a1b quiet\nboot\n";
+        assert_eq!(
+            describe_script(script),
+            "kernel http://h/k siteboot.token=<redacted> siteboot.operation=<redacted> quiet"
+        );
     }
 
     #[test]

@@ -23,7 +23,13 @@ const IMAGE_HEX: &str = "4bd7a4a7f9e0a5e23e48c3e0b5d3c0a1f2e3d4c5b6a798877665544
 /// Far longer than any wait below, so a test fails on its own deadline, not a hang.
 const DEADLINE: Duration = Duration::from_secs(20);
 
-/// Boots nothing; its agent API answers every request with "agent ok"; ready when told.
+/// The MAC loopback holds: files it fetches are steps of this host's timeline.
+const HOLDER: &str = "52:54:00:00:00:42";
+/// The operation id on the ramdisk command line [`TestInventory`] boots.
+const OPERATION: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+
+/// Boots the ramdisk with a token and [`OPERATION`]; its agent API answers every request with
+/// "agent ok"; ready when told.
 struct TestInventory {
     ready: AtomicBool,
 }
@@ -38,7 +44,16 @@ impl Inventory for TestInventory {
     }
 
     fn boot_action(&self, _: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
-        Box::pin(async { None })
+        let word = |w: &str| siteboot_ipxe::Word::new(w).unwrap();
+        let ramdisk = crate::inventory::LinuxBoot {
+            kernel: crate::inventory::Source::File(word("vmlinuz")),
+            initrds: vec![],
+            cmdline: vec![
+                word("siteboot.token=0123abcd"),
+                word(&format!("siteboot.operation={OPERATION}")),
+            ],
+        };
+        Box::pin(async move { Some(BootAction::Linux(ramdisk)) })
     }
 
     fn agent(&self, request: AgentRequest) -> BoxFuture<'_, AgentResponse> {
@@ -83,7 +98,10 @@ async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
         binaries: Arc::new(siteboot_ipxe::IpxeBinaries::discover(dir.path())),
         timeline: timeline.clone(),
         metrics: Arc::new(Metrics::new()),
-        neighbors: Arc::new(Neighbors::from_arp(Vec::<(Ipv4Addr, MacAddr)>::new())),
+        neighbors: Arc::new(Neighbors::from_arp(vec![(
+            Ipv4Addr::LOCALHOST,
+            HOLDER.parse().unwrap(),
+        )])),
     };
     let identity = ServerIdentity::load(None, &dir.path().join("state"), Ipv4Addr::LOCALHOST)
         .expect("a generated certificate");
@@ -467,5 +485,43 @@ async fn event_streams_are_capped_per_address() {
     .await;
     assert_eq!(refused.0, 503, "{}", refused.1);
     assert!(refused.1.contains("this address already holds 4 slots"), "{}", refused.1);
+    running.shutdown.cancel();
+}
+
+/// What any machine on the segment reads (`/timeline`, the status page's stream, `/metrics`)
+/// after a host fetched its boot script and its image: neither the operation id on the
+/// script's command line nor the image's digest, the only key to `/images/sha256/<hex>`.
+#[tokio::test]
+async fn published_steps_name_no_operation_and_no_image_digest() {
+    let running = start(HttpSettings::default()).await;
+    let http = running.http;
+    let (mut stream, text) = blocking(move || open_stream(http, "event: snapshot\n")).await;
+    let (script, image) = blocking(move || {
+        (
+            get(http, &format!("/boot/{HOLDER}.ipxe")),
+            get(http, &format!("/images/sha256/{IMAGE_HEX}")),
+        )
+    })
+    .await;
+    assert!(script.0 == 200 && script.1.contains(OPERATION), "{script:?}");
+    assert_eq!(image.0, 200);
+    let live = blocking(move || read_until(&mut stream, text, r#""stage":"http-file""#)).await;
+    let published = blocking(move || {
+        let (_, snapshot) = open_stream(http, "unlisted_omitted");
+        [
+            live,
+            snapshot,
+            get(http, "/timeline").1,
+            get(http, &format!("/timeline/{HOLDER}")).1,
+            get(http, "/metrics").1,
+        ]
+    })
+    .await;
+    let timeline = &published[3];
+    assert!(timeline.contains("ipxe-script") && timeline.contains("http-file"), "{timeline}");
+    for text in published {
+        assert!(!text.contains(OPERATION), "the operation id is published: {text}");
+        assert!(!text.contains(IMAGE_HEX), "the image digest is published: {text}");
+    }
     running.shutdown.cancel();
 }

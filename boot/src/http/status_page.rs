@@ -8,8 +8,8 @@
 //!   changes, `gone` when it leaves the inventory, and `health` when the health changes.
 //!
 //! Every machine on the provisioning segment can reach this port, so the page shows only what
-//! is listed above: no tokens (timeline details have them redacted), bootstrap data, BMC
-//! addresses or credentials. Host names and step details may be chosen by a client (a file
+//! is listed above: no tokens or operation ids (timeline details have them redacted), image
+//! digests, bootstrap data, BMC addresses or credentials, and of a claim only that it exists. Host names and step details may be chosen by a client (a file
 //! name it asked for, say): they reach the page as JSON strings and are put into it as text,
 //! under a Content-Security-Policy that allows no inline script.
 //!
@@ -283,7 +283,7 @@ impl View {
             name: None,
             state: "not listed".to_owned(),
             address: self.plane.neighbors.leased_address(mac),
-            consumer: None,
+            claim: None,
             operation: None,
         });
         let rows = listed
@@ -442,7 +442,7 @@ impl hyper::body::Body for EventBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inventory::{ByteProgress, OperationSummary};
+    use crate::inventory::{ByteProgress, Claim, OperationSummary};
 
     fn host(mac: &str, state: &str) -> HostSummary {
         HostSummary {
@@ -450,7 +450,7 @@ mod tests {
             name: Some("default/node-1".into()),
             state: state.into(),
             address: None,
-            consumer: None,
+            claim: None,
             operation: None,
         }
     }
@@ -499,7 +499,7 @@ mod tests {
     #[test]
     fn host_rows_carry_the_summary_and_the_chart() {
         let mut summary = host("52:54:00:00:00:01", "Provisioning");
-        summary.consumer = Some("SitebootMachine default/worker-0".into());
+        summary.claim = Some(Claim::Claimed);
         summary.operation = Some(OperationSummary {
             kind: "Provision".into(),
             step: Some("writing image".into()),
@@ -516,7 +516,7 @@ mod tests {
                 "name": "default/node-1",
                 "state": "Provisioning",
                 "address": null,
-                "consumer": "SitebootMachine default/worker-0",
+                "claim": "claimed",
                 "operation": {
                     "kind": "Provision", "step": "writing image",
                     "bytes": { "done": 5, "total": 10 },

@@ -112,7 +112,7 @@
 
   function matches(data) {
     if (!filter) return true;
-    const fields = [data.name, data.mac, data.address, data.state, data.consumer];
+    const fields = [data.name, data.mac, data.address, data.state, data.claim];
     return fields.some((f) => f && String(f).toLowerCase().includes(filter));
   }
 
@@ -192,7 +192,7 @@
       cell('mac', data.mac),
       cell('address', data.address),
       stateCell,
-      cell('consumer', data.consumer),
+      cell('claim', data.claim),
       imagingCell(data.operation),
       chartCell(data.chart || []),
       cell('last', data.last ? lastStep(data) : null)
@@ -333,7 +333,7 @@
   function onStep(step) {
     let entry = hosts.get(step.mac);
     if (!entry) {
-      entry = newEntry({ mac: step.mac, name: null, state: 'not listed', address: null, consumer: null, operation: null, listed: false });
+      entry = newEntry({ mac: step.mac, name: null, state: 'not listed', address: null, claim: null, operation: null, listed: false });
       hosts.set(step.mac, entry);
       insert(entry);
       forgetOldestUnlisted();

@@ -1,7 +1,8 @@
-//! Per-address rate limiting: a token bucket per client address, with no clock of its own
-//! (callers pass `now`), so it is tested without waiting.
+//! Rate limiting by key (a client address, say): a token bucket per key, with no clock of its
+//! own (callers pass `now`), so it is tested without waiting.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
@@ -27,26 +28,26 @@ impl Bucket {
     }
 }
 
-/// Token buckets by address, at most `max_addresses` of them.
+/// Token buckets by key (by default a client address), at most `max_keys` of them.
 #[derive(Debug)]
-pub struct RateLimiter {
+pub struct RateLimiter<K = IpAddr> {
     rate: Rate,
-    max_addresses: usize,
-    buckets: HashMap<IpAddr, Bucket>,
+    max_keys: usize,
+    buckets: HashMap<K, Bucket>,
 }
 
-impl RateLimiter {
-    pub fn new(rate: Rate, max_addresses: usize) -> Self {
-        Self { rate, max_addresses, buckets: HashMap::new() }
+impl<K: Hash + Eq> RateLimiter<K> {
+    pub fn new(rate: Rate, max_keys: usize) -> Self {
+        Self { rate, max_keys, buckets: HashMap::new() }
     }
 
-    /// Whether `addr` may make a request at `now` (and if so, it is counted).
-    pub fn allow(&mut self, addr: IpAddr, now: Instant) -> bool {
-        if !self.buckets.contains_key(&addr) && self.buckets.len() >= self.max_addresses {
+    /// Whether `key` may go at `now` (and if so, it is counted).
+    pub fn allow(&mut self, key: K, now: Instant) -> bool {
+        if !self.buckets.contains_key(&key) && self.buckets.len() >= self.max_keys {
             self.forget_full(now);
         }
         let burst = f64::from(self.rate.burst);
-        let bucket = self.buckets.entry(addr).or_insert(Bucket { tokens: burst, updated: now });
+        let bucket = self.buckets.entry(key).or_insert(Bucket { tokens: burst, updated: now });
         bucket.refill(self.rate, now);
         if bucket.tokens >= 1.0 {
             bucket.tokens -= 1.0;
@@ -57,14 +58,14 @@ impl RateLimiter {
     }
 
     /// Drops the buckets that have refilled (they hold no state a new bucket would not); if
-    /// every address is still limited, drops them all, which only lets them burst once more.
+    /// every key is still limited, drops them all, which only lets them burst once more.
     fn forget_full(&mut self, now: Instant) {
         let (rate, burst) = (self.rate, f64::from(self.rate.burst));
         self.buckets.retain(|_, b| {
             b.refill(rate, now);
             b.tokens < burst
         });
-        if self.buckets.len() >= self.max_addresses {
+        if self.buckets.len() >= self.max_keys {
             self.buckets.clear();
         }
     }
