@@ -2,11 +2,14 @@
 //! their boot steps are attributed, and ramdisk tokens and bootstrap data handed out, by the
 //! address they come from. So identity comes only from what siteboot can stand behind:
 //!
-//! - when siteboot hands out the addresses (full mode), the lease it ACKed; and when the
-//!   kernel's ARP table has a complete entry for the address, that entry must name the same MAC
-//!   (a machine that forged the lessee's `chaddr` still sends from its own Ethernet address). A
-//!   relayed client is off-link and has no entry: the lease alone counts;
-//! - when another server hands them out (proxy mode, DHCP off), the ARP entry alone;
+//! - when siteboot hands out the addresses (full mode), the lease it ACKed, and for an address
+//!   of the served subnet (an on-link client) a complete ARP entry naming the same MAC: positive
+//!   evidence, since a machine that forged the lessee's `chaddr` still sends from its own
+//!   Ethernet address, and a missing, incomplete, failed or all-zero entry names no one (an
+//!   attacker can put the table in any of those states). A relayed client (an address of a
+//!   relay's subnet) is off-link and has no entry: the lease alone counts, unless an entry
+//!   contradicts it;
+//! - when another server hands them out (proxy mode, DHCP off), a complete ARP entry alone;
 //! - never a DHCP packet's `chaddr` by itself, whatever the port.
 
 use std::net::Ipv4Addr;
@@ -19,7 +22,7 @@ use crate::dhcp::leases::{SharedLeases, UnixTime, unix_now};
 pub enum Evidence {
     /// A lease siteboot ACKed, and the ARP table names the same MAC.
     LeaseAndArp,
-    /// A lease siteboot ACKed, and no ARP entry (a client behind a relay).
+    /// A lease siteboot ACKed for an address behind a relay, and no ARP entry against it.
     Lease,
     /// The ARP entry alone (another server hands out the addresses).
     Arp,
@@ -34,7 +37,7 @@ pub struct Holder {
 
 /// The kernel's neighbour table, or a stand-in for tests.
 pub trait ArpTable: Send + Sync {
-    /// The MAC of a complete entry for `addr`, if there is one.
+    /// The MAC of a complete entry for `addr`, if there is one; never all zeros.
     fn lookup(&self, addr: Ipv4Addr) -> Option<MacAddr>;
 }
 
@@ -87,11 +90,18 @@ impl ArpTable for KernelArp {
             }
             return None;
         }
-        let flags = request.arp_flags as u32;
         let hardware = &request.arp_ha.sa_data[..6];
-        let mac = MacAddr::new(std::array::from_fn(|i| hardware[i] as u8));
-        (flags & ARP_COMPLETE != 0 && mac != MacAddr::new([0; 6])).then_some(mac)
+        entry_mac(request.arp_flags as u32, std::array::from_fn(|i| hardware[i] as u8))
     }
+}
+
+/// What a kernel entry (`SIOCGARP`'s flags and hardware address) proves: a MAC only when it is
+/// complete (`ATF_COM`: NUD_VALID, so REACHABLE, STALE, DELAY, PROBE or PERMANENT) and not all
+/// zeros. INCOMPLETE and FAILED entries lack `ATF_COM`; an all-zero address is what a forged
+/// ARP packet or a NOARP entry leaves, and names no machine.
+fn entry_mac(flags: u32, hardware: [u8; 6]) -> Option<MacAddr> {
+    let mac = MacAddr::new(hardware);
+    (flags & ARP_COMPLETE != 0 && hardware != [0; 6]).then_some(mac)
 }
 
 pub struct Neighbors {
@@ -135,15 +145,27 @@ impl Neighbors {
     pub(crate) fn holder_at(&self, addr: Ipv4Addr, now: UnixTime) -> Option<Holder> {
         let leased = match &self.leases {
             None => Leased::NotOurs,
-            Some(table) => match table.lock().expect("lease table lock").lease(addr) {
-                Some(lease) if lease.expires > now => Leased::To(lease.mac),
-                _ => Leased::No,
-            },
+            Some(table) => {
+                let table = table.lock().expect("lease table lock");
+                match table.lease(addr) {
+                    Some(lease) if lease.expires > now && table.plan().on_link(addr) => {
+                        Leased::OnLink(lease.mac)
+                    }
+                    Some(lease) if lease.expires > now => Leased::Relayed(lease.mac),
+                    _ => Leased::No,
+                }
+            }
         };
         let arp = self.arp.lookup(addr);
         let holder = identify(leased, arp);
-        if let (None, Leased::To(lessee), Some(seen)) = (holder, leased, arp) {
-            tracing::warn!(%addr, %lessee, arp = %seen, "the ARP table contradicts the lease (a forged MAC?); no identity for this address");
+        match (holder, leased, arp) {
+            (None, Leased::OnLink(lessee) | Leased::Relayed(lessee), Some(seen)) => {
+                tracing::warn!(%addr, %lessee, arp = %seen, "the ARP table contradicts the lease (a forged MAC?); no identity for this address");
+            }
+            (None, Leased::OnLink(lessee), None) => {
+                tracing::warn!(%addr, %lessee, "no complete ARP entry for an on-link lease (missing, incomplete, failed or all zeros); no identity for this address");
+            }
+            _ => {}
         }
         holder
     }
@@ -156,16 +178,21 @@ enum Leased {
     NotOurs,
     /// No current lease.
     No,
-    To(MacAddr),
+    /// Leased to a MAC, in the served subnet.
+    OnLink(MacAddr),
+    /// Leased to a MAC, in a relay's subnet.
+    Relayed(MacAddr),
 }
 
-/// The rule in the module documentation.
+/// The rule in the module documentation. `arp` is a complete, non-zero entry's MAC.
 fn identify(leased: Leased, arp: Option<MacAddr>) -> Option<Holder> {
     let holder = |mac, evidence| Some(Holder { mac, evidence });
     match (leased, arp) {
         (Leased::NotOurs, Some(mac)) => holder(mac, Evidence::Arp),
-        (Leased::To(mac), None) => holder(mac, Evidence::Lease),
-        (Leased::To(mac), Some(seen)) if seen == mac => holder(mac, Evidence::LeaseAndArp),
+        (Leased::Relayed(mac), None) => holder(mac, Evidence::Lease),
+        (Leased::OnLink(mac) | Leased::Relayed(mac), Some(seen)) if seen == mac => {
+            holder(mac, Evidence::LeaseAndArp)
+        }
         _ => None,
     }
 }
@@ -207,17 +234,23 @@ mod tests {
         }
     }
 
-    /// A lease table on 10.0.0.0/24 where mac(1) holds 10.0.0.100 (and held .101 until NOW).
+    /// A lease table where mac(1) holds 10.0.0.100 (and mac(2) held .101 until NOW) on the
+    /// served subnet 10.0.0.0/24, and mac(4) holds 10.0.5.100 behind the relay 10.0.5.1.
     fn leases() -> SharedLeases {
+        let subnet = |subnet: &str, pool: &str| SubnetSettings {
+            subnet: subnet.parse().unwrap(),
+            pools: vec![pool.parse().unwrap()],
+            router: None,
+            dns: vec![],
+            domain: None,
+            lease_time: None,
+        };
         let settings = Settings {
-            subnets: vec![SubnetSettings {
-                subnet: "10.0.0.0/24".parse().unwrap(),
-                pools: vec!["10.0.0.100-10.0.0.120".parse().unwrap()],
-                router: None,
-                dns: vec![],
-                domain: None,
-                lease_time: None,
-            }],
+            subnets: vec![
+                subnet("10.0.0.0/24", "10.0.0.100-10.0.0.120"),
+                subnet("10.0.5.0/24", "10.0.5.100-10.0.5.120"),
+            ],
+            trusted_relays: vec![ip("10.0.5.1")],
             ..Settings::default()
         };
         let plan = NetworkPlan::new(&settings, ip("10.0.0.1"), "dhcp").unwrap();
@@ -226,6 +259,12 @@ mod tests {
         table.bind(Lease {
             addr: ip("10.0.0.100"),
             mac: mac(1),
+            expires: NOW + 60,
+            hostname: None,
+        });
+        table.bind(Lease {
+            addr: ip("10.0.5.100"),
+            mac: mac(4),
             expires: NOW + 60,
             hostname: None,
         });
@@ -257,13 +296,62 @@ mod tests {
         assert_eq!(n.holder_at(ip("10.0.0.100"), NOW), None);
     }
 
+    /// The attack of issue 22: the intruder takes a lease for the victim's MAC with a forged
+    /// REQUEST, then leaves the appliance no complete entry for the address (poisoned with a zero
+    /// MAC, or ARP never answered). No entry names the lessee: no identity.
     #[test]
-    fn full_mode_a_lease_alone_is_a_relayed_client() {
+    fn full_mode_an_on_link_lease_needs_a_complete_arp_entry() {
+        let n = Neighbors::from_leases(leases(), vec![]);
+        assert_eq!(n.holder_at(ip("10.0.0.100"), NOW), None);
+    }
+
+    #[test]
+    fn full_mode_a_relayed_lease_alone_is_enough() {
         let n = Neighbors::from_leases(leases(), vec![]);
         assert_eq!(
-            n.holder_at(ip("10.0.0.100"), NOW),
-            Some(Holder { mac: mac(1), evidence: Evidence::Lease })
+            n.holder_at(ip("10.0.5.100"), NOW),
+            Some(Holder { mac: mac(4), evidence: Evidence::Lease })
         );
+        let contradicted = Neighbors::from_leases(leases(), vec![(ip("10.0.5.100"), mac(9))]);
+        assert_eq!(contradicted.holder_at(ip("10.0.5.100"), NOW), None);
+    }
+
+    /// Evidence in, identity or refusal out: every lease kind against every kernel entry.
+    #[test]
+    fn the_decision_matrix() {
+        const COMPLETE: u32 = ARP_COMPLETE;
+        const PERMANENT: u32 = ARP_COMPLETE | 0x4; // ATF_PERM
+        let (lessee, other, zero) = (mac(1).octets(), mac(9).octets(), [0u8; 6]);
+        // (what the kernel says, the entry's MAC for the decision)
+        let entries = [
+            ("complete, agreeing", entry_mac(COMPLETE, lessee)),
+            ("permanent, agreeing", entry_mac(PERMANENT, lessee)),
+            ("complete, contradicting", entry_mac(COMPLETE, other)),
+            ("incomplete or failed", entry_mac(0, lessee)),
+            ("incomplete or failed, no address", entry_mac(0, zero)),
+            ("complete, all zeros", entry_mac(COMPLETE, zero)),
+            ("permanent, all zeros", entry_mac(PERMANENT, zero)),
+            ("missing", None),
+        ];
+        let agreeing = |evidence| Some(Holder { mac: mac(1), evidence });
+        for (entry, arp) in entries {
+            let named = |evidence| if arp == Some(mac(1)) { agreeing(evidence) } else { None };
+            let cases = [
+                (Leased::OnLink(mac(1)), named(Evidence::LeaseAndArp)),
+                (
+                    Leased::Relayed(mac(1)),
+                    match arp {
+                        None => agreeing(Evidence::Lease),
+                        Some(_) => named(Evidence::LeaseAndArp),
+                    },
+                ),
+                (Leased::NotOurs, arp.map(|mac| Holder { mac, evidence: Evidence::Arp })),
+                (Leased::No, None),
+            ];
+            for (leased, expected) in cases {
+                assert_eq!(identify(leased, arp), expected, "{leased:?}, entry {entry}");
+            }
+        }
     }
 
     #[test]

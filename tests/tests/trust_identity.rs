@@ -2,12 +2,15 @@
 //! (docs: design.md, "Bootstrap data and trust"): the lease it ACKed, checked against the ARP
 //! table, never a packet's `chaddr`. Here another machine of the site forges the MAC of a host
 //! being provisioned in one DHCP packet, then asks for that host's boot script and bootstrap
-//! data from its own address: it must get neither a token nor the data.
+//! data from its own address: it must get neither a token nor the data, also when it leaves the
+//! appliance's ARP entry for its address naming no one (zeroed, or never answered).
 //!
 //! Failures panic (`unwrap`) while everything is alive, so the logs get printed.
 
 use std::collections::BTreeMap;
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -103,21 +106,7 @@ async fn a_lease_taken_with_a_forged_chaddr_gives_no_identity() {
     let lab = provisioning_lab().await;
     let (victim, victim_token) = provisioning_victim(&lab).await;
     let intruder = Intruder::join(&lab).await;
-
-    // Without the release, the address is the intruder's lease and the REQUEST is NAKed.
-    let mut release = vec![53, 1, DHCP_RELEASE, 54, 4];
-    release.extend_from_slice(&SERVER.octets());
-    let release = bootp(INTRUDER_MAC, intruder.address, &[&release]);
-    intruder.send(0, SocketAddrV4::new(SERVER, 67), release, false);
-    // RENEWING: ciaddr set, so the ACK comes back unicast to the intruder's port 68.
-    let request = bootp(victim.mac(), intruder.address, &[&[53, 1, DHCP_REQUEST]]);
-    let reply = intruder.send(68, SocketAddrV4::new(SERVER, 67), request, true);
-    assert_eq!(
-        message_type(&reply.expect("an answer to the forged REQUEST")),
-        Some(DHCP_ACK),
-        "the forged REQUEST was not ACKed: the test did not make the attack it means to"
-    );
-
+    intruder.take_lease_of(&victim);
     intruder.assert_gets_nothing(&victim, &victim_token);
 }
 
@@ -201,6 +190,30 @@ async fn host_of(lab: &ProviderLab, sim: &SimHost) -> String {
         .unwrap()
 }
 
+/// The same forged lease, and then no ARP entry contradicts it: the intruder poisons the
+/// appliance's entry for its address with an all-zero MAC (a gratuitous ARP from its own
+/// namespace) while it asks, and restores its own MAC to read the answer. The victim's MAC never
+/// appears on the wire: only a complete entry naming it could give the address its identity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forged_lease_with_a_zeroed_arp_entry_gives_no_identity() {
+    let lab = provisioning_lab().await;
+    let (victim, victim_token) = provisioning_victim(&lab).await;
+    let intruder = Intruder::join(&lab).await;
+    intruder.take_lease_of(&victim);
+    intruder.assert_gets_nothing_without_arp(&lab, Unresolved::ZeroMac, &victim, &victim_token);
+}
+
+/// The same forged lease, and the intruder answers no ARP while it asks, so the appliance's
+/// entry for its address is incomplete, then failed; it answers again to read the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forged_lease_with_arp_unanswered_gives_no_identity() {
+    let lab = provisioning_lab().await;
+    let (victim, victim_token) = provisioning_victim(&lab).await;
+    let intruder = Intruder::join(&lab).await;
+    intruder.take_lease_of(&victim);
+    intruder.assert_gets_nothing_without_arp(&lab, Unresolved::Unanswered, &victim, &victim_token);
+}
+
 /// A Kubernetes-mode lab with one manual simulated host and a Cluster whose bootstrap data is
 /// [`SECRET`].
 async fn provisioning_lab() -> ProviderLab {
@@ -282,6 +295,171 @@ impl Intruder {
             .unwrap()
     }
 
+    /// Gives its lease back and takes the same address for the victim's MAC with a forged
+    /// REQUEST, which siteboot ACKs: the lease for the address now names the victim.
+    fn take_lease_of(&self, victim: &SimHost) {
+        // Without the release, the address is the intruder's lease and the REQUEST is NAKed.
+        let mut release = vec![53, 1, DHCP_RELEASE, 54, 4];
+        release.extend_from_slice(&SERVER.octets());
+        let release = bootp(INTRUDER_MAC, self.address, &[&release]);
+        self.send(0, SocketAddrV4::new(SERVER, 67), release, false);
+        // RENEWING: ciaddr set, so the ACK comes back unicast to the intruder's port 68.
+        let request = bootp(victim.mac(), self.address, &[&[53, 1, DHCP_REQUEST]]);
+        let reply = self.send(68, SocketAddrV4::new(SERVER, 67), request, true);
+        assert_eq!(
+            message_type(&reply.expect("an answer to the forged REQUEST")),
+            Some(DHCP_ACK),
+            "the forged REQUEST was not ACKed: the test did not make the attack it means to"
+        );
+    }
+
+    /// [`assert_gets_nothing`](Self::assert_gets_nothing) with each request made while the
+    /// appliance's ARP entry for the intruder's address names no one (`how`), on a connection
+    /// opened before, and the entry restored to the intruder's MAC before the answer is read
+    /// (TCP resends it): the appliance decides from the spoiled entry, the intruder reads.
+    fn assert_gets_nothing_without_arp(
+        &self,
+        lab: &ProviderLab,
+        how: Unresolved,
+        victim: &SimHost,
+        victim_token: &str,
+    ) {
+        let http: std::net::SocketAddr =
+            self.base_url.trim_start_matches("http://").trim_end_matches('/').parse().unwrap();
+        let mut stream =
+            self.host.ns.enter(move || Ok(std::net::TcpStream::connect(http)?)).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        self.spoil_arp(lab, how);
+        let request = format!("GET /boot/{}.ipxe HTTP/1.0\r\n\r\n", mac_dashed(victim.mac()));
+        stream.write_all(request.as_bytes()).unwrap();
+        std::thread::sleep(Duration::from_secs(2));
+        self.restore_arp(how);
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let (head, script) = response.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{response}");
+        let stolen = script
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("siteboot.token="))
+            .map(str::to_owned);
+        let token = stolen.as_deref().unwrap_or(victim_token);
+
+        // The bootstrap data over HTTPS: curl sends the request's head, then its (chunked,
+        // ignored) body only once the entry is spoiled; the agent API reads the body before it
+        // asks who holds the address.
+        let agent = sim::ramdisk_cmdline(script).unwrap().agent;
+        let mut curl = self.host.ns.command("curl");
+        curl.args(["-sS", "-k", "--http1.1", "--max-time", "60", "-X", "GET", "-T", "-"])
+            .args(["-H", "Expect:", "-H", &format!("Authorization: Bearer {token}")])
+            .args(["-o", "-", "-w", "\n%{http_code}"])
+            .arg(format!("{agent}/agent/v1/bootstrap"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        let mut curl = curl.spawn().unwrap();
+        std::thread::sleep(Duration::from_secs(2));
+        self.spoil_arp(lab, how);
+        let mut body = curl.stdin.take().unwrap();
+        body.write_all(b"{}").unwrap();
+        drop(body);
+        std::thread::sleep(Duration::from_secs(2));
+        self.restore_arp(how);
+        let out = curl.wait_with_output().unwrap();
+        let out = String::from_utf8_lossy(&out.stdout);
+        let (data, status) = out.rsplit_once('\n').unwrap();
+        assert!(
+            stolen.is_none() && status.trim() == "403",
+            "the intruder at {} got a token: {stolen:?}; bootstrap answered {status}: {data:?}",
+            self.address
+        );
+        assert!(!data.contains("abcdef.0123456789abcdef"), "the join secret leaked");
+    }
+
+    /// Leaves the appliance's ARP entry for the intruder's address naming no one.
+    fn spoil_arp(&self, lab: &ProviderLab, how: Unresolved) {
+        match how {
+            Unresolved::ZeroMac => self.gratuitous_arp([0; 6]),
+            Unresolved::Unanswered => {
+                self.arp_ignore(8); // answer no ARP request
+                // The entry a real intruder lets age out (stale, then failed when probes go
+                // unanswered): gone now, then incomplete while the appliance asks in vain.
+                let address = self.address.to_string();
+                lab.lab.ip(&["neigh", "del", &address, "dev", appliance::BRIDGE]).unwrap();
+            }
+        }
+        let address = self.address.to_string();
+        let spoiled = siteboot_tests::wait::until(
+            "the appliance's ARP entry to name no one",
+            Duration::from_secs(5),
+            Duration::from_millis(50),
+            || {
+                let mut show = lab.lab.command("ip");
+                let entry = siteboot_tests::netns::output(show.args(["neigh", "show", &address]));
+                let entry = entry.unwrap();
+                let complete =
+                    entry.contains("lladdr") && !entry.contains("lladdr 00:00:00:00:00:00");
+                (!complete).then_some(())
+            },
+        );
+        spoiled.expect("the test did not make the attack it means to");
+    }
+
+    fn restore_arp(&self, how: Unresolved) {
+        if how == Unresolved::Unanswered {
+            self.arp_ignore(0);
+        }
+        self.gratuitous_arp(mac_bytes(INTRUDER_MAC));
+    }
+
+    fn arp_ignore(&self, value: u8) {
+        let setting = format!("net.ipv4.conf.{}.arp_ignore={value}", ClientHost::IFACE);
+        siteboot_tests::netns::run(self.host.ns.command("sysctl").args(["-qw", &setting])).unwrap();
+    }
+
+    /// Broadcasts a gratuitous ARP request for the intruder's address with `sender` as its
+    /// hardware address, from a packet socket in the intruder's namespace: what any machine on
+    /// the segment can send.
+    fn gratuitous_arp(&self, sender: [u8; 6]) {
+        let mut frame = vec![0xff; 6]; // to everyone
+        frame.extend_from_slice(&mac_bytes(INTRUDER_MAC));
+        // ARP, Ethernet/IPv4, a request: sender, then target (the same address).
+        frame.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 1]);
+        frame.extend_from_slice(&sender);
+        frame.extend_from_slice(&self.address.octets());
+        frame.extend_from_slice(&[0; 6]);
+        frame.extend_from_slice(&self.address.octets());
+        let interface = std::ffi::CString::new(ClientHost::IFACE).unwrap();
+        self.host
+            .ns
+            .enter(move || {
+                let protocol = (libc::ETH_P_ARP as u16).to_be();
+                // SAFETY: plain socket calls on a descriptor this closure owns and closes; the
+                // buffers passed outlive the calls.
+                unsafe {
+                    let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, protocol.into());
+                    anyhow::ensure!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+                    let mut to: libc::sockaddr_ll = std::mem::zeroed();
+                    to.sll_family = libc::AF_PACKET as u16;
+                    to.sll_protocol = protocol;
+                    to.sll_ifindex = libc::if_nametoindex(interface.as_ptr()) as i32;
+                    to.sll_halen = 6;
+                    to.sll_addr[..6].fill(0xff);
+                    let sent = libc::sendto(
+                        fd,
+                        frame.as_ptr().cast(),
+                        frame.len(),
+                        0,
+                        (&to as *const libc::sockaddr_ll).cast(),
+                        std::mem::size_of::<libc::sockaddr_ll>() as u32,
+                    );
+                    let error = std::io::Error::last_os_error();
+                    libc::close(fd);
+                    anyhow::ensure!(sent == frame.len() as isize, "sendto: {error}");
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+
     /// `curl` from the intruder's address: (status, body).
     fn get(&self, path: &str) -> (u16, String) {
         let mut command = self.host.ns.command("curl");
@@ -316,6 +494,23 @@ impl Intruder {
     }
 }
 
+/// How the intruder leaves the appliance's ARP entry for its address naming no one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unresolved {
+    /// A gratuitous ARP with an all-zero sender MAC.
+    ZeroMac,
+    /// No answer to the appliance's ARP requests.
+    Unanswered,
+}
+
+fn mac_bytes(mac: &str) -> [u8; 6] {
+    let mut bytes = [0; 6];
+    for (byte, hex) in bytes.iter_mut().zip(mac.split(':')) {
+        *byte = u8::from_str_radix(hex, 16).unwrap();
+    }
+    bytes
+}
+
 /// A BOOTREQUEST from `mac` with `ciaddr` and the given options (each `[code, len, value..]`).
 fn bootp(mac: &str, ciaddr: Ipv4Addr, options: &[&[u8]]) -> Vec<u8> {
     let mut p = vec![0u8; 236];
@@ -324,9 +519,7 @@ fn bootp(mac: &str, ciaddr: Ipv4Addr, options: &[&[u8]]) -> Vec<u8> {
     p[2] = 6;
     p[4..8].copy_from_slice(&0x5eed_0001u32.to_be_bytes());
     p[12..16].copy_from_slice(&ciaddr.octets());
-    for (i, byte) in mac.split(':').enumerate() {
-        p[28 + i] = u8::from_str_radix(byte, 16).unwrap();
-    }
+    p[28..34].copy_from_slice(&mac_bytes(mac));
     p.extend_from_slice(&[99, 130, 83, 99]);
     for option in options {
         p.extend_from_slice(option);

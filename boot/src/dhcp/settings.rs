@@ -432,6 +432,12 @@ impl NetworkPlan {
         }
     }
 
+    /// Whether `addr` is in the subnet siteboot serves directly: its clients are on the link
+    /// (one handed out through a relay is in the relay's subnet).
+    pub fn on_link(&self, addr: Ipv4Addr) -> bool {
+        self.local.is_some_and(|i| self.subnets[i].subnet.contains(addr))
+    }
+
     pub fn reservation_for(&self, mac: MacAddr) -> Option<&Reservation> {
         self.reservations.iter().find(|r| r.mac == mac)
     }
