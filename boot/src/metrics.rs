@@ -145,6 +145,12 @@ pub struct Metrics {
     pub dhcp_dropped: AtomicU64,
     /// Bound, unexpired leases (a gauge, set by the DHCP server).
     pub dhcp_leases: AtomicU64,
+    /// DECLINEs that quarantined nothing: a known host's or a reserved address, a MAC past
+    /// its budget, or half the pool quarantined already.
+    pub dhcp_declines_ignored: AtomicU64,
+    /// RELEASEs that ended no lease: not sent from the released address, or a known host's
+    /// or a reserved address (those leases run until they expire).
+    pub dhcp_releases_ignored: AtomicU64,
     pub tftp_started: AtomicU64,
     pub tftp_completed: AtomicU64,
     pub tftp_failed: AtomicU64,
@@ -229,7 +235,7 @@ impl Metrics {
                 );
             }
         }
-        let scalars: [(&str, &str, &str, &AtomicU64); 13] = [
+        let scalars: [(&str, &str, &str, &AtomicU64); 15] = [
             (
                 "siteboot_dhcp_dropped_total",
                 "counter",
@@ -237,6 +243,18 @@ impl Metrics {
                 &self.dhcp_dropped,
             ),
             ("siteboot_dhcp_leases", "gauge", "Bound, unexpired DHCP leases.", &self.dhcp_leases),
+            (
+                "siteboot_dhcp_declines_ignored_total",
+                "counter",
+                "DHCPDECLINEs that quarantined no address: a known host's or reserved address, a MAC past its budget, or half the pool quarantined already.",
+                &self.dhcp_declines_ignored,
+            ),
+            (
+                "siteboot_dhcp_releases_ignored_total",
+                "counter",
+                "DHCPRELEASEs that ended no lease: not sent from the released address, or a known host's or reserved address.",
+                &self.dhcp_releases_ignored,
+            ),
             (
                 "siteboot_tftp_transfers_started_total",
                 "counter",

@@ -262,6 +262,62 @@ impl ThreadDhcp<'_> {
     }
 }
 
+/// DHCP messages with any `chaddr`, from a machine on the segment that forges nothing else
+/// (its Ethernet and IP sources are its own): what the DECLINE and RELEASE attacks send. The
+/// socket is made in the machine's namespace and used from the test thread.
+pub struct ForgedDhcp {
+    socket: std::net::UdpSocket,
+    server: Ipv4Addr,
+}
+
+impl ForgedDhcp {
+    /// Port 68 on `iface` of `ns`; RELEASEs go to `server`.
+    pub fn open(ns: &Netns, iface: &'static str, server: Ipv4Addr) -> Result<Self> {
+        let socket = ns.enter(move || ThreadDhcp { iface, mac: "" }.socket())?;
+        Ok(Self { socket, server })
+    }
+
+    /// DISCOVER, then REQUEST what was offered, as `mac`: the address ACKed, or `None` if no
+    /// OFFER or ACK came within a second (the address is not put on any interface).
+    pub fn lease(&self, mac: &str) -> Result<Option<Ipv4Addr>> {
+        let chaddr = mac.parse::<siteboot_boot::MacAddr>()?.octets();
+        let xid = u32::from_be_bytes([chaddr[2], chaddr[3], chaddr[4], chaddr[5]]).rotate_left(7);
+        send(&self.socket, &request(xid, &chaddr, MessageType::Discover))?;
+        let Some(offer) = receive(&self.socket, xid, &chaddr, &[MessageType::Offer])? else {
+            return Ok(None);
+        };
+        let mut ask = request(xid, &chaddr, MessageType::Request);
+        ask.opts_mut().insert(DhcpOption::RequestedIpAddress(offer.yiaddr()));
+        ask.opts_mut().insert(DhcpOption::ServerIdentifier(self.server));
+        send(&self.socket, &ask)?;
+        let answers = [MessageType::Ack, MessageType::Nak];
+        Ok(receive(&self.socket, xid, &chaddr, &answers)?
+            .filter(|m| m.opts().has_msg_type(MessageType::Ack))
+            .map(|ack| ack.yiaddr()))
+    }
+
+    /// A DECLINE of `addr` as `mac`, broadcast as a client with no address sends it.
+    pub fn decline(&self, mac: &str, addr: Ipv4Addr) -> Result<()> {
+        let chaddr = mac.parse::<siteboot_boot::MacAddr>()?.octets();
+        let mut decline = request(1, &chaddr, MessageType::Decline);
+        decline.opts_mut().insert(DhcpOption::RequestedIpAddress(addr));
+        decline.opts_mut().insert(DhcpOption::ServerIdentifier(self.server));
+        send(&self.socket, &decline)
+    }
+
+    /// A RELEASE of `addr` (in `ciaddr`) as `mac`, unicast to the server from this machine's
+    /// own address, as a client releases.
+    pub fn release(&self, mac: &str, addr: Ipv4Addr) -> Result<()> {
+        let chaddr = mac.parse::<siteboot_boot::MacAddr>()?.octets();
+        let mut release = request(2, &chaddr, MessageType::Release);
+        release.set_ciaddr(addr).set_flags(Flags::default());
+        release.opts_mut().insert(DhcpOption::ServerIdentifier(self.server));
+        let bytes = release.to_vec()?;
+        self.socket.send_to(&bytes, SocketAddrV4::new(self.server, ThreadDhcp::SERVER_PORT))?;
+        Ok(())
+    }
+}
+
 /// A client's DISCOVER or REQUEST, broadcast, asking for what udhcpc asks for.
 fn request(xid: u32, chaddr: &[u8], kind: MessageType) -> Message {
     let unspecified = Ipv4Addr::UNSPECIFIED;

@@ -6,6 +6,10 @@
 //! exactly the pool addresses with no lease, no offer, no quarantine and no reservation. Every
 //! operation is O(log n) in the pool size, except reclaiming an expired lease, which skips the
 //! expired addresses currently offered.
+//!
+//! Quarantine (DECLINE) is bounded: at most half of a subnet's pool is ever quarantined by
+//! [`decline`](LeaseTable::decline), so DECLINEs alone never empty a pool (see the server's
+//! `decline` for the rest of the rule).
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::Ipv4Addr;
@@ -16,6 +20,10 @@ use serde::{Deserialize, Serialize};
 
 use super::settings::NetworkPlan;
 use crate::MacAddr;
+
+/// At most 1/this of a subnet's pool is quarantined by DECLINEs (half): the other half always
+/// stays for clients, whoever sends DECLINEs.
+pub const MAX_QUARANTINED_SHARE: usize = 2;
 
 /// Seconds since the Unix epoch: leases must mean the same after a restart.
 pub type UnixTime = u64;
@@ -53,6 +61,21 @@ struct SubnetState {
     free: BTreeSet<u32>,
     /// Every lease in this subnet, by expiry: the oldest expired one is reclaimed first.
     by_expiry: BTreeSet<(UnixTime, u32)>,
+    /// Pool addresses that are not reserved: what the pool can hand out.
+    pool_size: usize,
+    /// Addresses of this subnet in quarantine.
+    quarantined: usize,
+}
+
+/// Why [`LeaseTable::decline`] quarantined nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeclineRefused {
+    /// The MAC holds no lease or offer of the address: nothing to decline.
+    NotHeld,
+    /// The address is reserved: quarantining it would leave its host without one.
+    Reserved,
+    /// Half of the subnet's pool is quarantined already: the other half stays for clients.
+    ReserveReached,
 }
 
 #[derive(Debug)]
@@ -76,15 +99,20 @@ impl LeaseTable {
         let subnets = plan
             .subnets
             .iter()
-            .map(|s| SubnetState {
-                free: s
+            .map(|s| {
+                let free: BTreeSet<u32> = s
                     .pools
                     .iter()
                     .flat_map(|p| p.iter())
                     .filter(|a| !reserved.contains_key(a))
                     .map(u32::from)
-                    .collect(),
-                by_expiry: BTreeSet::new(),
+                    .collect();
+                SubnetState {
+                    pool_size: free.len(),
+                    free,
+                    by_expiry: BTreeSet::new(),
+                    quarantined: 0,
+                }
             })
             .collect();
         Self {
@@ -142,6 +170,16 @@ impl LeaseTable {
         Some(lease)
     }
 
+    /// Ends `addr`'s quarantine, if it has one (the caller puts it back in the free set).
+    fn unquarantine(&mut self, addr: Ipv4Addr) {
+        if let Some(until) = self.declined.remove(&addr) {
+            self.decline_expiry.remove(&(until, u32::from(addr)));
+            if let Some(s) = self.subnet_of(addr) {
+                self.subnets[s].quarantined -= 1;
+            }
+        }
+    }
+
     fn remove_offer(&mut self, addr: Ipv4Addr) {
         if let Some((mac, until)) = self.offers.remove(&addr) {
             self.offer_expiry.remove(&(until, u32::from(addr)));
@@ -166,7 +204,7 @@ impl LeaseTable {
                 }
                 self.remove_offer(addr);
                 self.remove_lease(addr);
-                self.declined.remove(&addr);
+                self.unquarantine(addr);
                 // A MAC holds one address: its previous one goes back to the pool.
                 if let Some(previous) = self.lease_of.get(&lease.mac).copied()
                     && previous != addr
@@ -188,8 +226,15 @@ impl LeaseTable {
                 let addr = *addr;
                 self.remove_offer(addr);
                 self.remove_lease(addr);
-                if let Some(old) = self.declined.insert(addr, *until) {
-                    self.decline_expiry.remove(&(old, u32::from(addr)));
+                match self.declined.insert(addr, *until) {
+                    Some(old) => {
+                        self.decline_expiry.remove(&(old, u32::from(addr)));
+                    }
+                    None => {
+                        if let Some(s) = self.subnet_of(addr) {
+                            self.subnets[s].quarantined += 1;
+                        }
+                    }
                 }
                 self.decline_expiry.insert((*until, u32::from(addr)));
                 self.occupy(addr);
@@ -211,9 +256,8 @@ impl LeaseTable {
             if until > now {
                 break;
             }
-            self.decline_expiry.remove(&(until, addr));
             let addr = Ipv4Addr::from(addr);
-            self.declined.remove(&addr);
+            self.unquarantine(addr);
             self.release_if_unused(addr);
         }
     }
@@ -327,21 +371,45 @@ impl LeaseTable {
         Some(self.bind(Lease { expires: now, ..lease.clone() }))
     }
 
-    /// `mac` found `addr` in use. `None` unless `mac` holds or was offered it.
+    /// Whether `mac` holds `addr`: a lease (expired or not) or a pending offer.
+    pub fn holds(&self, mac: MacAddr, addr: Ipv4Addr) -> bool {
+        self.leases.get(&addr).is_some_and(|l| l.mac == mac)
+            || self.offers.get(&addr).is_some_and(|(m, _)| *m == mac)
+    }
+
+    /// Whether `addr` is reserved (for any MAC).
+    pub fn is_reserved(&self, addr: Ipv4Addr) -> bool {
+        self.reserved.contains_key(&addr)
+    }
+
+    /// `mac` found `addr` in use: quarantines it until `until`, unless `mac` does not hold it,
+    /// it is reserved, or half of its subnet's pool is quarantined already.
     pub fn decline(
         &mut self,
         mac: MacAddr,
         addr: Ipv4Addr,
         until: UnixTime,
-    ) -> Option<LeaseRecord> {
-        let holds = self.leases.get(&addr).is_some_and(|l| l.mac == mac)
-            || self.offers.get(&addr).is_some_and(|(m, _)| *m == mac);
-        if !holds {
-            return None;
+    ) -> Result<LeaseRecord, DeclineRefused> {
+        if !self.holds(mac, addr) {
+            return Err(DeclineRefused::NotHeld);
+        }
+        if self.is_reserved(addr) {
+            return Err(DeclineRefused::Reserved);
+        }
+        if let Some(s) = self.subnet_of(addr) {
+            let subnet = &self.subnets[s];
+            if subnet.quarantined + 1 > subnet.pool_size / MAX_QUARANTINED_SHARE {
+                return Err(DeclineRefused::ReserveReached);
+            }
         }
         let record = LeaseRecord::Declined { addr, until };
         self.apply(&record);
-        Some(record)
+        Ok(record)
+    }
+
+    /// Addresses of `subnet` in quarantine.
+    pub fn quarantined(&self, subnet: usize) -> usize {
+        self.subnets[subnet].quarantined
     }
 
     /// Every durable fact, for compacting the journal.
@@ -501,14 +569,47 @@ mod tests {
     fn declined_addresses_are_quarantined() {
         let mut t = table("10.0.0.10-10.0.0.11", vec![]);
         let a = lease(&mut t, mac(1), NOW + 3600);
-        assert!(t.decline(mac(2), a, NOW + 600).is_none(), "only the holder can decline");
-        assert!(t.decline(mac(1), a, NOW + 600).is_some());
+        assert_eq!(
+            t.decline(mac(2), a, NOW + 600),
+            Err(DeclineRefused::NotHeld),
+            "only the holder can decline"
+        );
+        assert!(t.decline(mac(1), a, NOW + 600).is_ok());
         assert!(t.lease_of(mac(1)).is_none());
         assert_eq!(t.choose(mac(1), 0, None, NOW), Some(ip("10.0.0.11")));
         assert!(!t.available_to(a, mac(1), NOW));
         t.sweep(NOW + 600);
         assert!(t.available_to(a, mac(3), NOW + 600));
         assert_eq!(t.free_count(0), 2);
+        assert_eq!(t.quarantined(0), 0);
+    }
+
+    #[test]
+    fn at_most_half_the_pool_is_quarantined_and_never_a_reservation() {
+        let r = Reservation { mac: mac(9), address: ip("10.0.0.20"), hostname: None };
+        let mut t = table("10.0.0.10-10.0.0.14", vec![r]);
+        let mut declined = 0;
+        for n in 1..=5 {
+            let a = lease(&mut t, mac(n), NOW + 3600);
+            match t.decline(mac(n), a, NOW + 600) {
+                Ok(_) => declined += 1,
+                Err(why) => assert_eq!(why, DeclineRefused::ReserveReached),
+            }
+        }
+        assert_eq!((declined, t.quarantined(0)), (2, 2), "half of 5, rounded down");
+        let a = ip("10.0.0.20");
+        t.offer(mac(9), a, NOW + 30);
+        t.bind(Lease { addr: a, mac: mac(9), expires: NOW + 3600, hostname: None });
+        assert_eq!(t.decline(mac(9), a, NOW + 600), Err(DeclineRefused::Reserved));
+        // A quarantine that ends makes room for another; a lease bound over a quarantined
+        // address (replayed from another replica) ends its quarantine too.
+        t.sweep(NOW + 600);
+        assert_eq!(t.quarantined(0), 0);
+        t.apply(&LeaseRecord::Declined { addr: ip("10.0.0.10"), until: NOW + 1200 });
+        assert_eq!(t.quarantined(0), 1);
+        t.bind(Lease { addr: ip("10.0.0.10"), mac: mac(1), expires: NOW + 3600, hostname: None });
+        assert_eq!(t.quarantined(0), 0);
+        assert_eq!(t.records().len(), 5, "five leases (the reservation's too), no quarantine");
     }
 
     #[test]
@@ -531,6 +632,7 @@ mod tests {
         }
         journal.push(t.release(mac(2), ip("10.0.0.11"), NOW).unwrap());
         journal.push(t.decline(mac(3), ip("10.0.0.12"), NOW + 600).unwrap());
+        assert_eq!(t.quarantined(0), 1);
         let mut replayed = table("10.0.0.10-10.0.0.20", vec![]);
         for r in &journal {
             replayed.apply(r);
@@ -541,5 +643,6 @@ mod tests {
         b.sort_by_key(|r| format!("{r:?}"));
         assert_eq!(a, b);
         assert_eq!(replayed.free_count(0), t.free_count(0));
+        assert_eq!(replayed.quarantined(0), t.quarantined(0));
     }
 }

@@ -6,13 +6,15 @@
 //! the PXE boot-server port 4011 (where UEFI clients ask after a proxy offer without option 43).
 
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::sync::{Arc, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use dhcproto::v4::{DhcpOption, Flags, Message, MessageType, Opcode, OptionCode};
 use dhcproto::{Decodable, Decoder, Encodable, Encoder};
 use siteboot_ipxe::IpxeBinaries;
 
-use super::leases::{Lease, LeaseRecord, LeaseTable, SharedLeases, UnixTime};
+use super::budget::{DECLINES_PER_CLIENT, DeclineBudget};
+use super::leases::{DeclineRefused, Lease, LeaseRecord, LeaseTable, SharedLeases, UnixTime};
 use super::settings::SubnetPlan;
 use crate::client::{BootClient, HTTP_CLIENT, PXE_CLIENT};
 use crate::decision::{self, Answer, BootOffer, DhcpMode};
@@ -70,11 +72,13 @@ pub struct DhcpServer {
     ctx: Context,
     /// Shared with the neighbour view: the leases ACKed here are who holds which address.
     leases: SharedLeases,
+    /// Locked for DECLINEs and refused RELEASEs only (taken after `leases`).
+    declines: Mutex<DeclineBudget>,
 }
 
 impl DhcpServer {
     pub fn new(ctx: Context, leases: SharedLeases) -> Self {
-        Self { ctx, leases }
+        Self { ctx, leases, declines: Mutex::new(DeclineBudget::new()) }
     }
 
     pub fn table(&self) -> MutexGuard<'_, LeaseTable> {
@@ -118,7 +122,9 @@ impl DhcpServer {
             (DhcpMode::Off, _) => Outcome::default(),
             (_, Port::Pxe) => self.boot_server(&msg, &client, from),
             (DhcpMode::Proxy, Port::Dhcp) => self.proxy(&msg, &client),
-            (DhcpMode::Full, Port::Dhcp) => self.full(&mut table, &msg, msg_type, &client, now),
+            (DhcpMode::Full, Port::Dhcp) => {
+                self.full(&mut table, &msg, msg_type, &client, from, now)
+            }
         };
         if let Some(reply) = &outcome.reply
             && let Some(t) = decode_type(&reply.bytes)
@@ -145,6 +151,7 @@ impl DhcpServer {
         msg: &Message,
         msg_type: MessageType,
         client: &BootClient,
+        from: SocketAddrV4,
         now: UnixTime,
     ) -> Outcome {
         let mac = client.mac;
@@ -161,7 +168,7 @@ impl DhcpServer {
             MessageType::Discover => self.discover(table, msg, client, subnet, now),
             MessageType::Request => self.request(table, msg, client, subnet, now),
             MessageType::Decline => self.decline(table, msg, mac, now),
-            MessageType::Release => self.release(table, msg, mac, now),
+            MessageType::Release => self.release(table, msg, mac, from, now),
             MessageType::Inform => self.inform(table, msg, client, subnet),
             other => {
                 tracing::debug!(%mac, message = ?other, "ignoring a message type servers do not answer");
@@ -246,6 +253,46 @@ impl DhcpServer {
         Outcome { reply: Some(reply), record: Some(record) }
     }
 
+    /// Whether DHCP must keep `mac`'s hold on `addr` whatever a DECLINE or RELEASE says: the
+    /// address is reserved, or `mac` is one of the site's hosts (the inventory knows it). A
+    /// host being provisioned has its ramdisk token bound to the address its lease holds, and
+    /// a provisioned one its node address; and nothing in either message proves who sent it.
+    fn protected(&self, table: &LeaseTable, mac: MacAddr, addr: Ipv4Addr) -> bool {
+        table.is_reserved(addr)
+            || table.plan().reservation_for(mac).is_some()
+            || self.ctx.inventory.knows(mac)
+    }
+
+    /// Counts a DECLINE or RELEASE that changed nothing, and logs the first of each MAC's
+    /// window (a flood of them costs a counter, not a log line or an allocation each).
+    fn ignored(&self, mac: MacAddr, window: u64, now: UnixTime, why: Ignored) {
+        let counter = match why {
+            Ignored::ReleaseFromElsewhere { .. } => &self.ctx.metrics.dhcp_releases_ignored,
+            _ => &self.ctx.metrics.dhcp_declines_ignored,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        let mut budget = self.declines.lock().expect("decline budget lock");
+        if budget.log_refusal(mac, now, window) {
+            tracing::warn!(%mac, window_secs = window, "{why} (logged once per MAC per window; siteboot_dhcp_declines_ignored_total and siteboot_dhcp_releases_ignored_total count them all)");
+        }
+    }
+
+    /// RFC 2131 4.3.3: a client that found its address in use (ARP) declines it, and the
+    /// server "MUST mark the network address as not available". A DECLINE comes from
+    /// 0.0.0.0 with nothing but `chaddr` to say who sent it, so honouring every one let a
+    /// single MAC quarantine the whole pool (REQUEST, DECLINE, repeat) and let anyone take a
+    /// host's address away. The choice here (Kea quarantines for its
+    /// `decline-probation-period` with no limit; dnsmasq drops the lease and disables a
+    /// static address for 10 minutes; ISC dhcpd offers `deny declines` to ignore them all):
+    ///
+    /// - a known host's or reserved address is never quarantined: the lease stays (a real
+    ///   conflict there is the operator's to fix; the warning says so);
+    /// - any other MAC quarantines at most [`DECLINES_PER_CLIENT`] addresses per window (the
+    ///   quarantine's length);
+    /// - all together quarantine at most half of a subnet's pool (the table's reserve).
+    ///
+    /// Past a limit the DECLINE changes nothing, is counted, and is logged once per MAC per
+    /// window.
     fn decline(
         &self,
         table: &mut LeaseTable,
@@ -259,26 +306,70 @@ impl DhcpServer {
         if server_identifier(msg) != Some(self.ctx.endpoints.address) {
             return Outcome::default();
         }
-        let until = now + table.plan().decline_quarantine.as_secs();
-        let record = table.decline(mac, addr, until);
-        if record.is_some() {
-            tracing::warn!(%mac, %addr, "client declined the address (in use by someone else?); quarantined");
-            self.record(mac, Stage::DhcpDecline, format!("{addr} quarantined"));
+        if !table.holds(mac, addr) {
+            tracing::debug!(%mac, %addr, "ignoring a DECLINE of an address this MAC does not hold");
+            return Outcome::default();
         }
-        Outcome { reply: None, record }
+        let window = budget_window(table);
+        if self.protected(table, mac, addr) {
+            self.ignored(mac, window, now, Ignored::Protected(addr));
+            return Outcome::default();
+        }
+        if !self.declines.lock().expect("decline budget lock").allows(mac, now, window) {
+            self.ignored(mac, window, now, Ignored::OverBudget(addr));
+            return Outcome::default();
+        }
+        let until = now + table.plan().decline_quarantine.as_secs();
+        match table.decline(mac, addr, until) {
+            Ok(record) => {
+                self.declines.lock().expect("decline budget lock").spend(mac, now, window);
+                tracing::warn!(%mac, %addr, "client declined the address (in use by someone else?); quarantined");
+                self.record(mac, Stage::DhcpDecline, format!("{addr} quarantined"));
+                Outcome { reply: None, record: Some(record) }
+            }
+            Err(DeclineRefused::NotHeld) => Outcome::default(),
+            Err(DeclineRefused::Reserved) => {
+                self.ignored(mac, window, now, Ignored::Reserved(addr));
+                Outcome::default()
+            }
+            Err(DeclineRefused::ReserveReached) => {
+                self.ignored(mac, window, now, Ignored::ReserveReached(addr));
+                Outcome::default()
+            }
+        }
     }
 
+    /// RFC 2131 4.4.6: a client gives its lease back with a RELEASE unicast from its address,
+    /// `ciaddr` = that address. Honoured only when the datagram comes from `ciaddr` itself,
+    /// not relayed (a relay forwards broadcasts; a RELEASE is unicast), and the lease is not a
+    /// known host's or a reserved one: those run until they expire, so a RELEASE forged with
+    /// a host's `chaddr`, even from its address, cannot end the lease its token is bound to
+    /// (keeping one lease per such MAC costs the pool nothing it would not give back to it).
     fn release(
         &self,
         table: &mut LeaseTable,
         msg: &Message,
         mac: MacAddr,
+        from: SocketAddrV4,
         now: UnixTime,
     ) -> Outcome {
         if server_identifier(msg).is_some_and(|id| id != self.ctx.endpoints.address) {
             return Outcome::default();
         }
         let addr = msg.ciaddr();
+        if !table.lease(addr).is_some_and(|l| l.mac == mac && l.expires > now) {
+            return Outcome::default();
+        }
+        let window = budget_window(table);
+        if *from.ip() != addr || !msg.giaddr().is_unspecified() {
+            self.ignored(mac, window, now, Ignored::ReleaseFromElsewhere { addr, from });
+            return Outcome::default();
+        }
+        if self.protected(table, mac, addr) {
+            self.ctx.metrics.dhcp_releases_ignored.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%mac, %addr, "a known host's or reserved lease runs until it expires; RELEASE noted");
+            return Outcome::default();
+        }
         let record = table.release(mac, addr, now);
         if record.is_some() {
             self.record(mac, Stage::DhcpRelease, format!("{addr}"));
@@ -458,6 +549,53 @@ fn encode(msg: &Message) -> Vec<u8> {
     buf
 }
 
+/// Why a DECLINE or RELEASE changed nothing.
+#[derive(Debug, Clone, Copy)]
+enum Ignored {
+    /// A DECLINE of a known host's or a reserved address.
+    Protected(Ipv4Addr),
+    /// A DECLINE from a MAC that had its budget's addresses quarantined in this window.
+    OverBudget(Ipv4Addr),
+    /// A DECLINE of a reserved address.
+    Reserved(Ipv4Addr),
+    /// A DECLINE when half of the subnet's pool is quarantined.
+    ReserveReached(Ipv4Addr),
+    /// A RELEASE sent from another address than the one released, or relayed.
+    ReleaseFromElsewhere { addr: Ipv4Addr, from: SocketAddrV4 },
+}
+
+impl std::fmt::Display for Ignored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Protected(addr) => write!(
+                f,
+                "a DECLINE of {addr}, a known host's or reserved address, was not honoured: the host keeps its lease (if another machine really uses {addr}, take that machine off it)"
+            ),
+            Self::OverBudget(addr) => write!(
+                f,
+                "a DECLINE of {addr} was not honoured: this MAC had {DECLINES_PER_CLIENT} addresses quarantined in this window already"
+            ),
+            Self::Reserved(addr) => {
+                write!(f, "a DECLINE of {addr} was not honoured: the address is reserved")
+            }
+            Self::ReserveReached(addr) => write!(
+                f,
+                "a DECLINE of {addr} was not honoured: half of the pool is quarantined already"
+            ),
+            Self::ReleaseFromElsewhere { addr, from } => write!(
+                f,
+                "a RELEASE of {addr} sent from {from} was not honoured: a client releases the address it sends from"
+            ),
+        }
+    }
+}
+
+/// The window of the per-MAC DECLINE budget: the quarantine's length, so one MAC never has
+/// more than [`DECLINES_PER_CLIENT`] addresses in quarantine at once.
+fn budget_window(table: &LeaseTable) -> u64 {
+    table.plan().decline_quarantine.as_secs().max(1)
+}
+
 fn requested_address(msg: &Message) -> Option<Ipv4Addr> {
     match msg.opts().get(OptionCode::RequestedIpAddress) {
         Some(DhcpOption::RequestedIpAddress(a)) if !a.is_unspecified() => Some(*a),
@@ -604,13 +742,18 @@ mod tests {
     }
 
     fn harness_with(mode: DhcpMode, adjust: impl FnOnce(&mut Context)) -> Harness {
+        harness_with_pool(mode, "10.0.0.100-10.0.0.102", adjust)
+    }
+
+    /// [`harness_with`], with `pool` as the local subnet's pool.
+    fn harness_with_pool(mode: DhcpMode, pool: &str, adjust: impl FnOnce(&mut Context)) -> Harness {
         let ipxe = tempfile::tempdir().unwrap();
         std::fs::write(ipxe.path().join("undionly.kpxe"), b"x").unwrap();
         std::fs::write(ipxe.path().join("snponly.efi"), b"x").unwrap();
         let settings = Settings {
             mode,
             subnets: vec![
-                subnet("10.0.0.0/24", "10.0.0.100-10.0.0.102"),
+                subnet("10.0.0.0/24", pool),
                 subnet("10.0.5.0/24", "10.0.5.100-10.0.5.102"),
             ],
             reservations: vec![Reservation {
@@ -803,9 +946,12 @@ mod tests {
     #[test]
     fn renew_rebind_release_decline_inform() {
         let h = harness(DhcpMode::Full);
-        let addr = h.dora(mac(1), vec![]).yiaddr();
+        // A MAC the inventory does not know: a known host's lease outlives its RELEASE and
+        // DECLINE (see the abuse tests below).
+        let client = stranger(1);
+        let addr = h.dora(client, vec![]).yiaddr();
         // RENEWING: unicast, ciaddr set, no server id or requested address.
-        let mut renew = request(mac(1), MessageType::Request, vec![]);
+        let mut renew = request(client, MessageType::Request, vec![]);
         renew.set_ciaddr(addr);
         let (r, rec) = h.send(&renew, Port::Dhcp, SocketAddrV4::new(addr, CLIENT_PORT));
         let (ack, to) = r.unwrap();
@@ -821,7 +967,7 @@ mod tests {
         assert_eq!(r.unwrap().0.opts().msg_type(), Some(MessageType::Nak));
 
         // INFORM: configuration only, no address, to the client's address.
-        let mut inform = request(mac(1), MessageType::Inform, vec![]);
+        let mut inform = request(client, MessageType::Inform, vec![]);
         inform.set_ciaddr(addr);
         let (r, rec) = h.send(&inform, Port::Dhcp, CLIENT);
         let (ack, to) = r.unwrap();
@@ -831,19 +977,20 @@ mod tests {
             (Ipv4Addr::UNSPECIFIED, &addr, None)
         );
 
-        // RELEASE: durable, no reply, and the address goes back to the pool.
+        // RELEASE (unicast from the client's address): durable, no reply, and the address goes
+        // back to the pool.
         let mut release =
-            request(mac(1), MessageType::Release, vec![DhcpOption::ServerIdentifier(SERVER)]);
+            request(client, MessageType::Release, vec![DhcpOption::ServerIdentifier(SERVER)]);
         release.set_ciaddr(addr);
-        let (r, rec) = h.send(&release, Port::Dhcp, CLIENT);
+        let (r, rec) = h.send(&release, Port::Dhcp, SocketAddrV4::new(addr, CLIENT_PORT));
         assert!(r.is_none());
         assert!(matches!(rec, Some(LeaseRecord::Lease(ref l)) if l.expires == NOW));
         assert!(h.server.table().available_to(addr, mac(7), NOW));
 
         // DECLINE: the address is quarantined and the client gets another one.
-        let addr = h.dora(mac(1), vec![]).yiaddr();
+        let addr = h.dora(client, vec![]).yiaddr();
         let decline = request(
-            mac(1),
+            client,
             MessageType::Decline,
             vec![DhcpOption::ServerIdentifier(SERVER), DhcpOption::RequestedIpAddress(addr)],
         );
@@ -852,7 +999,7 @@ mod tests {
         assert!(
             matches!(rec, Some(LeaseRecord::Declined { addr: a, until }) if a == addr && until == NOW + 600)
         );
-        assert_ne!(h.dora(mac(1), vec![]).yiaddr(), addr);
+        assert_ne!(h.dora(client, vec![]).yiaddr(), addr);
     }
 
     #[test]
@@ -1067,7 +1214,7 @@ mod tests {
     #[test]
     fn a_lease_taken_with_a_forged_chaddr_gives_no_identity() {
         let h = harness(DhcpMode::Full);
-        let (intruder, victim) = (mac(7), mac(1));
+        let (intruder, victim) = (stranger(7), mac(1));
         let addr = h.dora(intruder, vec![]).yiaddr();
         let from = SocketAddrV4::new(addr, CLIENT_PORT);
         let mut release =
@@ -1085,6 +1232,176 @@ mod tests {
         assert_eq!(h.neighbors(vec![]).holder_at(addr, NOW), None);
         let agreeing = h.neighbors(vec![(addr, victim)]).holder_at(addr, NOW);
         assert_eq!(agreeing.map(|h| h.mac), Some(victim));
+    }
+
+    // ----- DECLINE and RELEASE abuse (issue 22, item 10) -----
+
+    /// A MAC the inventory does not know (`TestInventory` boots none starting 02:).
+    fn stranger(n: u8) -> MacAddr {
+        MacAddr::new([2, 0, 0, 0, 0, n])
+    }
+
+    fn decline_of(m: MacAddr, addr: Ipv4Addr) -> Message {
+        request(
+            m,
+            MessageType::Decline,
+            vec![DhcpOption::ServerIdentifier(SERVER), DhcpOption::RequestedIpAddress(addr)],
+        )
+    }
+
+    fn release_of(m: MacAddr, addr: Ipv4Addr) -> Message {
+        let mut release =
+            request(m, MessageType::Release, vec![DhcpOption::ServerIdentifier(SERVER)]);
+        release.set_ciaddr(addr);
+        release
+    }
+
+    /// Addresses in quarantine.
+    fn quarantined(h: &Harness) -> usize {
+        let records = h.server.table().records();
+        records.iter().filter(|r| matches!(r, LeaseRecord::Declined { .. })).count()
+    }
+
+    impl Harness {
+        /// The attack: `m` takes the address DISCOVER offers it, REQUESTs it and DECLINEs it,
+        /// `times` times over (each DECLINE used to quarantine one more address).
+        fn request_and_decline(&self, m: MacAddr, times: usize) {
+            for _ in 0..times {
+                let (offer, _) =
+                    self.send(&request(m, MessageType::Discover, vec![]), Port::Dhcp, CLIENT);
+                let Some((offer, _)) = offer else { return };
+                let addr = offer.yiaddr();
+                let asks = vec![
+                    DhcpOption::ServerIdentifier(SERVER),
+                    DhcpOption::RequestedIpAddress(addr),
+                ];
+                self.send(&request(m, MessageType::Request, asks), Port::Dhcp, CLIENT);
+                self.send(&decline_of(m, addr), Port::Dhcp, CLIENT);
+            }
+        }
+
+        /// Whether a client never seen before is offered an address.
+        fn newcomer_gets_an_address(&self, m: MacAddr) -> bool {
+            let (offer, _) =
+                self.send(&request(m, MessageType::Discover, vec![]), Port::Dhcp, CLIENT);
+            offer.is_some()
+        }
+
+        /// `m`'s INIT-REBOOT REQUEST for `addr`: the address it is given, if any.
+        fn reboot(&self, m: MacAddr, addr: Ipv4Addr) -> Option<Ipv4Addr> {
+            let asks = vec![DhcpOption::RequestedIpAddress(addr)];
+            let (r, _) = self.send(&request(m, MessageType::Request, asks), Port::Dhcp, CLIENT);
+            let (ack, _) = r?;
+            (ack.opts().msg_type() == Some(MessageType::Ack)).then(|| ack.yiaddr())
+        }
+    }
+
+    /// With `known_hosts_only`, one known MAC REQUESTs and DECLINEs address after address: on
+    /// the old code every DECLINE quarantined one more until the pool was empty.
+    #[test]
+    fn a_known_mac_cycling_request_and_decline_cannot_empty_the_pool() {
+        let h = harness_with(DhcpMode::Full, |ctx| ctx.known_hosts_only = true);
+        h.request_and_decline(mac(1), 10);
+        assert_eq!(quarantined(&h), 0, "a known host's DECLINE quarantined its address");
+        assert_eq!(h.server.table().free_count(0), 2, "the attacker holds one lease, no more");
+        assert!(h.newcomer_gets_an_address(mac(2)), "the pool was emptied");
+        assert_eq!(ignored(&h.server.ctx.metrics.dhcp_declines_ignored), 10, "each counted");
+    }
+
+    fn ignored(counter: &std::sync::atomic::AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+
+    /// MACs the inventory does not know (`known_hosts_only` off): each quarantines at most
+    /// [`DECLINES_PER_CLIENT`] addresses per window, and all of them together at most half
+    /// the pool.
+    #[test]
+    fn declines_from_unknown_macs_are_bounded_per_mac_and_by_the_reserve() {
+        let h = harness_with_pool(DhcpMode::Full, "10.0.0.100-10.0.0.119", |_| {});
+        h.request_and_decline(stranger(1), 10);
+        assert_eq!(quarantined(&h), 2, "one MAC's budget");
+        for n in 2..=8 {
+            h.request_and_decline(stranger(n), 5);
+        }
+        assert_eq!(quarantined(&h), 10, "half of the pool's 20 addresses, no more");
+        assert!(h.newcomer_gets_an_address(mac(50)), "the pool was emptied");
+        // Every DECLINE that quarantined nothing is counted.
+        let declines = 10 + 7 * 5;
+        assert_eq!(
+            ignored(&h.server.ctx.metrics.dhcp_declines_ignored),
+            (declines - quarantined(&h)) as u64
+        );
+    }
+
+    /// A RELEASE with a provisioning host's `chaddr` and its address in `ciaddr`, sent from
+    /// anywhere else on the segment (or relayed), ended the host's lease, and with it the
+    /// identity its ramdisk token is bound to.
+    #[test]
+    fn a_forged_release_does_not_end_a_lease() {
+        let h = harness(DhcpMode::Full);
+        let attacker = SocketAddrV4::new(ip("10.0.0.150"), CLIENT_PORT);
+        let relay = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
+        for victim in [stranger(1), mac(1)] {
+            let addr = h.dora(victim, vec![]).yiaddr();
+            for from in [attacker, CLIENT, relay] {
+                let (reply, record) = h.send(&release_of(victim, addr), Port::Dhcp, from);
+                assert!(reply.is_none());
+                assert_eq!(record, None, "{victim}'s lease ended by a RELEASE from {from}");
+            }
+            let holder = h.neighbors(vec![(addr, victim)]).holder_at(addr, NOW);
+            assert_eq!(holder.map(|h| h.mac), Some(victim), "{victim} lost {addr}");
+            assert_eq!(h.reboot(victim, addr), Some(addr), "{victim}'s next REQUEST");
+        }
+        // A known host's lease is kept even when the source is forged to be its own address.
+        let addr = h.server.table().lease_of(mac(1)).unwrap().addr;
+        let own = SocketAddrV4::new(addr, CLIENT_PORT);
+        assert_eq!(h.send(&release_of(mac(1), addr), Port::Dhcp, own).1, None);
+        assert!(h.server.table().lease(addr).is_some_and(|l| l.expires > NOW));
+        // An unknown host's RELEASE from its own address is honoured, as before.
+        let addr = h.server.table().lease_of(stranger(1)).unwrap().addr;
+        let own = SocketAddrV4::new(addr, CLIENT_PORT);
+        let (_, record) = h.send(&release_of(stranger(1), addr), Port::Dhcp, own);
+        assert!(matches!(record, Some(LeaseRecord::Lease(ref l)) if l.expires == NOW));
+        assert_eq!(ignored(&h.server.ctx.metrics.dhcp_releases_ignored), 7, "all but that one");
+    }
+
+    /// A DECLINE comes from 0.0.0.0 and proves nothing: one with a known host's `chaddr`
+    /// quarantined its address and took its lease away.
+    #[test]
+    fn a_forged_decline_does_not_take_a_known_host_s_address() {
+        let h = harness(DhcpMode::Full);
+        let victim = mac(1);
+        let addr = h.dora(victim, vec![]).yiaddr();
+        let (_, record) = h.send(&decline_of(victim, addr), Port::Dhcp, CLIENT);
+        assert_eq!(record, None, "the known host's address was quarantined");
+        let holder = h.neighbors(vec![(addr, victim)]).holder_at(addr, NOW);
+        assert_eq!(holder.map(|h| h.mac), Some(victim), "{victim} lost {addr}");
+        assert_eq!(h.reboot(victim, addr), Some(addr), "its next REQUEST");
+        assert_eq!(h.dora(victim, vec![]).yiaddr(), addr, "and its next DISCOVER");
+    }
+
+    /// Knows no MAC at all: only the reservation protects an address.
+    struct KnowsNobody;
+    impl Inventory for KnowsNobody {
+        fn boots(&self, _: MacAddr) -> bool {
+            false
+        }
+        fn boot_action(&self, _: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
+            Box::pin(async { None })
+        }
+    }
+
+    #[test]
+    fn a_forged_decline_or_release_does_not_take_a_reserved_address() {
+        let h = harness_with(DhcpMode::Full, |ctx| ctx.inventory = Arc::new(KnowsNobody));
+        let owner = mac(0x99);
+        let addr = h.dora(owner, vec![]).yiaddr();
+        assert_eq!(addr, ip("10.0.0.20"));
+        assert_eq!(h.send(&decline_of(owner, addr), Port::Dhcp, CLIENT).1, None);
+        let own = SocketAddrV4::new(addr, CLIENT_PORT);
+        assert_eq!(h.send(&release_of(owner, addr), Port::Dhcp, own).1, None);
+        assert_eq!(h.reboot(owner, addr), Some(addr));
+        assert_eq!(quarantined(&h), 0);
     }
 
     #[test]

@@ -24,7 +24,10 @@ pub struct Settings {
     /// How long a lease lasts unless renewed.
     #[serde(with = "humantime_serde")]
     pub lease_time: Duration,
-    /// How long an address a client DECLINEd stays out of the pool.
+    /// How long an address a client DECLINEd stays out of the pool. Also the window of the
+    /// per-MAC DECLINE budget (see `DhcpServer::decline`): a known host's or reserved address
+    /// is never quarantined, any other MAC quarantines at most 2 addresses per window, and at
+    /// most half of a subnet's pool is ever quarantined.
     #[serde(with = "humantime_serde")]
     pub decline_quarantine: Duration,
     /// Subnets served: the one containing the server address is local, the others are reached
