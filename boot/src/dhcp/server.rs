@@ -253,7 +253,7 @@ impl DhcpServer {
         Outcome { reply: Some(reply), record: Some(record) }
     }
 
-    /// Whether DHCP must keep `mac`'s hold on `addr` whatever a DECLINE or RELEASE says: the
+    /// Whether DHCP must keep `mac`'s hold on `addr` whatever a DECLINE says: the
     /// address is reserved, or `mac` is one of the site's hosts (the inventory knows it). A
     /// host being provisioned has its ramdisk token bound to the address its lease holds, and
     /// a provisioned one its node address; and nothing in either message proves who sent it.
@@ -341,10 +341,10 @@ impl DhcpServer {
 
     /// RFC 2131 4.4.6: a client gives its lease back with a RELEASE unicast from its address,
     /// `ciaddr` = that address. Honoured only when the datagram comes from `ciaddr` itself,
-    /// not relayed (a relay forwards broadcasts; a RELEASE is unicast), and the lease is not a
-    /// known host's or a reserved one: those run until they expire, so a RELEASE forged with
-    /// a host's `chaddr`, even from its address, cannot end the lease its token is bound to
-    /// (keeping one lease per such MAC costs the pool nothing it would not give back to it).
+    /// not relayed (a relay forwards broadcasts; a RELEASE is unicast): a RELEASE forged with a
+    /// host's `chaddr` from anywhere else cannot end the lease its token is bound to. One that
+    /// also forges the host's address as its source still can (the kernel's ARP entry then
+    /// names the forger, so the identity it would take is refused, not gained).
     fn release(
         &self,
         table: &mut LeaseTable,
@@ -363,11 +363,6 @@ impl DhcpServer {
         let window = budget_window(table);
         if *from.ip() != addr || !msg.giaddr().is_unspecified() {
             self.ignored(mac, window, now, Ignored::ReleaseFromElsewhere { addr, from });
-            return Outcome::default();
-        }
-        if self.protected(table, mac, addr) {
-            self.ctx.metrics.dhcp_releases_ignored.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(%mac, %addr, "a known host's or reserved lease runs until it expires; RELEASE noted");
             return Outcome::default();
         }
         let record = table.release(mac, addr, now);
@@ -1352,17 +1347,14 @@ mod tests {
             assert_eq!(holder.map(|h| h.mac), Some(victim), "{victim} lost {addr}");
             assert_eq!(h.reboot(victim, addr), Some(addr), "{victim}'s next REQUEST");
         }
-        // A known host's lease is kept even when the source is forged to be its own address.
-        let addr = h.server.table().lease_of(mac(1)).unwrap().addr;
-        let own = SocketAddrV4::new(addr, CLIENT_PORT);
-        assert_eq!(h.send(&release_of(mac(1), addr), Port::Dhcp, own).1, None);
-        assert!(h.server.table().lease(addr).is_some_and(|l| l.expires > NOW));
-        // An unknown host's RELEASE from its own address is honoured, as before.
-        let addr = h.server.table().lease_of(stranger(1)).unwrap().addr;
-        let own = SocketAddrV4::new(addr, CLIENT_PORT);
-        let (_, record) = h.send(&release_of(stranger(1), addr), Port::Dhcp, own);
-        assert!(matches!(record, Some(LeaseRecord::Lease(ref l)) if l.expires == NOW));
-        assert_eq!(ignored(&h.server.ctx.metrics.dhcp_releases_ignored), 7, "all but that one");
+        // From the lease's own address, unrelayed, a RELEASE is honoured, known host or not.
+        for victim in [mac(1), stranger(1)] {
+            let addr = h.server.table().lease_of(victim).unwrap().addr;
+            let own = SocketAddrV4::new(addr, CLIENT_PORT);
+            let (_, record) = h.send(&release_of(victim, addr), Port::Dhcp, own);
+            assert!(matches!(record, Some(LeaseRecord::Lease(ref l)) if l.expires == NOW));
+        }
+        assert_eq!(ignored(&h.server.ctx.metrics.dhcp_releases_ignored), 6, "the forged ones");
     }
 
     /// A DECLINE comes from 0.0.0.0 and proves nothing: one with a known host's `chaddr`
@@ -1398,8 +1390,7 @@ mod tests {
         let addr = h.dora(owner, vec![]).yiaddr();
         assert_eq!(addr, ip("10.0.0.20"));
         assert_eq!(h.send(&decline_of(owner, addr), Port::Dhcp, CLIENT).1, None);
-        let own = SocketAddrV4::new(addr, CLIENT_PORT);
-        assert_eq!(h.send(&release_of(owner, addr), Port::Dhcp, own).1, None);
+        assert_eq!(h.send(&release_of(owner, addr), Port::Dhcp, CLIENT).1, None);
         assert_eq!(h.reboot(owner, addr), Some(addr));
         assert_eq!(quarantined(&h), 0);
     }
