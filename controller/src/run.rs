@@ -2,6 +2,7 @@
 //! election, and, while this replica leads, the reconcilers and the Site heartbeat.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kube::CustomResourceExt;
 use kube::api::{Api, ListParams};
@@ -59,6 +60,9 @@ pub async fn check_crds(client: &kube::Client) -> anyhow::Result<()> {
     probe::<SitebootCluster>(client).await?;
     Ok(())
 }
+
+/// How long the reconcilers get to finish what they are doing once this replica's term ends.
+const STOP_DEADLINE: Duration = Duration::from_secs(20);
 
 /// Runs until `release`: then this replica stops leading, its reconcilers stop, and it gives the
 /// leader Lease back. `leadership` tells the boot plane (full-mode DHCP) whether and until when
@@ -123,7 +127,26 @@ pub async fn run(
         }
         let heartbeat =
             tokio::spawn(site::heartbeat(ctx.clone(), timeline.clone(), options.addresses.clone()));
-        while tasks.join_next().await.is_some() {}
+        // A reconcile stuck on a call that never returns must not keep this replica from ever
+        // running its reconcilers again (seen under load: the term ended, came back, and no
+        // reconciler ran). Past the deadline they are aborted: killing a reconciler between
+        // any two lines is safe by design.
+        let deadline = async {
+            stop().await;
+            tokio::time::sleep(STOP_DEADLINE).await;
+        };
+        tokio::pin!(deadline);
+        let mut aborted = false;
+        loop {
+            tokio::select! {
+                next = tasks.join_next() => if next.is_none() { break },
+                _ = &mut deadline, if !aborted => {
+                    tracing::warn!(site = %ctx.site, after = ?STOP_DEADLINE, "the reconcilers did not stop after the term ended: aborted");
+                    tasks.abort_all();
+                    aborted = true;
+                }
+            }
+        }
         heartbeat.abort();
         tracing::warn!(site = %ctx.site, "no longer leading: reconcilers stopped");
     }
