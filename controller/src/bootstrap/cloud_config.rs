@@ -4,7 +4,9 @@
 //! in a systemd-nspawn container that runs the host's own `/usr` and `/etc`: the same document,
 //! with the container's two units added and another start in the join script ([`Placement`]).
 //!
-//! The only jinja in the document is ours (`{{ ds.meta_data.provider_id }}`): everything a user
+//! The only jinja in the document is ours (`{{ ds.meta_data.provider_id }}`, the instance's
+//! provider id, which the join script checks and adds to the kubelet's configuration; without
+//! one the Node registers without it, for the infrastructure provider to set): everything a user
 //! or the workload cluster supplies is either base64 (file contents, the join script with the
 //! user's commands, the kubeconfig) or checked against a syntax without braces (label and taint
 //! words, paths, owners, modes). The YAML is built by serde_yaml, never by string pasting, and
@@ -12,11 +14,13 @@
 //! its place in the YAML, the template or the script.
 
 use std::fmt;
+use std::net::IpAddr;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::{Value, json};
 
+use crate::crd::capi::ClusterNetwork;
 use crate::crd::{BootstrapFile, NodeTaint, SitebootConfigSpec, TaintEffect};
 
 /// The sentinel Cluster API's convention names: written last, only after a successful join.
@@ -35,7 +39,7 @@ pub const UNINITIALIZED_TAINT: &str = "node.cluster.x-k8s.io/uninitialized";
 const PROVIDER_ID_JINJA: &str = "{{ ds.meta_data.provider_id }}";
 /// The provider id as cloud-init rendered it, checked by the join script before use.
 const PROVIDER_ID_FILE: &str = "/run/siteboot/provider-id";
-/// The KubeletConfiguration as rendered, copied into place only once the provider id passed.
+/// The KubeletConfiguration without its provider id, copied into place once the id passed.
 const KUBELET_CONFIG_RENDERED: &str = "/run/siteboot/kubelet-config.yaml";
 const KUBELET_CONFIG: &str = "/var/lib/kubelet/config.yaml";
 const KUBELET_KUBECONFIG: &str = "/etc/kubernetes/kubelet.conf";
@@ -96,12 +100,101 @@ const CNI_BIN_LINK: &str = r#"if [ ! -e /opt/cni/bin ] && [ ! -L /opt/cni/bin ] 
 fi
 "#;
 
-/// Where and how the host joins: the workload cluster's API server, its CA, and the token.
+/// The join script's lines that append the checked provider id, if there is one, to the
+/// kubelet's configuration (a YAML mapping: one more key at its end). The id's characters
+/// exclude the quote.
+fn provider_id_append() -> String {
+    format!(
+        r#"if [ -n "$provider_id" ]; then
+    echo "providerID: '$provider_id'" >> {KUBELET_CONFIG}
+fi
+"#
+    )
+}
+
+/// Where and how the host joins: the workload cluster's API server, its CA, the token, and the
+/// cluster DNS the kubelet gives pods.
 pub struct JoinData<'a> {
     pub server: &'a str,
     pub ca_pem: &'a str,
     pub token_id: &'a str,
     pub token_secret: &'a str,
+    pub dns: &'a ClusterDns,
+}
+
+/// kubeadm's Service range when the Cluster names none.
+const DEFAULT_SERVICE_RANGE: &str = "10.96.0.0/12";
+/// kubeadm's DNS domain when the Cluster names none.
+const DEFAULT_DNS_DOMAIN: &str = "cluster.local";
+/// kubeadm gives the cluster DNS Service this address of the Service range.
+const DNS_SERVICE_INDEX: u128 = 10;
+
+/// The kubelet's `clusterDNS` and `clusterDomain`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterDns {
+    pub servers: Vec<IpAddr>,
+    pub domain: String,
+}
+
+impl ClusterDns {
+    /// The config's own settings, else what kubeadm derives from the Cluster's network (the
+    /// tenth address of its first Service range; its Service domain), else kubeadm's defaults.
+    pub fn resolve(
+        spec: &SitebootConfigSpec,
+        network: Option<&ClusterNetwork>,
+    ) -> Result<Self, SpecError> {
+        let servers = if spec.cluster_dns.is_empty() {
+            let range = network
+                .and_then(|n| n.services.as_ref())
+                .and_then(|s| s.cidr_blocks.first())
+                .map_or(DEFAULT_SERVICE_RANGE, String::as_str);
+            let server = indexed_address(range, DNS_SERVICE_INDEX)
+                .ok_or_else(|| SpecError::ServiceRange(range.to_owned()))?;
+            vec![server]
+        } else {
+            cluster_dns_servers(spec)?
+        };
+        let checked = |domain: &String, error: fn(String) -> SpecError| {
+            if is_dns_subdomain(domain) { Ok(domain.clone()) } else { Err(error(domain.clone())) }
+        };
+        let domain = match (&spec.cluster_domain, network.and_then(|n| n.service_domain.as_ref())) {
+            (Some(domain), _) => checked(domain, SpecError::ClusterDomain)?,
+            (None, Some(domain)) => checked(domain, SpecError::ServiceDomain)?,
+            (None, None) => DEFAULT_DNS_DOMAIN.to_owned(),
+        };
+        Ok(Self { servers, domain })
+    }
+}
+
+fn cluster_dns_servers(spec: &SitebootConfigSpec) -> Result<Vec<IpAddr>, SpecError> {
+    spec.cluster_dns
+        .iter()
+        .enumerate()
+        .map(|(index, s)| s.parse().map_err(|_| SpecError::ClusterDns { index, value: s.clone() }))
+        .collect()
+}
+
+/// The `index`th address of a CIDR range (counting its network address as 0), as kubeadm's
+/// `GetIndexedIP`; None when the text is not a CIDR or the range is too small.
+fn indexed_address(cidr: &str, index: u128) -> Option<IpAddr> {
+    let (address, prefix) = cidr.split_once('/')?;
+    let address: IpAddr = address.parse().ok()?;
+    let prefix: u32 = prefix.parse().ok()?;
+    let bits: u32 = if address.is_ipv4() { 32 } else { 128 };
+    let host_bits = bits.checked_sub(prefix)?;
+    if host_bits < 128 && index >= 1u128 << host_bits {
+        return None;
+    }
+    Some(match address {
+        IpAddr::V4(a) => {
+            let network = u32::from(a) & u32::MAX.checked_shl(host_bits).unwrap_or(0);
+            IpAddr::V4((network + index as u32).into())
+        }
+        IpAddr::V6(a) => {
+            let network = u128::from(a) & u128::MAX.checked_shl(host_bits).unwrap_or(0);
+            IpAddr::V6((network + index).into())
+        }
+    })
 }
 
 /// What the renderer refuses, naming the field.
@@ -123,6 +216,18 @@ pub enum SpecError {
     Owner { path: String, owner: String },
     #[error("{field}[{index}] contains a NUL byte")]
     NulInCommand { field: &'static str, index: usize },
+    #[error("clusterDNS[{index}] {value:?} is not an IP address")]
+    ClusterDns { index: usize, value: String },
+    #[error("clusterDomain {0:?} is not a DNS domain")]
+    ClusterDomain(String),
+    #[error(
+        "the Cluster's spec.clusterNetwork.services.cidrBlocks[0] {0:?} is not a CIDR range with a tenth address for the cluster DNS: set clusterDNS"
+    )]
+    ServiceRange(String),
+    #[error(
+        "the Cluster's spec.clusterNetwork.serviceDomain {0:?} is not a DNS domain: set clusterDomain"
+    )]
+    ServiceDomain(String),
 }
 
 /// The rendered document. Holds the token: its Debug never shows the text.
@@ -165,6 +270,12 @@ pub fn validate(spec: &SitebootConfigSpec) -> Result<(), SpecError> {
             return Err(SpecError::NulInCommand { field, index });
         }
     }
+    cluster_dns_servers(spec)?;
+    if let Some(domain) = &spec.cluster_domain
+        && !is_dns_subdomain(domain)
+    {
+        return Err(SpecError::ClusterDomain(domain.clone()));
+    }
     Ok(())
 }
 
@@ -203,19 +314,21 @@ fn is_label_key(key: &str) -> bool {
         Some((prefix, name)) => (Some(prefix), name),
         None => (None, key),
     };
-    let prefix_ok = prefix.is_none_or(|p| {
-        !p.is_empty()
-            && p.len() <= 253
-            && p.split('.').all(|label| {
-                !label.is_empty()
-                    && label
-                        .bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                    && !label.starts_with('-')
-                    && !label.ends_with('-')
-            })
-    });
-    prefix_ok && !name.is_empty() && is_label_value(name)
+    prefix.is_none_or(is_dns_subdomain) && !name.is_empty() && is_label_value(name)
+}
+
+/// A DNS subdomain as Kubernetes names them: dot-separated lower-case labels of letters,
+/// digits and inner hyphens, at most 253 characters.
+fn is_dns_subdomain(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
 }
 
 /// A Kubernetes label value: empty, or up to 63 of `[A-Za-z0-9_.-]` starting and ending
@@ -245,9 +358,9 @@ pub fn render(spec: &SitebootConfigSpec, join: &JoinData) -> Result<BootstrapDat
     let mut files = vec![
         b64_file(CA_PATH, "0644", join.ca_pem),
         b64_file(BOOTSTRAP_KUBECONFIG, "0600", &bootstrap_kubeconfig(join)),
-        // Rendered by cloud-init's jinja: the only templated files.
+        // Rendered by cloud-init's jinja: the only templated file.
         json!({ "path": PROVIDER_ID_FILE, "permissions": "0644", "content": format!("{PROVIDER_ID_JINJA}\n") }),
-        json!({ "path": KUBELET_CONFIG_RENDERED, "permissions": "0644", "content": kubelet_config(&spec.node_taints) }),
+        b64_file(KUBELET_CONFIG_RENDERED, "0644", &kubelet_config(&spec.node_taints, join.dns)),
         b64_file("/etc/containerd/config.toml", "0644", CONTAINERD_CONFIG),
         b64_file("/etc/systemd/system/kubelet.service", "0644", KUBELET_UNIT),
         b64_file(
@@ -291,7 +404,7 @@ fn bootstrap_kubeconfig(join: &JoinData) -> String {
     serde_yaml::to_string(&config).expect("a JSON value serializes as YAML")
 }
 
-fn kubelet_config(taints: &[NodeTaint]) -> String {
+fn kubelet_config(taints: &[NodeTaint], dns: &ClusterDns) -> String {
     let mut register = vec![json!({ "key": UNINITIALIZED_TAINT, "effect": "NoSchedule" })];
     register.extend(taints.iter().map(|t| {
         let effect = match t.effect {
@@ -308,7 +421,6 @@ fn kubelet_config(taints: &[NodeTaint]) -> String {
     let config = json!({
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
-        "providerID": PROVIDER_ID_JINJA,
         "cgroupDriver": "systemd",
         "containerRuntimeEndpoint": "unix:///run/containerd/containerd.sock",
         "rotateCertificates": true,
@@ -319,6 +431,8 @@ fn kubelet_config(taints: &[NodeTaint]) -> String {
         },
         "authorization": { "mode": "Webhook" },
         "registerWithTaints": register,
+        "clusterDNS": dns.servers.iter().map(IpAddr::to_string).collect::<Vec<_>>(),
+        "clusterDomain": dns.domain,
     });
     serde_yaml::to_string(&config).expect("a JSON value serializes as YAML")
 }
@@ -447,13 +561,14 @@ fail() {{
 provider_id=$(cat {PROVIDER_ID_FILE})
 case "$provider_id" in
     ""|*CI_MISSING_JINJA_VAR*)
-        fail "the instance meta-data has no provider-id (ds.meta_data.provider_id): not registering a Node without its Machine's providerID" ;;
+        provider_id=""
+        echo "siteboot bootstrap: the instance meta-data has no provider-id; the Node registers without one, for the infrastructure provider to set" ;;
     *[!A-Za-z0-9._:/@-]*)
         fail "the instance meta-data's provider-id has characters a providerID cannot have" ;;
 esac
 {pre}install -d -m 0755 /var/lib/kubelet
 cp {KUBELET_CONFIG_RENDERED} {KUBELET_CONFIG}
-{CNI_BIN_LINK}systemctl daemon-reload
+{append}{CNI_BIN_LINK}systemctl daemon-reload
 {start}waited=0
 until [ -s {KUBELET_CLIENT_CERT} ]; do
     [ "$waited" -lt {CERTIFICATE_WAIT_SECONDS} ] || fail "the kubelet got no client certificate within {CERTIFICATE_WAIT_SECONDS} s (TLS bootstrap: token valid? CSRs approved?)"
@@ -467,6 +582,7 @@ echo success > {SENTINEL}
         pre = commands("preCommands", &spec.pre_commands),
         post = commands("postCommands", &spec.post_commands),
         start = placement.start_commands(),
+        append = provider_id_append(),
     )
 }
 
@@ -476,12 +592,18 @@ mod tests {
 
     use super::*;
 
-    const JOIN: JoinData<'static> = JoinData {
-        server: "https://10.0.0.1:6443",
-        ca_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
-        token_id: "abcdef",
-        token_secret: "0123456789abcdef",
-    };
+    static DNS: std::sync::LazyLock<ClusterDns> =
+        std::sync::LazyLock::new(|| ClusterDns::resolve(&Default::default(), None).unwrap());
+
+    fn join() -> JoinData<'static> {
+        JoinData {
+            server: "https://10.0.0.1:6443",
+            ca_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+            token_id: "abcdef",
+            token_secret: "0123456789abcdef",
+            dns: &DNS,
+        }
+    }
 
     /// The document as cloud-init would parse it after jinja, with `provider_id` substituted.
     fn parsed(data: &BootstrapData, provider_id: &str) -> Value {
@@ -518,18 +640,20 @@ mod tests {
 
     #[test]
     fn a_plain_config_renders_a_join_through_tls_bootstrapping() {
-        let data = render(&SitebootConfigSpec::default(), &JOIN).unwrap();
+        let data = render(&SitebootConfigSpec::default(), &join()).unwrap();
         assert!(data.0.starts_with("## template: jinja\n#cloud-config\n"));
-        assert_eq!(jinja_markers(&data.0).len(), 2, "only the two provider-id placeholders");
+        assert_eq!(jinja_markers(&data.0).len(), 1, "only the provider-id placeholder");
         let doc = parsed(&data, "siteboot://metal/host-0");
-        assert_eq!(content(&doc, CA_PATH), JOIN.ca_pem);
+        assert_eq!(content(&doc, CA_PATH), join().ca_pem);
         assert_eq!(file(&doc, BOOTSTRAP_KUBECONFIG)["permissions"], "0600");
         let kubeconfig: Value = serde_yaml::from_str(&content(&doc, BOOTSTRAP_KUBECONFIG)).unwrap();
-        assert_eq!(kubeconfig["clusters"][0]["cluster"]["server"], JOIN.server);
+        assert_eq!(kubeconfig["clusters"][0]["cluster"]["server"], join().server);
         assert_eq!(kubeconfig["users"][0]["user"]["token"], "abcdef.0123456789abcdef");
         let kubelet: Value = serde_yaml::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
-        assert_eq!(kubelet["providerID"], "siteboot://metal/host-0");
+        assert!(kubelet.get("providerID").is_none(), "the join script adds the checked id");
         assert_eq!(kubelet["cgroupDriver"], "systemd");
+        assert_eq!(kubelet["clusterDNS"], json!(["10.96.0.10"]), "kubeadm's default");
+        assert_eq!(kubelet["clusterDomain"], "cluster.local");
         assert_eq!(
             kubelet["registerWithTaints"],
             json!([{ "key": UNINITIALIZED_TAINT, "effect": "NoSchedule" }])
@@ -550,13 +674,15 @@ mod tests {
             post_commands: vec!["echo post".into()],
             ..Default::default()
         };
-        let doc = parsed(&render(&spec, &JOIN).unwrap(), "siteboot://metal/host-0");
+        let doc = parsed(&render(&spec, &join()).unwrap(), "siteboot://metal/host-0");
         let script = content(&doc, JOIN_SCRIPT);
         let at = |needle: &str| script.find(needle).unwrap_or_else(|| panic!("no {needle:?}"));
         assert!(script.starts_with("#!/bin/sh\n"));
         assert!(at("set -eu") < at("CI_MISSING_JINJA_VAR"));
         assert!(at("CI_MISSING_JINJA_VAR") < at("'echo pre'"), "the guard runs before anything");
         assert!(at("'echo pre'") < at(&format!("cp {KUBELET_CONFIG_RENDERED}")));
+        assert!(at(&format!("cp {KUBELET_CONFIG_RENDERED}")) < at(&provider_id_append()));
+        assert!(at(&provider_id_append()) < at("systemctl daemon-reload"));
         assert!(at("systemctl restart kubelet") < at(KUBELET_CLIENT_CERT));
         assert!(at(KUBELET_CLIENT_CERT) < at(&format!("rm -f {BOOTSTRAP_KUBECONFIG}")));
         assert!(at(&format!("rm -f {BOOTSTRAP_KUBECONFIG}")) < at("'echo post'"));
@@ -564,43 +690,168 @@ mod tests {
         assert!(script.contains(&format!("-lt {CERTIFICATE_WAIT_SECONDS} ]")), "bounded wait");
     }
 
-    /// Runs the join script's provider-id guard in a real shell against what cloud-init
-    /// renders: a missing key must stop it with a clear message before anything else.
+    /// Runs the join script's provider-id guard and its append to the kubelet's configuration
+    /// in a real shell against what cloud-init renders: an id is added to the configuration
+    /// the kubelet reads; a missing one leaves it out, saying so; an odd one stops the join.
     #[test]
-    fn the_guard_fails_loudly_on_a_missing_or_odd_provider_id() {
-        let data = render(&SitebootConfigSpec::default(), &JOIN).unwrap();
+    fn the_provider_id_is_checked_then_added_to_the_kubelet_configuration() {
+        let data = render(&SitebootConfigSpec::default(), &join()).unwrap();
         let doc = parsed(&data, "unused");
         let script = content(&doc, JOIN_SCRIPT);
         let guard_end = script.find("esac\n").unwrap() + "esac\n".len();
         let dir = std::env::temp_dir().join(format!("siteboot-guard-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
+        let (id_file, rendered, config) =
+            (dir.join("provider-id"), dir.join("rendered.yaml"), dir.join("config.yaml"));
+        std::fs::write(&rendered, content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
         let run = |provider_id: &str| {
-            let id_file = dir.join("provider-id");
             std::fs::write(&id_file, format!("{provider_id}\n")).unwrap();
+            let _ = std::fs::remove_file(&config);
             let guard = script[..guard_end]
                 .replace(PROVIDER_ID_FILE, id_file.to_str().unwrap())
                 .replace("> /dev/console", "> /dev/null");
+            let copy = format!("cp {} {}\n", rendered.display(), config.display());
+            let append = provider_id_append().replace(KUBELET_CONFIG, config.to_str().unwrap());
             let out = std::process::Command::new("/bin/sh")
                 .arg("-c")
-                .arg(format!("{guard}echo passed"))
+                .arg(format!("{guard}{copy}{append}echo passed"))
                 .output()
                 .unwrap();
+            let kubelet: Option<Value> = std::fs::read_to_string(&config)
+                .ok()
+                .map(|text| serde_yaml::from_str(&text).expect("the configuration stays YAML"));
             (
                 out.status.success(),
                 String::from_utf8_lossy(&out.stdout).into_owned(),
-                String::from_utf8_lossy(&out.stderr).into_owned(),
+                out.stderr,
+                kubelet,
             )
         };
-        let (ok, stdout, _) = run("siteboot://metal/host-0");
+        let (ok, stdout, _, kubelet) = run("siteboot://metal/host-0");
         assert!(ok && stdout.contains("passed"));
-        for bad in ["CI_MISSING_JINJA_VAR/provider_id", "", "a'b", "x y", "$(reboot)"] {
-            let (ok, stdout, stderr) = run(bad);
-            assert!(!ok && !stdout.contains("passed"), "{bad:?} passed the guard");
-            assert!(stderr.contains("siteboot bootstrap FAILED"), "{bad:?}: {stderr}");
+        let kubelet = kubelet.unwrap();
+        assert_eq!(kubelet["providerID"], "siteboot://metal/host-0");
+        assert_eq!(kubelet["cgroupDriver"], "systemd", "the rest of the configuration kept");
+        for missing in ["CI_MISSING_JINJA_VAR/provider_id", ""] {
+            let (ok, stdout, _, kubelet) = run(missing);
+            assert!(ok && stdout.contains("passed"), "{missing:?}");
+            assert!(stdout.contains("no provider-id; the Node registers without one"), "{stdout}");
+            let kubelet = kubelet.unwrap();
+            assert!(kubelet.get("providerID").is_none(), "{missing:?}: {kubelet}");
+            assert_eq!(kubelet["cgroupDriver"], "systemd");
         }
-        let (_, _, stderr) = run("CI_MISSING_JINJA_VAR/provider_id");
-        assert!(stderr.contains("no provider-id"), "{stderr}");
+        for bad in ["a'b", "x y", "$(reboot)", "id\nproviderID: other"] {
+            let (ok, stdout, stderr, kubelet) = run(bad);
+            assert!(!ok && !stdout.contains("passed"), "{bad:?} passed the guard");
+            let stderr = String::from_utf8_lossy(&stderr);
+            assert!(stderr.contains("siteboot bootstrap FAILED"), "{bad:?}: {stderr}");
+            assert!(kubelet.is_none(), "{bad:?}: nothing copied");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn cluster_dns_comes_from_the_config_then_the_cluster_then_kubeadms_defaults() {
+        let network = |range: Option<&str>, domain: Option<&str>| ClusterNetwork {
+            services: range.map(|r| crate::crd::capi::NetworkRanges {
+                cidr_blocks: vec![r.into(), "fd00:10:96::/108".into()],
+            }),
+            service_domain: domain.map(Into::into),
+        };
+        let spec = |dns: &[&str], domain: Option<&str>| SitebootConfigSpec {
+            cluster_dns: dns.iter().map(|s| (*s).into()).collect(),
+            cluster_domain: domain.map(Into::into),
+            ..Default::default()
+        };
+        let resolved = |spec: &SitebootConfigSpec, network: Option<&ClusterNetwork>| {
+            ClusterDns::resolve(spec, network)
+                .map(|d| (d.servers.iter().map(ToString::to_string).collect::<Vec<_>>(), d.domain))
+        };
+        let ok = |servers: &[&str], domain: &str| {
+            Ok((servers.iter().map(|s| (*s).to_owned()).collect(), domain.to_owned()))
+        };
+        let cases = [
+            (spec(&[], None), None, ok(&["10.96.0.10"], "cluster.local")),
+            (spec(&[], None), Some(network(None, None)), ok(&["10.96.0.10"], "cluster.local")),
+            (
+                spec(&[], None),
+                Some(network(Some("10.128.0.0/16"), Some("k8s.example"))),
+                ok(&["10.128.0.10"], "k8s.example"),
+            ),
+            // The range's network, whatever address the CIDR was written with.
+            (
+                spec(&[], None),
+                Some(network(Some("10.0.5.77/24"), None)),
+                ok(&["10.0.5.10"], "cluster.local"),
+            ),
+            (
+                spec(&[], None),
+                Some(network(Some("fd00::/112"), None)),
+                ok(&["fd00::a"], "cluster.local"),
+            ),
+            (
+                spec(&[], None),
+                Some(network(Some("10.0.0.16/28"), None)),
+                ok(&["10.0.0.26"], "cluster.local"),
+            ),
+            (
+                spec(&["10.0.0.53", "fd00::53"], Some("corp.internal")),
+                Some(network(Some("10.128.0.0/16"), Some("k8s.example"))),
+                ok(&["10.0.0.53", "fd00::53"], "corp.internal"),
+            ),
+            (
+                spec(&[], None),
+                Some(network(Some("10.0.0.0/29"), None)),
+                Err(SpecError::ServiceRange("10.0.0.0/29".into())),
+            ),
+            (
+                spec(&[], None),
+                Some(network(Some("10.96.0.0"), None)),
+                Err(SpecError::ServiceRange("10.96.0.0".into())),
+            ),
+            (
+                spec(&[], None),
+                Some(network(Some("10.96.0.0/33"), None)),
+                Err(SpecError::ServiceRange("10.96.0.0/33".into())),
+            ),
+            (
+                spec(&[], None),
+                Some(network(None, Some("Bad_Domain"))),
+                Err(SpecError::ServiceDomain("Bad_Domain".into())),
+            ),
+            // The config's own settings win, so a bad Cluster value can be overridden.
+            (
+                spec(&["10.0.0.53"], Some("ok.example")),
+                Some(network(Some("nonsense"), Some("Bad_Domain"))),
+                ok(&["10.0.0.53"], "ok.example"),
+            ),
+            (
+                spec(&["10.0.0.53", "dns.example"], None),
+                None,
+                Err(SpecError::ClusterDns { index: 1, value: "dns.example".into() }),
+            ),
+            (spec(&[], Some("{{ x }}")), None, Err(SpecError::ClusterDomain("{{ x }}".into()))),
+        ];
+        for (spec, network, expected) in cases {
+            assert_eq!(resolved(&spec, network.as_ref()), expected, "{spec:?} {network:?}");
+        }
+        // What resolve refuses of the config alone, validate refuses before any token.
+        assert!(validate(&spec(&["10.0.0.53", "dns.example"], None)).is_err());
+        assert!(validate(&spec(&[], Some("a..b"))).is_err());
+        assert!(validate(&spec(&["10.0.0.53"], Some("cluster.local"))).is_ok());
+    }
+
+    #[test]
+    fn the_cluster_dns_reaches_the_kubelet() {
+        let dns = ClusterDns {
+            servers: vec!["10.0.0.53".parse().unwrap(), "fd00::53".parse().unwrap()],
+            domain: "corp.internal".into(),
+        };
+        let join = JoinData { dns: &dns, ..join() };
+        let doc = parsed(&render(&SitebootConfigSpec::default(), &join).unwrap(), "p");
+        let kubelet: Value = serde_yaml::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
+        assert_eq!(kubelet["clusterDNS"], json!(["10.0.0.53", "fd00::53"]));
+        assert_eq!(kubelet["clusterDomain"], "corp.internal");
     }
 
     /// The kernel settings the kubelet's `setupKernelTunables` writes unless they are set.
@@ -615,10 +866,10 @@ mod tests {
 
     #[test]
     fn nspawn_mode_is_the_same_document_with_the_container_and_another_start() {
-        let host = parsed(&render(&SitebootConfigSpec::default(), &JOIN).unwrap(), "p");
+        let host = parsed(&render(&SitebootConfigSpec::default(), &join()).unwrap(), "p");
         let spec = SitebootConfigSpec { nspawn: Some(true), ..Default::default() };
-        let data = render(&spec, &JOIN).unwrap();
-        assert_eq!(jinja_markers(&data.0).len(), 2, "only the two provider-id placeholders");
+        let data = render(&spec, &join()).unwrap();
+        assert_eq!(jinja_markers(&data.0).len(), 1, "only the provider-id placeholder");
         let doc = parsed(&data, "p");
         let paths = |doc: &Value| -> Vec<String> {
             let files = doc["write_files"].as_array().unwrap();
@@ -697,7 +948,7 @@ mod tests {
     #[test]
     fn the_cni_plugin_folder_is_linked_only_when_missing() {
         let script =
-            content(&parsed(&render(&Default::default(), &JOIN).unwrap(), "p"), JOIN_SCRIPT);
+            content(&parsed(&render(&Default::default(), &join()).unwrap(), "p"), JOIN_SCRIPT);
         assert!(script.contains(CNI_BIN_LINK));
         let dir = std::env::temp_dir().join(format!("siteboot-cni-{}", std::process::id()));
         let run = |opt_exists: bool, debian_exists: bool| {
@@ -738,7 +989,7 @@ mod tests {
             }],
             ..Default::default()
         };
-        let doc = parsed(&render(&spec, &JOIN).unwrap(), "p");
+        let doc = parsed(&render(&spec, &join()).unwrap(), "p");
         let drop_in = content(&doc, "/etc/systemd/system/kubelet.service.d/zz-siteboot.conf");
         assert!(drop_in.contains(" --node-labels=example.com/pool=gpu,tier=\n"), "{drop_in}");
         let kubelet: Value = serde_yaml::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
@@ -797,7 +1048,7 @@ mod tests {
             ),
         ];
         for (spec, why) in refused {
-            assert!(render(&spec, &JOIN).is_err(), "{why} was rendered");
+            assert!(render(&spec, &join()).is_err(), "{why} was rendered");
             assert!(validate(&spec).is_err(), "{why} validated");
         }
         assert!(validate(&file("/etc/a", Some("600"), Some("app:app-group"))).is_ok());
@@ -832,8 +1083,8 @@ mod tests {
             post_commands: hostile.iter().map(|c| (*c).into()).collect(),
             ..Default::default()
         };
-        let data = render(&spec, &JOIN).unwrap();
-        assert_eq!(jinja_markers(&data.0).len(), 2, "{:?}", jinja_markers(&data.0));
+        let data = render(&spec, &join()).unwrap();
+        assert_eq!(jinja_markers(&data.0).len(), 1, "{:?}", jinja_markers(&data.0));
         let doc = parsed(&data, "p");
         assert_eq!(doc.as_object().unwrap().len(), 2, "only write_files and runcmd");
         assert_eq!(doc["runcmd"], json!([["/bin/sh", JOIN_SCRIPT]]));

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 
-use super::cloud_config::{self, BootstrapData, JoinData};
+use super::cloud_config::{self, BootstrapData, ClusterDns, JoinData};
 use crate::conditions::{DATA_SECRET_AVAILABLE, READY, Reason, check_paused};
 use crate::crd::capi::{ApiEndpoint, CONTROL_PLANE_LABEL, Cluster, Machine};
 use crate::crd::{BootstrapInitialization, SitebootConfig, SitebootConfigStatus, set_condition};
@@ -227,6 +227,10 @@ fn decide<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
             Requeue::OnChange,
         );
     };
+    let dns = match ClusterDns::resolve(&config.spec, cluster.spec.cluster_network.as_ref()) {
+        Ok(dns) => dns,
+        Err(e) => return report.wait(Reason::InvalidSpec, &e.to_string(), Requeue::OnChange),
+    };
     // Joins need a control plane that answers and has its CA and RBAC: CAPI sets this field
     // once the control plane provider reports it (it never goes back), exactly what CABPK
     // waits for before any worker join.
@@ -297,6 +301,7 @@ fn decide<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
                 ca_pem: &target.ca_pem,
                 token_id: &token.id,
                 token_secret: &token.secret,
+                dns: &dns,
             };
             match cloud_config::render(&config.spec, &join) {
                 Ok(data) => (Step::WriteDataSecret(data), Requeue::Now),
@@ -634,6 +639,20 @@ mod tests {
         let p = w.plan();
         waits(&p, Reason::InvalidSpec);
         assert!(p.status.token_id.is_none());
+        // A Cluster whose Service range leaves no address for the cluster DNS.
+        w.config.spec.node_labels.clear();
+        let network = crate::crd::capi::ClusterNetwork {
+            services: Some(crate::crd::capi::NetworkRanges {
+                cidr_blocks: vec!["10.0.0.0/30".into()],
+            }),
+            service_domain: None,
+        };
+        w.cluster.as_mut().unwrap().spec.cluster_network = Some(network);
+        let p = w.plan();
+        waits(&p, Reason::InvalidSpec);
+        assert!(p.status.token_id.is_none());
+        w.config.spec.cluster_dns = vec!["10.0.0.2".into()];
+        assert_eq!(w.plan().step, Step::RecordTokenId, "the config's own clusterDNS is enough");
     }
 
     #[test]

@@ -64,6 +64,15 @@ pub struct SitebootConfigSpec {
     /// `systemd-container`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nspawn: Option<bool>,
+    /// The cluster DNS servers the kubelet gives pods (`clusterDNS`). Default, as kubeadm's:
+    /// the tenth address of the Cluster's first Service range
+    /// (`spec.clusterNetwork.services.cidrBlocks`, default `10.96.0.0/12`, so `10.96.0.10`).
+    #[serde(default, rename = "clusterDNS", skip_serializing_if = "Vec::is_empty")]
+    pub cluster_dns: Vec<String>,
+    /// The cluster's DNS domain the kubelet gives pods (`clusterDomain`). Default: the
+    /// Cluster's `spec.clusterNetwork.serviceDomain`, else `cluster.local`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_domain: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -90,6 +90,27 @@ pub struct ClusterSpec {
     /// plane or infrastructure provider); CAPI keeps it once set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_plane_endpoint: Option<ApiEndpoint>,
+    /// The workload cluster's networks, as the control plane was told them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_network: Option<ClusterNetwork>,
+}
+
+/// `spec.clusterNetwork`: what bootstrap data derives the kubelet's DNS settings from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterNetwork {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub services: Option<NetworkRanges>,
+    /// The Services' DNS domain (kubeadm's default: `cluster.local`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_domain: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkRanges {
+    #[serde(default)]
+    pub cidr_blocks: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
