@@ -198,7 +198,7 @@ mod tests {
         h
     }
 
-    fn owner<'h>(hosts: &[&'h Host]) -> String {
+    fn owner(hosts: &[&Host]) -> String {
         let owner = pools().mac_owner(hosts.iter().copied()).unwrap();
         format!("{}/{}", owner.namespace().unwrap(), owner.name_any())
     }
@@ -252,7 +252,7 @@ mod tests {
         let second = host("team-b", "copy-2", 300, "u3");
         let mac = "52:54:00:00:00:01";
         assert_eq!(pools.mac_standing(&pooled, &[]), MacStanding::Unique);
-        assert_eq!(pools.mac_standing(&pooled, &[]).condition(mac).0, true);
+        assert!(pools.mac_standing(&pooled, &[]).condition(mac).0);
         let standing = pools.mac_standing(&copy, &[&pooled, &second]);
         assert_eq!(standing, MacStanding::Duplicate { owner: None });
         let (ok, reason, message) = standing.condition(mac);
