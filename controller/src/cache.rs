@@ -29,6 +29,7 @@ impl HostIndex {
         Arc::new(Self { pools, ..Self::default() })
     }
 
+    /// The pools the index was made with (the machine reconciler's [`HostPools`] too).
     pub fn pools(&self) -> &HostPools {
         &self.pools
     }
@@ -45,6 +46,10 @@ impl HostIndex {
     }
 
     fn owner_in(&self, hosts: &[Arc<Host>]) -> Option<Arc<Host>> {
+        // The common case, on every DHCP packet: one Host, nothing to compare.
+        if let [only] = hosts {
+            return Some(only.clone());
+        }
         let owner = self.pools.mac_owner(hosts.iter().map(|h| &**h))?;
         hosts.iter().find(|h| std::ptr::eq(&***h, owner)).cloned()
     }
