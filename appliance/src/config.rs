@@ -21,6 +21,7 @@ use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::tftp::TftpSettings;
 use siteboot_controller::bmc::AddressError;
 use siteboot_controller::crd::{BootMode, Image, RootDeviceHints, WipePolicy};
+use siteboot_controller::pools::{HostPools, Tenants};
 use siteboot_ipxe::{IpxeBinaries, Word};
 
 use crate::bmc::HostBmc;
@@ -92,16 +93,61 @@ pub struct KubernetesFile {
     /// while it works.
     #[serde(default = "default_ramdisk_silence_timeout", with = "humantime_serde")]
     pub ramdisk_silence_timeout: std::time::Duration,
-    /// Namespaces, besides a SitebootMachine's own, that its `hostSelector.namespace` may take
-    /// Hosts from. None by default: a machine gets Hosts of its own namespace only.
+    /// The operator's host pools: namespaces, besides a SitebootMachine's own, that its
+    /// `hostSelector.namespace` may take Hosts from, each with the tenant namespaces that may.
+    /// None by default: a machine gets Hosts of its own namespace only. Whoever may write Hosts
+    /// in a pool decides what its tenants' machines are given: grant that to operators only.
+    /// A Host in a pool also keeps a boot MAC that a Host elsewhere names too.
     #[serde(default)]
-    pub host_namespaces: Vec<String>,
+    pub host_namespaces: Vec<HostNamespaceFile>,
     /// The least wipe a used host gets before another tenant may have it: `quick` (partition
     /// tables and signatures; a forensic reader recovers files) or `full` (every block zeroed
     /// and read back). A SitebootMachine's `spec.wipe` or a Host's may ask for more, never
     /// less. `none` only for disposable lab hosts.
     #[serde(default = "default_wipe")]
     pub min_wipe: WipePolicy,
+}
+
+/// One entry of `kubernetes.host_namespaces`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum HostNamespaceFile {
+    /// `pool`: machines of every namespace may take Hosts of `pool`.
+    Open(String),
+    /// `{namespace: pool, tenants: [team-a]}`: machines of these namespaces (and of `pool`
+    /// itself) only.
+    Pool(HostPoolFile),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostPoolFile {
+    pub namespace: String,
+    pub tenants: Vec<String>,
+}
+
+/// The host pools `host_namespaces` lists; a namespace listed twice is refused (which of its
+/// tenant lists was meant?).
+fn host_pools(entries: &[HostNamespaceFile]) -> Result<HostPools, FieldError> {
+    let mut pools = BTreeMap::new();
+    for entry in entries {
+        let (namespace, tenants) = match entry {
+            HostNamespaceFile::Open(namespace) => (namespace, Tenants::Any),
+            HostNamespaceFile::Pool(pool) => {
+                (&pool.namespace, Tenants::Only(pool.tenants.iter().cloned().collect()))
+            }
+        };
+        if namespace.is_empty() {
+            return Err(FieldError::new("kubernetes.host_namespaces", "a namespace is empty"));
+        }
+        if pools.insert(namespace.clone(), tenants).is_some() {
+            return Err(FieldError::new(
+                "kubernetes.host_namespaces",
+                format!("namespace {namespace:?} is listed twice"),
+            ));
+        }
+    }
+    Ok(HostPools::new(pools))
 }
 
 fn default_token_max_age() -> std::time::Duration {
@@ -129,7 +175,7 @@ pub struct KubernetesConfig {
     pub leader_election: bool,
     pub token_max_age: std::time::Duration,
     pub ramdisk_silence_timeout: std::time::Duration,
-    pub host_namespaces: Vec<String>,
+    pub host_pools: HostPools,
     pub min_wipe: WipePolicy,
 }
 
@@ -505,7 +551,7 @@ impl Config {
                     leader_election: k.leader_election,
                     token_max_age: k.token_max_age,
                     ramdisk_silence_timeout: k.ramdisk_silence_timeout,
-                    host_namespaces: k.host_namespaces.clone(),
+                    host_pools: host_pools(&k.host_namespaces)?,
                     min_wipe: k.min_wipe,
                 })
             }
@@ -1234,6 +1280,30 @@ unknown_hosts:
             let config = Config::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
             assert_eq!(config.known_hosts_only, expected, "{text}");
         }
+    }
+
+    /// Both forms of `host_namespaces`: a plain name is open to every tenant, a pool only to
+    /// the tenants it lists; a namespace listed twice is refused.
+    #[test]
+    fn host_pools_list_their_tenants() {
+        let kubernetes = |pools: &str| {
+            GOOD.replace("hosts:\n  - mac: 52:54:00:12:34:56\n    profile: linux\n", "").replace(
+                "unknown_hosts:\n  profile: disk\n",
+                &format!("kubernetes:\n  ramdisk_profile: linux\n  host_namespaces: {pools}\n"),
+            )
+        };
+        let parse = |pools: &str| {
+            let (_dir, text) = with_ipxe(&kubernetes(pools));
+            Config::parse(&text).map(|c| c.kubernetes.unwrap().host_pools)
+        };
+        let pools = parse("[shared, { namespace: pool-a, tenants: [team-a] }]").unwrap();
+        assert_eq!(pools.may_take("team-b", "shared"), Ok(()));
+        assert_eq!(pools.may_take("team-a", "pool-a"), Ok(()));
+        assert!(pools.may_take("team-b", "pool-a").is_err());
+        assert!(pools.may_take("team-a", "elsewhere").is_err());
+        let twice = parse("[pool-a, { namespace: pool-a, tenants: [team-a] }]").unwrap_err();
+        assert_eq!(twice.field, "kubernetes.host_namespaces", "{twice}");
+        assert!(parse("[{ namespace: pool-a, tenant: [team-a] }]").is_err(), "a misspelt field");
     }
 
     /// What anyone on the segment reads: a served root holding the state directory, the TLS

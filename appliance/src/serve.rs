@@ -124,13 +124,12 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
                 kube.client,
                 kube.site.clone(),
                 kube.identity,
-                siteboot_controller::cache::HostIndex::new(),
+                siteboot_controller::cache::HostIndex::new(k.host_pools.clone()),
                 k.ramdisk.clone(),
             );
             ctx.token_max_age = k.token_max_age;
             ctx.ramdisk_silence_timeout = k.ramdisk_silence_timeout;
             ctx.min_wipe = k.min_wipe;
-            ctx.machine_policy.host_namespaces = k.host_namespaces.clone();
             ctx.images = Some(Arc::new(siteboot_controller::images::ImageService::new(
                 images.clone(),
                 endpoints.clone(),

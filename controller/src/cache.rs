@@ -1,7 +1,7 @@
 //! The Hosts of this site, indexed by boot MAC, kept current by a watch. The boot plane asks
-//! it on every DHCP packet, so lookups are a hash-map read. Two Hosts with one boot MAC are both
-//! kept, and neither answers a lookup by MAC: which machine is which cannot be told until an
-//! operator fixes one of them.
+//! it on every DHCP packet, so lookups are a hash-map read. Hosts that share a boot MAC are all
+//! kept; a lookup by MAC answers with the one that owns it ([`HostPools::mac_owner`]), so a
+//! Host made later, or outside the operator's pools, cannot take a host off the network.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,25 +12,46 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 use siteboot_boot::MacAddr;
 
+use crate::context::host_key;
 use crate::crd::Host;
+use crate::pools::HostPools;
 
 #[derive(Default)]
 pub struct HostIndex {
     by_mac: RwLock<ByMac>,
     ready: AtomicBool,
+    /// Which Host owns a shared boot MAC depends on the pools.
+    pools: HostPools,
 }
 
 impl HostIndex {
-    pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+    pub fn new(pools: HostPools) -> Arc<Self> {
+        Arc::new(Self { pools, ..Self::default() })
     }
 
-    /// The one Host with this boot MAC; `None` if there is none or more than one.
+    /// The pools the index was made with (the machine reconciler's [`HostPools`] too).
+    pub fn pools(&self) -> &HostPools {
+        &self.pools
+    }
+
+    /// The Host that owns this boot MAC, if any has it.
     pub fn get(&self, mac: MacAddr) -> Option<Arc<Host>> {
-        match self.by_mac.read().expect("host index lock").get(&mac).map(Vec::as_slice) {
-            Some([host]) => Some(host.clone()),
-            _ => None,
+        self.owner_in(self.by_mac.read().expect("host index lock").get(&mac)?)
+    }
+
+    /// The Hosts that own their boot MAC: one per MAC.
+    pub fn owners(&self) -> Vec<Arc<Host>> {
+        let index = self.by_mac.read().expect("host index lock");
+        index.values().filter_map(|hosts| self.owner_in(hosts)).collect()
+    }
+
+    fn owner_in(&self, hosts: &[Arc<Host>]) -> Option<Arc<Host>> {
+        // The common case, on every DHCP packet: one Host, nothing to compare.
+        if let [only] = hosts {
+            return Some(only.clone());
         }
+        let owner = self.pools.mac_owner(hosts.iter().map(|h| &**h))?;
+        hosts.iter().find(|h| std::ptr::eq(&***h, owner)).cloned()
     }
 
     /// Every Host, duplicates included.
@@ -74,7 +95,7 @@ impl HostIndex {
     }
 }
 
-/// Hosts by boot MAC; more than one under a MAC is an error an operator must fix.
+/// Hosts by boot MAC; more than one under a MAC is an error an operator or tenant must fix.
 type ByMac = HashMap<MacAddr, Vec<Arc<Host>>>;
 
 fn insert(map: &mut ByMac, host: Host) {
@@ -85,7 +106,7 @@ fn insert(map: &mut ByMac, host: Host) {
     let hosts = map.entry(mac).or_default();
     hosts.retain(|h| h.uid() != host.uid());
     if let Some(other) = hosts.first() {
-        tracing::error!(%mac, host = %host.name_any(), other = %other.name_any(), "two Hosts share a boot MAC; neither boots nor is claimed until one is fixed");
+        tracing::error!(%mac, host = %host_key(&host), other = %host_key(other), "two Hosts share a boot MAC; only the one that owns it boots or is claimed");
     }
     hosts.push(Arc::new(host));
 }
@@ -104,29 +125,40 @@ fn remove(map: &mut ByMac, host: &Host) {
 mod tests {
     use super::*;
     use crate::crd::HostSpec;
+    use crate::pools::Tenants;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-    fn host(name: &str, uid: &str, mac: &str) -> Host {
-        let mut h = Host::new(name, HostSpec::new(mac));
-        h.metadata.uid = Some(uid.into());
+    fn host(namespace: &str, name: &str, created: i64) -> Host {
+        let mut h = Host::new(name, HostSpec::new("52:54:00:00:00:01"));
+        h.metadata.namespace = Some(namespace.into());
+        h.metadata.uid = Some(format!("{namespace}/{name}"));
+        h.metadata.creation_timestamp =
+            Some(Time(k8s_openapi::jiff::Timestamp::from_second(created).unwrap()));
         h
     }
 
+    /// The boot plane's lookup and the status page follow the MAC's owner: a tenant's copy
+    /// made before or after a pool's Host never answers for the MAC.
     #[test]
-    fn a_shared_boot_mac_answers_no_lookup_until_fixed() {
-        let index = HostIndex::default();
+    fn a_shared_boot_mac_answers_with_its_owner() {
+        let pools = HostPools::new([("pool".to_owned(), Tenants::Any)]);
+        let index = HostIndex { pools, ..HostIndex::default() };
         let mac: MacAddr = "52:54:00:00:00:01".parse().unwrap();
-        let a = host("a", "1", "52:54:00:00:00:01");
-        insert(&mut index.by_mac.write().unwrap(), a.clone());
-        assert_eq!(index.get(mac).unwrap().name_any(), "a");
-        insert(&mut index.by_mac.write().unwrap(), a.clone());
-        assert!(index.get(mac).is_some(), "an update of the same Host is no duplicate");
-        let b = host("b", "2", "52:54:00:00:00:01");
-        insert(&mut index.by_mac.write().unwrap(), b.clone());
-        assert!(index.get(mac).is_none(), "two Hosts, one MAC: neither");
-        assert_eq!(index.all().len(), 2);
-        assert_eq!(index.sharing_mac(&a)[0].name_any(), "b");
-        remove(&mut index.by_mac.write().unwrap(), &b);
-        assert_eq!(index.get(mac).unwrap().name_any(), "a");
-        assert!(index.sharing_mac(&a).is_empty());
+        let add = |h: &Host| insert(&mut index.by_mac.write().unwrap(), h.clone());
+        let planted = host("tenant", "planted", 10);
+        add(&planted);
+        assert_eq!(host_key(&index.get(mac).unwrap()), "tenant/planted");
+        let pooled = host("pool", "node-1", 20);
+        add(&pooled);
+        add(&pooled);
+        assert_eq!(index.all().len(), 2, "an update of the same Host is no duplicate");
+        assert_eq!(host_key(&index.get(mac).unwrap()), "pool/node-1", "the pool's Host");
+        add(&host("tenant", "copy", 30));
+        assert_eq!(host_key(&index.get(mac).unwrap()), "pool/node-1");
+        let owners: Vec<String> = index.owners().iter().map(|h| host_key(h)).collect();
+        assert_eq!(owners, ["pool/node-1"]);
+        assert_eq!(index.sharing_mac(&pooled).len(), 2);
+        remove(&mut index.by_mac.write().unwrap(), &pooled);
+        assert_eq!(host_key(&index.get(mac).unwrap()), "tenant/planted", "the oldest left");
     }
 }

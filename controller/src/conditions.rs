@@ -54,6 +54,8 @@ pub enum Reason {
     /// The API server refused a request (RBAC, validation): retried slowly.
     ApiRefused,
     BootMACUnique,
+    /// Other Hosts name this Host's boot MAC too; this one keeps it.
+    BootMACOwned,
     DuplicateBootMAC,
     /// The Cluster's control plane cannot take joins yet.
     WaitingForControlPlaneInitialized,

@@ -72,7 +72,7 @@ impl Ctx {
             machine_policy: MachinePolicy {
                 site: site.clone(),
                 identity: identity.clone(),
-                host_namespaces: Vec::new(),
+                host_pools: hosts.pools().clone(),
             },
             site,
             identity,

@@ -15,7 +15,6 @@
 //! The status page lists the Host cache: name, state, address, whether it is claimed and the
 //! ramdisk's progress; nothing from a Secret or the BMC, nothing naming its tenant.
 
-use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
@@ -136,14 +135,13 @@ impl Inventory for KubeInventory {
         Box::pin(self.action(request))
     }
 
+    /// What each MAC boots as: its owner (a Host that names another's MAC is not shown).
     fn hosts(&self) -> Vec<HostSummary> {
-        let mut by_mac: HashMap<MacAddr, Vec<Arc<Host>>> = HashMap::new();
-        for host in self.ctx.hosts.all() {
-            if let Ok(mac) = host.spec.boot_mac_address.parse() {
-                by_mac.entry(mac).or_default().push(host);
-            }
-        }
-        by_mac.into_iter().map(|(mac, hosts)| summary(mac, &hosts)).collect()
+        let owners = self.ctx.hosts.owners();
+        owners
+            .iter()
+            .filter_map(|h| Some(summary(h.spec.boot_mac_address.parse().ok()?, h)))
+            .collect()
     }
 
     fn agent(&self, request: AgentRequest) -> BoxFuture<'_, AgentResponse> {
@@ -151,21 +149,8 @@ impl Inventory for KubeInventory {
     }
 }
 
-/// What the status page shows of the Hosts with boot MAC `mac`: one, or the conflict of
-/// several (none of them boots until an operator fixes it).
-fn summary(mac: MacAddr, hosts: &[Arc<Host>]) -> HostSummary {
-    let [host] = hosts else {
-        let mut names: Vec<String> = hosts.iter().map(|h| host_key(h)).collect();
-        names.sort();
-        return HostSummary {
-            mac,
-            name: Some(names.join(", ")),
-            state: "two Hosts share this boot MAC".to_owned(),
-            address: None,
-            claim: None,
-            operation: None,
-        };
-    };
+/// What the status page shows of the Host that owns boot MAC `mac`.
+fn summary(mac: MacAddr, host: &Host) -> HostSummary {
     let status = host.status.as_ref();
     let mut state = match status.and_then(|s| s.state) {
         Some(state) => format!("{state:?}"),
@@ -247,7 +232,7 @@ mod tests {
             ..HostStatus::default()
         });
         let mac = "52:54:00:00:00:01".parse().unwrap();
-        let summary = summary(mac, &[Arc::new(claimed)]);
+        let summary = summary(mac, &claimed);
         assert_eq!(summary.name.as_deref(), Some("site-a/node-1"));
         assert_eq!(summary.state, "Provisioning");
         assert_eq!(summary.address, Some("10.99.0.100".parse().unwrap()));
@@ -267,17 +252,14 @@ mod tests {
     }
 
     #[test]
-    fn new_cordoned_offline_and_conflicting_hosts() {
+    fn new_cordoned_and_offline_hosts() {
         let mac = "52:54:00:00:00:01".parse().unwrap();
         let mut cordoned = host("node-2");
         cordoned.spec.maintenance = true;
         cordoned.spec.online = false;
-        let summary = summary(mac, &[Arc::new(cordoned.clone())]);
+        let summary = summary(mac, &cordoned);
         assert_eq!(summary.state, "New (maintenance) (offline)");
         assert_eq!(summary.claim, Some(Claim::Free));
         assert_eq!((summary.address, summary.operation), (None, None));
-        let both = super::summary(mac, &[Arc::new(cordoned), Arc::new(host("node-1"))]);
-        assert_eq!(both.name.as_deref(), Some("site-a/node-1, site-a/node-2"));
-        assert_eq!(both.state, "two Hosts share this boot MAC");
     }
 }

@@ -19,6 +19,7 @@ pub mod leader;
 pub mod machine;
 pub mod manifests;
 pub mod owners;
+pub mod pools;
 pub mod run;
 pub mod selection;
 pub mod site;

@@ -1,10 +1,13 @@
 //! Which Hosts a SitebootMachine may be given. Pure, so the rules are unit-tested.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt;
+
+use kube::ResourceExt;
 
 use crate::conditions::paused_itself;
 use crate::crd::{HardwareSelector, Host, HostSelector, HostState, SITE_LABEL};
+use crate::pools::HostPools;
 
 /// Why a host is not a candidate (the first reason found), for the "no host" condition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,7 +20,7 @@ pub enum Excluded {
     OtherSite,
     Labels,
     Hardware,
-    /// Another Host of the site has the same boot MAC: neither is given out until one is fixed.
+    /// Another Host of the site owns its boot MAC ([`HostPools::mac_owner`]).
     DuplicateBootMac,
     /// The `cluster.x-k8s.io/paused` annotation: nothing writes to the Host, a claim included.
     Paused,
@@ -34,31 +37,43 @@ impl fmt::Display for Excluded {
             Excluded::OtherSite => "in another site",
             Excluded::Labels => "without the selector's labels",
             Excluded::Hardware => "without the required hardware",
-            Excluded::DuplicateBootMac => "sharing a boot MAC with another Host",
+            Excluded::DuplicateBootMac => "whose boot MAC another Host owns",
             Excluded::Paused => "paused",
         })
     }
 }
 
-/// The Hosts one machine may be given, and the boot MACs more than one of them has (worked out
-/// once, for every question a pass asks).
+/// The Hosts one machine may be given, and the owner of each boot MAC (worked out once, for
+/// every question a pass asks).
 pub struct Pool<'a> {
     hosts: Vec<&'a Host>,
-    duplicates: HashSet<String>,
+    /// By lowercase boot MAC, over the site's Hosts of every namespace: a Host elsewhere may own
+    /// the MAC of one here.
+    owners: HashMap<String, &'a Host>,
 }
 
 impl<'a> Pool<'a> {
-    pub fn new(hosts: impl IntoIterator<Item = &'a Host>) -> Self {
-        let hosts: Vec<&Host> = hosts.into_iter().collect();
-        let mut seen = HashSet::new();
-        let mut duplicates = HashSet::new();
-        for h in &hosts {
-            let mac = h.spec.boot_mac_address.to_ascii_lowercase();
-            if !seen.insert(mac.clone()) {
-                duplicates.insert(mac);
-            }
+    /// The Hosts of `namespace` among the site's `hosts`.
+    pub fn new(
+        hosts: impl IntoIterator<Item = &'a Host>,
+        namespace: &str,
+        pools: &HostPools,
+    ) -> Self {
+        let mut by_mac: HashMap<String, Vec<&Host>> = HashMap::new();
+        for h in hosts {
+            by_mac.entry(h.spec.boot_mac_address.to_ascii_lowercase()).or_default().push(h);
         }
-        Self { hosts, duplicates }
+        let hosts = by_mac
+            .values()
+            .flatten()
+            .copied()
+            .filter(|h| h.namespace().as_deref() == Some(namespace))
+            .collect();
+        let owners = by_mac
+            .into_iter()
+            .filter_map(|(mac, hosts)| Some((mac, pools.mac_owner(hosts)?)))
+            .collect();
+        Self { hosts, owners }
     }
 
     pub fn hosts(&self) -> impl Iterator<Item = &'a Host> + '_ {
@@ -90,11 +105,12 @@ impl<'a> Pool<'a> {
         self.unique(host)
     }
 
+    /// Whether `host` (one of the Hosts the pool was made from) owns its boot MAC.
     fn unique(&self, host: &Host) -> Result<(), Excluded> {
-        if self.duplicates.contains(&host.spec.boot_mac_address.to_ascii_lowercase()) {
-            return Err(Excluded::DuplicateBootMac);
+        match self.owners.get(&host.spec.boot_mac_address.to_ascii_lowercase()) {
+            Some(owner) if !std::ptr::eq(*owner, host) => Err(Excluded::DuplicateBootMac),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// The candidates, in the order to try them. The order is shuffled with `seed` so that two
@@ -211,12 +227,15 @@ fn hardware_matches(host: &Host, want: &HardwareSelector) -> bool {
 mod tests {
     use super::*;
     use crate::crd::{ConsumerRef, Disk, Hardware, HostSpec, HostStatus};
+    use crate::pools::Tenants;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use std::collections::BTreeMap;
 
     fn host(name: &str, site: &str, state: HostState) -> Host {
         // A MAC of the name's own: a shared boot MAC excludes both hosts.
         let n = name.bytes().fold(0u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
         let mut h = Host::new(name, HostSpec::new(format!("52:54:00:00:01:{n:02x}")));
+        h.metadata.namespace = Some("ns".into());
         h.metadata.labels = Some(BTreeMap::from([
             (SITE_LABEL.to_owned(), site.to_owned()),
             ("rack".into(), "r1".into()),
@@ -281,13 +300,14 @@ mod tests {
         });
         assert_eq!(check(&big, Some(&hw), None), Ok(()));
         assert_eq!(
-            Pool::new([&ok, &claimed, &cordoned]).explain(Some(&labels), None),
+            Pool::new([&ok, &claimed, &cordoned], "ns", &HostPools::default())
+                .explain(Some(&labels), None),
             "3 hosts: 1 claimed, 1 in maintenance, 1 without the selector's labels"
         );
     }
 
     #[test]
-    fn a_claimed_host_may_still_fit_but_a_shared_mac_never_does() {
+    fn a_claimed_host_may_still_fit_unless_another_owns_its_mac() {
         let mut claimed = host("a", "s1", HostState::Available);
         claimed.spec.consumer_ref = Some(ConsumerRef {
             api_version: "v".into(),
@@ -296,16 +316,48 @@ mod tests {
             name: "m".into(),
             uid: "u".into(),
         });
-        let pool = Pool::new([&claimed]);
+        let pool = Pool::new([&claimed], "ns", &HostPools::default());
         assert_eq!(pool.fits(&claimed, None, Some("s1")), Ok(()));
         assert_eq!(pool.claimable(&claimed, None, Some("s1")), Err(Excluded::Claimed));
         assert_eq!(pool.fits(&claimed, None, Some("s2")), Err(Excluded::OtherSite));
+        // A later Host with its MAC: the first keeps it, the twin is never a candidate.
         let mut twin = host("b", "s1", HostState::Available);
         twin.spec.boot_mac_address = claimed.spec.boot_mac_address.to_ascii_uppercase();
-        let pool = Pool::new([&claimed, &twin]);
-        assert_eq!(pool.fits(&claimed, None, None), Err(Excluded::DuplicateBootMac));
+        claimed.metadata.creation_timestamp = Some(created(1));
+        twin.metadata.creation_timestamp = Some(created(2));
+        let pool = Pool::new([&twin, &claimed], "ns", &HostPools::default());
+        assert_eq!(pool.fits(&claimed, None, None), Ok(()));
+        assert_eq!(pool.fits(&twin, None, None), Err(Excluded::DuplicateBootMac));
         assert_eq!(pool.claimable(&twin, None, None), Err(Excluded::DuplicateBootMac));
         assert!(pool.candidates(None, None, 0).is_empty());
+    }
+
+    fn created(second: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(second).unwrap())
+    }
+
+    /// A tenant's Host with a pool host's MAC, made before or after it: the pool's host stays a
+    /// candidate for the pool's tenants, the copy is none for its own namespace's machines.
+    #[test]
+    fn a_copied_mac_excludes_only_the_copy() {
+        let pools = HostPools::new([("pool".to_owned(), Tenants::Any)]);
+        let mut pooled = host("node-1", "s1", HostState::Available);
+        pooled.metadata.namespace = Some("pool".into());
+        pooled.metadata.creation_timestamp = Some(created(2));
+        let mut copy = pooled.clone();
+        copy.metadata.name = Some("copy".into());
+        copy.metadata.namespace = Some("team-b".into());
+        for copied_at in [1, 3] {
+            copy.metadata.creation_timestamp = Some(created(copied_at));
+            let site = [&copy, &pooled];
+            let names = |pool: &Pool| -> Vec<String> {
+                pool.candidates(None, None, 0).iter().map(|h| h.name_any()).collect()
+            };
+            assert_eq!(names(&Pool::new(site, "pool", &pools)), ["node-1"]);
+            let tenant = Pool::new(site, "team-b", &pools);
+            assert!(names(&tenant).is_empty());
+            assert_eq!(tenant.explain(None, None), "1 hosts: 1 whose boot MAC another Host owns");
+        }
     }
 
     #[test]
@@ -313,7 +365,7 @@ mod tests {
         let hosts: Vec<Host> =
             (0..8).map(|i| host(&format!("h{i}"), "s", HostState::Available)).collect();
         let order = |seed| {
-            Pool::new(&hosts)
+            Pool::new(&hosts, "ns", &HostPools::default())
                 .candidates(None, None, seed)
                 .iter()
                 .map(|h| h.metadata.name.clone().unwrap())

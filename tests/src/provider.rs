@@ -368,8 +368,13 @@ impl ProviderLab {
     }
 
     pub fn api(&self, kind: &str) -> Api<DynamicObject> {
+        self.api_in(NS, kind)
+    }
+
+    /// [`ProviderLab::api`] in namespace `ns` (a tenant's, say).
+    pub fn api_in(&self, ns: &str, kind: &str) -> Api<DynamicObject> {
         let version = if kind.starts_with("Siteboot") { INFRA } else { CAPI };
-        self.management().api(version, kind, Some(NS))
+        self.management().api(version, kind, Some(ns))
     }
 
     /// Hosts by state.
@@ -483,13 +488,18 @@ impl ProviderLab {
     /// A SitebootCluster and a Cluster using it, and the bootstrap Secret its Machines use
     /// (before a move: the Cluster's workload is [`ProviderLab::env`]).
     pub async fn create_cluster(&self, name: &str, bootstrap: &str) -> Result<()> {
+        self.create_cluster_in(NS, name, bootstrap).await
+    }
+
+    /// [`ProviderLab::create_cluster`] in namespace `ns`, which must exist.
+    pub async fn create_cluster_in(&self, ns: &str, name: &str, bootstrap: &str) -> Result<()> {
         let sbc: DynamicObject = serde_json::from_value(json!({
             "apiVersion": INFRA, "kind": "SitebootCluster", "metadata": { "name": name }, "spec": {},
         }))?;
-        self.api("SitebootCluster").create(&PostParams::default(), &sbc).await?;
-        capi::create_cluster(&self.env, NS, name, Some((INFRA_GROUP, "SitebootCluster", name)))
+        self.api_in(ns, "SitebootCluster").create(&PostParams::default(), &sbc).await?;
+        capi::create_cluster(&self.env, ns, name, Some((INFRA_GROUP, "SitebootCluster", name)))
             .await?;
-        capi::create_bootstrap_secret(&self.env, NS, name, &format!("{name}-bootstrap"), bootstrap)
+        capi::create_bootstrap_secret(&self.env, ns, name, &format!("{name}-bootstrap"), bootstrap)
             .await
     }
 
@@ -501,11 +511,18 @@ impl ProviderLab {
 
     /// A SitebootMachineTemplate whose machines get `spec` (a SitebootMachine's spec).
     pub async fn create_template_spec(&self, name: &str, spec: Value) -> Result<()> {
+        self.create_template_spec_in(NS, name, spec).await
+    }
+
+    /// [`ProviderLab::create_template_spec`] in namespace `ns`.
+    pub async fn create_template_spec_in(&self, ns: &str, name: &str, spec: Value) -> Result<()> {
         let template: DynamicObject = serde_json::from_value(json!({
             "apiVersion": INFRA, "kind": "SitebootMachineTemplate", "metadata": { "name": name },
             "spec": { "template": { "spec": spec } },
         }))?;
-        self.api("SitebootMachineTemplate").create(&PostParams::default(), &template).await?;
+        self.api_in(ns, "SitebootMachineTemplate")
+            .create(&PostParams::default(), &template)
+            .await?;
         Ok(())
     }
 
@@ -513,6 +530,18 @@ impl ProviderLab {
     /// cluster's bootstrap Secret.
     pub async fn create_machine_deployment(
         &self,
+        name: &str,
+        cluster: &str,
+        template: &str,
+        replicas: u32,
+    ) -> Result<()> {
+        self.create_machine_deployment_in(NS, name, cluster, template, replicas).await
+    }
+
+    /// [`ProviderLab::create_machine_deployment`] in namespace `ns`.
+    pub async fn create_machine_deployment_in(
+        &self,
+        ns: &str,
         name: &str,
         cluster: &str,
         template: &str,
@@ -534,7 +563,7 @@ impl ProviderLab {
                 },
             },
         }))?;
-        self.api("MachineDeployment").create(&PostParams::default(), &md).await?;
+        self.api_in(ns, "MachineDeployment").create(&PostParams::default(), &md).await?;
         Ok(())
     }
 

@@ -1,9 +1,10 @@
 //! Attacks on the provider's side of the trust boundary, against the real CAPI controllers, in
 //! one lab: someone who may edit Hosts (but not read Secrets) plants a Host for a waiting
-//! machine, points a Host at another namespace's kubeconfig, and makes a second Host with a
-//! claimed host's boot MAC; a host asks for its bootstrap data again after delivery; a host
-//! whose wipe failed is released and retried; a claimed Host is deleted. Round two (issue 22):
-//! the Host editor swaps the image mid-provisioning and sets `wipe: none` on a used host.
+//! machine and points a Host at another namespace's kubeconfig; a host asks for its bootstrap
+//! data again after delivery; a host whose wipe failed is released and retried; a claimed Host
+//! is deleted. Round two (issue 22): the Host editor swaps the image mid-provisioning and sets
+//! `wipe: none` on a used host; a tenant copies a pool host's boot MAC into a Host of its own
+//! and asks for a host from a pool that does not list it.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -137,32 +138,6 @@ async fn host_editors_and_replays_get_no_join_secrets_and_used_hosts_are_wiped()
     sim.reboot();
     lab.wait_running("workers", 1, STEP).await.unwrap();
 
-    // Hole 5: a second Host with host-0's boot MAC, in another namespace: neither boots.
-    siteboot_tests::kube::capi::create_namespace(&lab.env, "other").await.unwrap();
-    let others: Api<Host> = Api::namespaced(lab.env.client(), "other");
-    let mut twin = Host::new("twin", HostSpec::new(sim.mac()));
-    twin.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), SITE.to_owned())]));
-    others.create(&PostParams::default(), &twin).await.unwrap();
-    for api in [&hosts, &others] {
-        let name = if std::ptr::eq(api, &hosts) { "host-0" } else { "twin" };
-        wait::for_async("a DuplicateBootMAC condition", STEP, || async {
-            let h = api.get(name).await.ok()?;
-            let conditions = h.status?.conditions;
-            conditions
-                .iter()
-                .any(|c| c.type_ == "BootMACUnique" && c.reason == "DuplicateBootMAC")
-                .then_some(())
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-    }
-    let (status, _) = sim
-        .http("GET", &format!("/boot/{}.ipxe", sim.mac().replace(':', "-")), None, None)
-        .unwrap();
-    assert_eq!(status, 404, "a MAC two Hosts claim boots nothing");
-    others.delete("twin", &DeleteParams::default()).await.unwrap();
-    siteboot_tests::kube::capi::wait_gone(&others, "twin", STEP).await.unwrap();
-
     // Hole 6: a claimed Host is deleted: it stays until released and wiped.
     hosts.delete("host-0", &DeleteParams::default()).await.unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -230,4 +205,89 @@ async fn wait_event(lab: &ProviderLab, host: &str, reason: &str) {
     })
     .await
     .unwrap();
+}
+
+/// Issue 22 item 9: the lab's namespace is an operator's pool that lists one tenant, `team-a`.
+/// Another tenant, `team-b`, who may write Hosts in its own namespace, copies the pool host's
+/// boot MAC into a Host of its own, and asks for a host from the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenant_takes_hosts_only_from_its_pools_and_a_copied_mac_disables_only_the_copy() {
+    let lab = ProviderLab::start(1, |cfg| {
+        cfg["kubernetes"]["host_namespaces"] = json!([{ "namespace": NS, "tenants": ["team-a"] }]);
+    })
+    .await
+    .unwrap();
+    let sim = lab.sims().remove(0);
+    let hosts = lab.hosts();
+    for tenant in ["team-a", "team-b"] {
+        siteboot_tests::kube::capi::create_namespace(&lab.env, tenant).await.unwrap();
+    }
+
+    // team-b's Host with the pool host's boot MAC: only the copy is flagged, and its condition
+    // names nothing of the pool's namespace.
+    let copies: Api<Host> = Api::namespaced(lab.env.client(), "team-b");
+    let mut copy = Host::new("copy", HostSpec::new(sim.mac()));
+    copy.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), SITE.to_owned())]));
+    copies.create(&PostParams::default(), &copy).await.unwrap();
+    let flagged = wait::for_async("the copy's BootMACUnique=False", STEP, || async {
+        let status = copies.get("copy").await.ok()?.status?;
+        status.conditions.into_iter().find(|c| c.type_ == "BootMACUnique" && c.status == "False")
+    })
+    .await
+    .unwrap();
+    assert_eq!(flagged.reason, "DuplicateBootMAC", "{flagged:?}");
+    assert!(
+        !flagged.message.contains("host-0") && !flagged.message.contains(NS),
+        "another namespace's Host is named to team-b: {}",
+        flagged.message
+    );
+    let pool_host = hosts.get("host-0").await.unwrap();
+    let unique =
+        pool_host.status.unwrap().conditions.into_iter().find(|c| c.type_ == "BootMACUnique");
+    assert_eq!(unique.map(|c| c.status), Some("True".to_owned()), "the pool host lost its MAC");
+    let script = format!("/boot/{}.ipxe", sim.mac().replace(':', "-"));
+    let (status, body) = sim.http("GET", &script, None, None).unwrap();
+    assert_eq!(status, 200, "the pool host gets no boot script: {body}");
+
+    // team-b is not one of the pool's tenants: its machine waits, the host stays free.
+    lab.create_cluster_in("team-b", "b", SECRET_VALUE).await.unwrap();
+    let from_pool = json!({ "image": image_spec("v1"), "hostSelector": { "namespace": NS } });
+    lab.create_template_spec_in("team-b", "t", from_pool.clone()).await.unwrap();
+    lab.create_machine_deployment_in("team-b", "workers", "b", "t", 1).await.unwrap();
+    let refused = wait::for_async("team-b's machine refused, or a claim", STEP, || async {
+        if let Some(claim) = hosts.get("host-0").await.ok()?.spec.consumer_ref {
+            return Some(Err(claim));
+        }
+        let list = lab.api_in("team-b", "SitebootMachine").list(&ListParams::default()).await;
+        let ready = list.ok()?.items.pop()?.data["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "Ready" && c["reason"] == "HostNamespaceNotAllowed")?
+            .clone();
+        Some(Ok(ready))
+    })
+    .await;
+    let refused = match refused {
+        Ok(outcome) => outcome,
+        Err(e) => panic!("{e}\n{}", lab.describe().await),
+    };
+    let refused = refused.unwrap_or_else(|claim| panic!("team-b claimed the pool host: {claim:?}"));
+    assert!(refused["message"].as_str().unwrap().contains(NS), "{refused}");
+
+    // team-a is: its machine claims the pool host, which boots into its provisioning.
+    lab.create_cluster_in("team-a", "a", SECRET_VALUE).await.unwrap();
+    lab.create_template_spec_in("team-a", "t", from_pool).await.unwrap();
+    lab.create_machine_deployment_in("team-a", "workers", "a", "t", 1).await.unwrap();
+    let claimed = wait::for_async("team-a's claim, provisioning", STEP, || async {
+        let h = hosts.get("host-0").await.ok()?;
+        let state = h.status.as_ref()?.state;
+        (state == Some(HostState::Provisioning)).then_some(h.spec.consumer_ref?)
+    })
+    .await;
+    let claimed = match claimed {
+        Ok(claim) => claim,
+        Err(e) => panic!("{e}\n{}", lab.describe().await),
+    };
+    assert_eq!(claimed.namespace, "team-a");
+    wait_new_token(&sim, None).await;
 }

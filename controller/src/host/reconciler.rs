@@ -3,7 +3,7 @@
 //! recomputes the same step from what is stored. It also keeps a finalizer on every Host, so a
 //! deleted one is released and wiped before it goes, keeps its lifecycle [`record`] (what a
 //! `clusterctl move` or a restore must not lose) and restores from it, honours the paused
-//! annotation, and reports boot MACs two Hosts share.
+//! annotation, and reports boot MACs two Hosts share (only the owner goes on).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -20,9 +20,10 @@ use super::lifecycle::{
 };
 use super::record::{self, RECORD_ANNOTATION};
 use crate::bmc;
-use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, Reason, check_paused};
+use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, check_paused};
 use crate::context::{Ctx, Error, Reconciled, host_key, patch_unchanged, update_host_status};
 use crate::crd::{Host, HostState, SITE_LABEL, set_condition};
+use crate::pools::MacStanding;
 
 /// How soon a reboot the BMC failed is tried again.
 const REBOOT_RETRY: Duration = Duration::from_secs(60);
@@ -211,49 +212,43 @@ async fn drop_finalizer(api: &Api<Host>, host: &Host) -> Result<(), Error> {
     Ok(())
 }
 
-/// Reports on the Host whether another Host of the site has its boot MAC (then neither boots
-/// nor is claimed), and on those others too: nothing else would wake them. Returns whether it
-/// is shared.
+/// Reports on the Host where it stands among the Hosts with its boot MAC, and on those others
+/// too: nothing else would wake them. Returns whether another Host owns it (then this one does
+/// nothing: it never boots nor is claimed).
 async fn report_shared_mac(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<bool, Error> {
     let others = ctx.hosts.sharing_mac(host);
-    let shared = !others.is_empty();
-    if set_mac_condition(host, &others, ctx, api).await? && shared {
+    let standing = mac_standing(ctx, host, &others);
+    let disowned = matches!(standing, MacStanding::Duplicate { .. });
+    if set_mac_condition(host, &standing, ctx, api).await? {
         for other in &others {
-            let group: Vec<Arc<Host>> = ctx.hosts.sharing_mac(other);
+            let standing = mac_standing(ctx, other, &ctx.hosts.sharing_mac(other));
             let api = ctx.hosts_api(&other.namespace().unwrap_or_default());
-            set_mac_condition(other, &group, ctx, &api).await?;
+            set_mac_condition(other, &standing, ctx, &api).await?;
         }
     }
-    Ok(shared)
+    Ok(disowned)
 }
 
-/// Sets `host`'s BootMACUnique condition from `others` (the Hosts sharing its MAC). Returns
-/// whether it changed.
+fn mac_standing(ctx: &Ctx, host: &Host, others: &[Arc<Host>]) -> MacStanding {
+    let others: Vec<&Host> = others.iter().map(|h| &**h).collect();
+    ctx.hosts.pools().mac_standing(host, &others)
+}
+
+/// Sets `host`'s BootMACUnique condition from its `standing`. Returns whether it changed.
 async fn set_mac_condition(
     host: &Host,
-    others: &[Arc<Host>],
+    standing: &MacStanding,
     ctx: &Ctx,
     api: &Api<Host>,
 ) -> Result<bool, Error> {
-    let shared = !others.is_empty();
-    let (reason, message) = if shared {
-        let names: Vec<String> = others.iter().map(|h| host_key(h)).collect();
-        let message = format!(
-            "Hosts {} have the same boot MAC {}: none of them boots or is claimed until all but one are fixed",
-            names.join(", "),
-            host.spec.boot_mac_address
-        );
-        (Reason::DuplicateBootMAC, message)
-    } else {
-        (Reason::BootMACUnique, String::new())
-    };
+    let (unique, reason, message) = standing.condition(&host.spec.boot_mac_address);
     let mut conditions = host.status.clone().unwrap_or_default().conditions;
     let reason = reason.to_string();
     let generation = host.metadata.generation;
-    if !set_condition(&mut conditions, BOOT_MAC_UNIQUE, !shared, &reason, &message, generation) {
+    if !set_condition(&mut conditions, BOOT_MAC_UNIQUE, unique, &reason, &message, generation) {
         return Ok(false);
     }
-    if shared {
+    if !unique {
         tracing::error!(host = %host_key(host), "{message}");
         ctx.event(host, true, &reason, message.clone()).await;
     }
@@ -263,7 +258,7 @@ async fn set_mac_condition(
         set_condition(
             &mut status.conditions,
             BOOT_MAC_UNIQUE,
-            !shared,
+            unique,
             &reason,
             &message,
             generation,

@@ -23,6 +23,7 @@ use crate::crd::{
     Host, HostRef, HostState, Initialization, MachineAddress, Provisioning, SITE_LABEL,
     SitebootMachine, SitebootMachineStatus, condition, set_condition,
 };
+use crate::pools::HostPools;
 use crate::selection;
 
 pub const FINALIZER: &str = "sitebootmachine.infrastructure.cluster.x-k8s.io";
@@ -47,8 +48,9 @@ pub struct Policy {
     pub site: String,
     /// This appliance, as written in binder marks.
     pub identity: String,
-    /// Namespaces besides the machine's own that `hostSelector.namespace` may name.
-    pub host_namespaces: Vec<String>,
+    /// Namespaces besides the machine's own that `hostSelector.namespace` may name, and which
+    /// machines' namespaces may name each.
+    pub host_pools: HostPools,
 }
 
 /// What one pass read.
@@ -450,16 +452,8 @@ fn bind<'a>(
         return (Step::None, Requeue::OnChange);
     }
     let namespace = host_namespace(sbm);
-    if namespace != sbm.namespace().unwrap_or_default()
-        && !policy.host_namespaces.contains(&namespace)
-    {
-        return report.wait(
-            Reason::HostNamespaceNotAllowed,
-            &format!(
-                "hostSelector.namespace {namespace:?} is not one this appliance may take hosts from (kubernetes.host_namespaces)"
-            ),
-            Requeue::OnChange,
-        );
+    if let Err(e) = policy.host_pools.may_take(&sbm.namespace().unwrap_or_default(), &namespace) {
+        return report.wait(Reason::HostNamespaceNotAllowed, &e.to_string(), Requeue::OnChange);
     }
     let mark = Mark::of(sbm);
     if let Some(m) = &mark
@@ -474,9 +468,7 @@ fn bind<'a>(
     }
     let selector = sbm.spec.host_selector.as_ref();
     let site = Some(policy.site.as_str());
-    let pool = selection::Pool::new(
-        seen.hosts().filter(|h| h.namespace().as_deref() == Some(namespace.as_str())),
-    );
+    let pool = selection::Pool::new(seen.hosts(), &namespace, &policy.host_pools);
     // The host the mark names, claimed for this machine: adopt it if it still fits.
     if let Some(m) = &mark
         && let Some(host) = pool.hosts().find(|h| m.names(h) && consumed_by(h, sbm))
@@ -642,11 +634,16 @@ mod tests {
         ConsumerRef, Hardware, HostSelector, HostSpec, HostStatus, Image, Installed,
         SitebootMachineSpec, SystemInfo, now,
     };
+    use crate::pools::Tenants;
 
     const NOW: u64 = 1_000_000;
 
     fn policy() -> Policy {
-        Policy { site: "lab".into(), identity: "me".into(), host_namespaces: vec!["pool".into()] }
+        let host_pools = HostPools::new([
+            ("pool".to_owned(), Tenants::Only(["ns".to_owned()].into())),
+            ("team-pool".to_owned(), Tenants::Only(["team-a".to_owned()].into())),
+        ]);
+        Policy { site: "lab".into(), identity: "me".into(), host_pools }
     }
 
     fn image() -> Image {
@@ -1026,13 +1023,15 @@ mod tests {
         waits(&w.plan(), Reason::NoHostAvailable);
         assert!(ready(&w.plan()).2.contains("1 not Available"), "{:?}", ready(&w.plan()));
         assert_eq!(w.plan().requeue, Requeue::After(NO_HOST_RETRY));
-        // Two Hosts with one boot MAC: neither is a candidate.
-        let mut twin = available(1);
-        twin.metadata.name = Some("twin".into());
-        twin.metadata.uid = Some("twin-uid".into());
-        let w = World::new(sbm(), vec![available(1), twin]);
+        // A Host with the boot MAC of one in a pool, in the machine's own namespace: only the
+        // pool's host owns it.
+        let mut pooled = available(1);
+        pooled.metadata.namespace = Some("pool".into());
+        let w = World::new(sbm(), vec![available(1), pooled]);
         waits(&w.plan(), Reason::NoHostAvailable);
-        assert!(ready(&w.plan()).2.contains("2 sharing a boot MAC"), "{:?}", ready(&w.plan()));
+        let why = ready(&w.plan()).2;
+        assert!(why.contains("1 hosts: 1 whose boot MAC another Host owns"), "{why}");
+        assert!(!why.contains("pool"), "{why}");
     }
 
     #[test]
@@ -1041,6 +1040,13 @@ mod tests {
         m.spec.host_selector =
             Some(HostSelector { namespace: Some("kube-system".into()), ..Default::default() });
         waits(&World::new(m.clone(), vec![]).plan(), Reason::HostNamespaceNotAllowed);
+        // A pool of other tenants: its hosts are none of this machine's business.
+        m.spec.host_selector.as_mut().unwrap().namespace = Some("team-pool".into());
+        let mut theirs = available(1);
+        theirs.metadata.namespace = Some("team-pool".into());
+        let w = World::new(m.clone(), vec![theirs]);
+        waits(&w.plan(), Reason::HostNamespaceNotAllowed);
+        assert!(ready(&w.plan()).2.contains(r#""ns" is not a tenant of host pool "team-pool""#));
         m.spec.host_selector.as_mut().unwrap().namespace = Some("pool".into());
         let mut h = available(1);
         h.metadata.namespace = Some("pool".into());
