@@ -1164,8 +1164,10 @@ unknown_hosts:
         std::fs::write(dir.path().join("undionly.kpxe"), b"x").unwrap();
         let objects = appliance(&ApplianceSite::example("img"));
         let config = objects[0]["data"]["siteboot.yaml"].as_str().unwrap();
-        let ipxe = format!("tftp:\n  ipxe_dir: {}\n", dir.path().display());
-        let config = config.replacen("tftp:\n", &ipxe, 1);
+        let here = dir.path().to_str().unwrap();
+        let config = config
+            .replacen("tftp:\n", &format!("tftp:\n  ipxe_dir: {here}\n"), 1)
+            .replace("/srv/siteboot", here);
         let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
         let on_node = |addresses: Vec<Ipv4Addr>| {
             let file: ConfigFile = serde_yaml::from_str(&config).unwrap();
