@@ -453,9 +453,13 @@ kubernetes:
     // An HTTP probe's `host` is one address for every replica: `siteboot probe` asks the
     // address this replica serves at.
     let probe = |check: &str| {
-        json!({ "exec": { "command": [
-            "/usr/bin/siteboot", "probe", "--config", "/etc/siteboot/siteboot.yaml", check,
-        ] } })
+        json!({
+            "exec": { "command": [
+                "/usr/bin/siteboot", "probe", "--config", "/etc/siteboot/siteboot.yaml", check,
+            ] },
+            // The probe's own deadline; the default (1 s) would count a busy node as dead.
+            "timeoutSeconds": 5,
+        })
     };
     vec![
         json!({
