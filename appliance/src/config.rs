@@ -34,8 +34,10 @@ use crate::standalone::{ListedHost, Provisioning, StaticInventory};
 pub struct ConfigFile {
     /// The interface DHCP answers on.
     pub interface: String,
-    /// This appliance's IPv4 address on `interface`, advertised to clients.
-    pub address: Ipv4Addr,
+    /// This appliance's IPv4 address on `interface`, advertised to clients. Unset: the
+    /// interface's own address in `dhcp.subnets`, so replicas of a site that share one config
+    /// each advertise the address of the node they run on.
+    pub address: Option<Ipv4Addr>,
     /// Where leases and other state are kept.
     #[serde(default = "default_state_dir")]
     pub state_dir: PathBuf,
@@ -197,6 +199,48 @@ impl Default for ImagesSettings {
 
 fn default_images_max_bytes() -> u64 {
     50 << 30
+}
+
+/// This appliance's address: `address`, else the one address of `interface` in `dhcp.subnets`
+/// (its one address when there are none).
+fn server_address(
+    file: &ConfigFile,
+    on_interface: impl FnOnce(&str) -> std::io::Result<Vec<Ipv4Addr>>,
+) -> Result<Ipv4Addr, FieldError> {
+    if let Some(address) = file.address {
+        return Ok(address);
+    }
+    let interface = &file.interface;
+    let found = on_interface(interface).map_err(|e| {
+        FieldError::new(
+            "address",
+            format!("unset, and the addresses of {interface} cannot be read: {e}"),
+        )
+    })?;
+    let subnets = &file.dhcp.subnets;
+    let served: Vec<Ipv4Addr> = found
+        .into_iter()
+        .filter(|a| subnets.is_empty() || subnets.iter().any(|s| s.subnet.contains(*a)))
+        .collect();
+    let listed = |addresses: &[Ipv4Addr]| {
+        addresses.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    };
+    match served.as_slice() {
+        [address] => Ok(*address),
+        [] => Err(FieldError::new(
+            "address",
+            format!(
+                "unset, and {interface} has no IPv4 address in dhcp.subnets: give it one, or set address"
+            ),
+        )),
+        several => Err(FieldError::new(
+            "address",
+            format!(
+                "unset, and {interface} has several addresses in dhcp.subnets ({}): set address",
+                listed(several)
+            ),
+        )),
+    }
 }
 
 fn default_drain_timeout() -> std::time::Duration {
@@ -391,10 +435,14 @@ impl Config {
             let field = if field == "." { String::new() } else { field };
             FieldError::new(field, e.into_inner().to_string())
         })?;
-        Self::check(file)
+        Self::check(file, crate::interface::ipv4_addresses)
     }
 
-    fn check(file: ConfigFile) -> Result<Self, FieldError> {
+    /// Checks `file`; `on_interface` lists an interface's addresses, for an unset `address`.
+    fn check(
+        file: ConfigFile,
+        on_interface: impl FnOnce(&str) -> std::io::Result<Vec<Ipv4Addr>>,
+    ) -> Result<Self, FieldError> {
         if file.interface.is_empty()
             || file.interface.len() > 15
             || file.interface.contains(['/', ' ', '\0'])
@@ -404,16 +452,14 @@ impl Config {
                 format!("{:?} is not a network interface name", file.interface),
             ));
         }
-        if file.address.is_unspecified()
-            || file.address.is_broadcast()
-            || file.address.is_multicast()
-        {
+        let address = server_address(&file, on_interface)?;
+        if address.is_unspecified() || address.is_broadcast() || address.is_multicast() {
             return Err(FieldError::new(
                 "address",
-                format!("{} cannot be a server address", file.address),
+                format!("{address} cannot be a server address"),
             ));
         }
-        let plan = NetworkPlan::new(&file.dhcp, file.address, "dhcp")?;
+        let plan = NetworkPlan::new(&file.dhcp, address, "dhcp")?;
         check_tftp(&file.tftp)?;
         check_http(&file.http)?;
         if file.images.max_bytes == 0 {
@@ -562,7 +608,7 @@ impl Config {
             kubernetes,
             known_hosts_only,
             interface: file.interface,
-            address: file.address,
+            address,
             state_dir: file.state_dir,
             drain_timeout: file.drain_timeout,
             plan,
@@ -1153,6 +1199,41 @@ unknown_hosts:
         let small = format!("{GOOD}\nhttp:\n  max_connections: 8\n");
         let (_dir, text) = with_ipxe(&small);
         assert_eq!(Config::parse(&text).unwrap().http.reserved_connections(), 0);
+    }
+
+    /// Replicas that share the deploy manifests' config (no `address`) each serve at their own
+    /// node's address on the interface: the one in the DHCP subnet.
+    #[test]
+    fn replicas_sharing_the_deploy_config_each_serve_at_their_node_s_address() {
+        use siteboot_controller::manifests::{ApplianceSite, appliance};
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("undionly.kpxe"), b"x").unwrap();
+        let objects = appliance(&ApplianceSite::example("img"));
+        let config = objects[0]["data"]["siteboot.yaml"].as_str().unwrap();
+        let here = dir.path().to_str().unwrap();
+        let config = config
+            .replacen("tftp:\n", &format!("tftp:\n  ipxe_dir: {here}\n"), 1)
+            .replace("/srv/siteboot", here);
+        let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
+        let on_node = |addresses: Vec<Ipv4Addr>| {
+            let file: ConfigFile = serde_yaml::from_str(&config).unwrap();
+            assert_eq!(file.interface, "eth1");
+            Config::check(file, move |interface| {
+                assert_eq!(interface, "eth1");
+                Ok(addresses)
+            })
+        };
+        let a = on_node(vec![ip("192.168.7.21"), ip("10.99.0.2")]).unwrap();
+        let b = on_node(vec![ip("10.99.0.3"), ip("172.16.0.3")]).unwrap();
+        assert_eq!((a.address, b.address), (ip("10.99.0.2"), ip("10.99.0.3")));
+        for (addresses, why) in [
+            (vec![ip("192.168.7.21")], "no IPv4 address in dhcp.subnets"),
+            (vec![ip("10.99.0.2"), ip("10.99.0.3")], "several addresses in dhcp.subnets"),
+        ] {
+            let e = on_node(addresses).unwrap_err();
+            assert_eq!(e.field, "address");
+            assert!(e.message.contains(why), "{}", e.message);
+        }
     }
 
     fn example(name: &str) -> String {

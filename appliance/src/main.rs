@@ -6,6 +6,7 @@ mod control;
 mod fd_limit;
 mod host;
 mod image;
+mod interface;
 mod operations;
 #[cfg(test)]
 mod serde_keys;
@@ -15,6 +16,7 @@ mod standalone;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use siteboot_controller::manifests::SecretAccess;
 
@@ -88,6 +90,17 @@ enum Command {
     CheckConfig {
         /// The configuration file.
         file: PathBuf,
+    },
+    /// Ask the appliance running with this configuration for `healthz` (it answers) or
+    /// `readyz` (its inventory can answer) on its plain HTTP port: exit 0 on 200, 1 otherwise.
+    /// A container's exec probe, for replicas whose address is their own node's (an unset
+    /// `address`), which a probe's fixed `host` cannot name.
+    Probe {
+        /// The configuration file the appliance runs with (for address and http.port).
+        #[arg(long, short, default_value = "/etc/siteboot/siteboot.yaml")]
+        config: PathBuf,
+        #[arg(value_parser = ["healthz", "readyz"])]
+        check: String,
     },
     /// The image cache in <state_dir>/images: images fetched once, verified by sha256, kept by
     /// digest, the least recently used evicted beyond images.max_bytes.
@@ -180,6 +193,18 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Probe { config, check } => {
+            match Config::load(&config)
+                .map_err(anyhow::Error::from)
+                .and_then(|c| probe((c.address, c.http.port).into(), &check))
+            {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Image { config, command } => {
             let run = || -> anyhow::Result<()> {
                 let config = Config::load(&config)?;
@@ -331,5 +356,59 @@ fn init_logging(format: LogFormat) {
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// `siteboot probe`: `GET /<check>` at `at` (the appliance's plain HTTP port), answered 200
+/// within 5 s.
+fn probe(at: std::net::SocketAddr, check: &str) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let deadline = std::time::Duration::from_secs(5);
+    let mut stream = std::net::TcpStream::connect_timeout(&at, deadline)
+        .with_context(|| format!("connecting to {at}"))?;
+    stream.set_read_timeout(Some(deadline))?;
+    stream.set_write_timeout(Some(deadline))?;
+    stream.write_all(format!("GET /{check} HTTP/1.0\r\nHost: {at}\r\n\r\n").as_bytes())?;
+    let mut answer = String::new();
+    stream.take(4096).read_to_string(&mut answer).with_context(|| format!("reading from {at}"))?;
+    let status_line = answer.lines().next().unwrap_or_default();
+    match status_line.split_whitespace().nth(1) {
+        Some("200") => Ok(()),
+        _ => anyhow::bail!("{at}/{check}: {status_line:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpListener};
+    use std::thread::JoinHandle;
+
+    use super::probe;
+
+    /// A server that answers one request with `status_line`, and returns the request it read.
+    fn answering_once(status_line: &'static str) -> (SocketAddr, JoinHandle<String>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut connection, _) = listener.accept().unwrap();
+            let mut request = [0; 1024];
+            let n = connection.read(&mut request).unwrap();
+            let answer = format!("{status_line}\r\nContent-Length: 0\r\n\r\n");
+            connection.write_all(answer.as_bytes()).unwrap();
+            String::from_utf8_lossy(&request[..n]).into_owned()
+        });
+        (at, server)
+    }
+
+    #[test]
+    fn a_probe_passes_on_200_only() {
+        let (at, server) = answering_once("HTTP/1.1 200 OK");
+        probe(at, "readyz").unwrap();
+        assert!(server.join().unwrap().starts_with("GET /readyz HTTP/1.0\r\n"));
+        let (at, server) = answering_once("HTTP/1.1 503 Service Unavailable");
+        let refused = probe(at, "readyz").unwrap_err();
+        server.join().unwrap();
+        assert!(refused.to_string().contains("503"), "{refused}");
     }
 }

@@ -354,9 +354,9 @@ pub struct ApplianceSite {
     /// The namespace of the appliance, its ServiceAccount and its leader Lease.
     pub namespace: String,
     pub image: String,
-    /// The node's interface on the site's segment, and its address there.
+    /// The nodes' interface on the site's segment. Each replica serves at its own node's
+    /// address there (the config sets no `address`).
     pub interface: String,
-    pub address: String,
     /// The DHCP subnet, its pool (`first-last`) and router.
     pub subnet: String,
     pub pool: String,
@@ -371,7 +371,6 @@ impl ApplianceSite {
             namespace: "siteboot-system".to_owned(),
             image: image.to_owned(),
             interface: "eth1".to_owned(),
-            address: "10.99.0.1".to_owned(),
             subnet: "10.99.0.0/24".to_owned(),
             pool: "10.99.0.100-10.99.0.199".to_owned(),
             router: "10.99.0.1".to_owned(),
@@ -388,7 +387,6 @@ impl ApplianceSite {
             namespace: self.namespace.clone(),
             image: var("IMAGE", &self.image),
             interface: var("INTERFACE", &self.interface),
-            address: var("ADDRESS", &self.address),
             subnet: var("DHCP_SUBNET", &self.subnet),
             pool: var("DHCP_POOL", &self.pool),
             router: var("DHCP_ROUTER", &self.router),
@@ -398,6 +396,8 @@ impl ApplianceSite {
 
 /// The appliance of one site: its config (a ConfigMap) and a Deployment of two replicas on the
 /// nodes labelled `siteboot.dev/site=<site>`, on the host network, as the image's non-root user.
+/// The config names no `address`: each replica takes its node's on `interface`, so clients are
+/// told the address of the replica that answered them, and a takeover needs no address moved.
 /// The agent API's certificate is the TLS Secret `siteboot-<site>-agent-tls`, which the
 /// operator creates (see `deploy/kubernetes/appliance.yaml`).
 pub fn appliance(s: &ApplianceSite) -> Vec<Value> {
@@ -406,7 +406,7 @@ pub fn appliance(s: &ApplianceSite) -> Vec<Value> {
     let config = format!(
         "\
 interface: {interface}
-address: {address}
+# No address: each replica serves at its own node's address on {interface} in the subnet below.
 state_dir: /var/lib/siteboot
 # SIGTERM: DHCP stops, the leader Lease is given back, transfers get this long to finish
 # (keep terminationGracePeriodSeconds above it plus ~10s).
@@ -444,15 +444,23 @@ kubernetes:
   lease_namespace: {namespace}
 ",
         interface = s.interface,
-        address = s.address,
         subnet = s.subnet,
         pool = s.pool,
         router = s.router,
         site = s.site,
         namespace = s.namespace,
     );
-    let probe =
-        |path: &str| json!({ "httpGet": { "path": path, "port": 8080, "host": s.address } });
+    // An HTTP probe's `host` is one address for every replica: `siteboot probe` asks the
+    // address this replica serves at.
+    let probe = |check: &str| {
+        json!({
+            "exec": { "command": [
+                "/usr/bin/siteboot", "probe", "--config", "/etc/siteboot/siteboot.yaml", check,
+            ] },
+            // The probe's own deadline; the default (1 s) would count a busy node as dead.
+            "timeoutSeconds": 5,
+        })
+    };
     vec![
         json!({
             "apiVersion": "v1", "kind": "ConfigMap",
@@ -509,8 +517,8 @@ kubernetes:
                                 { "name": "agent", "containerPort": 8443, "protocol": "TCP" },
                             ],
                             // Ready once the Host cache has synced; alive while it answers at all.
-                            "readinessProbe": probe("/readyz"),
-                            "livenessProbe": probe("/healthz"),
+                            "readinessProbe": probe("readyz"),
+                            "livenessProbe": probe("healthz"),
                             "volumeMounts": [
                                 { "name": "config", "mountPath": "/etc/siteboot" },
                                 { "name": "agent-tls", "mountPath": "/etc/siteboot/tls", "readOnly": true },
@@ -546,12 +554,19 @@ const APPLIANCE_HEADER: &str = "\
 # says why). The state directory is per Pod: in Kubernetes mode the leases live on in the
 # site's checkpoint (a ConfigMap), and cached images are fetched again after a restart.
 #
+# Replicas: two, on two nodes of the site (one leads: it answers DHCP and reconciles; both
+# serve TFTP and HTTP, and the standby follows the leader's leases). Each serves at its own
+# node's address on eth1, which the config leaves unset: give each node one static address in
+# the DHCP subnet, outside the pool (e.g. 10.99.0.2 and 10.99.0.3). A client is told the
+# address of the replica that answered it; after a takeover, the new leader answers with its
+# own. The probes run `siteboot probe`, which asks this replica's own address.
+#
 # The agent API (join secrets) is served over HTTPS on 8443 with the certificate in the TLS
 # Secret siteboot-rack-1-agent-tls, shared by both replicas (a ramdisk pins the certificate of
 # the replica that served its boot script, by the fingerprint on its command line, so no CA or
 # DNS name is needed). Create it before applying, e.g. with a self-signed certificate:
 #   openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 3650 \\
-#     -subj /CN=siteboot-rack-1 -addext subjectAltName=IP:10.99.0.1 -keyout tls.key -out tls.crt
+#     -subj /CN=siteboot-rack-1 -keyout tls.key -out tls.crt
 #   kubectl -n siteboot-system create secret tls siteboot-rack-1-agent-tls --cert tls.crt --key tls.key
 # Replacing the certificate changes the fingerprint: ramdisks booted before must boot again.
 #
@@ -781,6 +796,23 @@ mod tests {
         }
         let metadata: Value = serde_yaml::from_str(&release.files[0].1).unwrap();
         assert_eq!(metadata["releaseSeries"][0]["contract"], "v1beta2");
+    }
+
+    #[test]
+    fn each_replica_serves_at_its_own_node_s_address() {
+        let objects = appliance(&ApplianceSite::example("img:1"));
+        let config = objects[0]["data"]["siteboot.yaml"].as_str().unwrap();
+        let config: Value = serde_yaml::from_str(config).unwrap();
+        assert_eq!(config["interface"], "eth1");
+        assert!(config.get("address").is_none(), "one address for both replicas: {config}");
+        let deployment = &objects[1]["spec"];
+        assert_eq!(deployment["replicas"], 2);
+        let container = &deployment["template"]["spec"]["containers"][0];
+        for probe in ["readinessProbe", "livenessProbe"] {
+            let command = &container[probe]["exec"]["command"];
+            assert_eq!(command[1], "probe", "{probe} asks another replica's address: {command}");
+        }
+        assert!(!appliance_with_namespace(&ApplianceSite::example("img:1")).contains("host:"));
     }
 
     #[test]

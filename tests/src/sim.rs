@@ -346,6 +346,13 @@ fn parse_script(script: &str) -> Result<(Vec<String>, Cmdline)> {
     Ok((files, ramdisk_cmdline(script)?))
 }
 
+/// A plain HTTP GET of `url` (`http://<address>:<port>/<path>`) from a machine in `ns`, as its
+/// firmware fetches a boot script: (status, body).
+pub fn http_get(ns: &Netns, url: &str) -> Result<(u16, String)> {
+    let url = url.to_owned();
+    ns.enter(move || http(&url, "GET", None, None))
+}
+
 /// The kernel command line of a ramdisk script siteboot served, parsed as the agent does.
 pub fn ramdisk_cmdline(script: &str) -> Result<Cmdline> {
     let kernel = script

@@ -131,7 +131,11 @@ fn version_and_check_config_run_in_the_image() {
     assert_eq!(deployment["spec"]["template"]["spec"]["containers"][0]["image"], name);
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("siteboot.yaml");
-    std::fs::write(&config, config_map["data"]["siteboot.yaml"].as_str().unwrap()).unwrap();
+    // It leaves the address to the node's eth1, which the container has not: give it one.
+    let site_config = config_map["data"]["siteboot.yaml"].as_str().unwrap();
+    let site_config =
+        site_config.replacen("interface: eth1\n", "interface: eth1\naddress: 10.99.0.2\n", 1);
+    std::fs::write(&config, site_config).unwrap();
     let checked = run(podman_run()
         .arg(format!("--volume={}:/etc/siteboot/siteboot.yaml:ro", config.display()))
         .args([name, "check-config", "/etc/siteboot/siteboot.yaml"]));

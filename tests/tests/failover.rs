@@ -6,7 +6,10 @@
 //! with whichever replica leads, the frozen leader answers nothing once its term is over, and
 //! SIGTERM hands the Lease over at once instead of leaving it to expire, and the replica that
 //! lost its term while frozen and then leads again runs its reconcilers again. Every DHCPACK
-//! either replica sends is captured on the wire and checked too.
+//! either replica sends is captured on the wire and checked too. A client whose lease the
+//! other replica granted is known by its address to the standby's boot plane, and to the new
+//! leader's right after it takes over, before any DHCP reaches it: its boot script carries a
+//! ramdisk token, which siteboot mints only for the address holding the MAC's lease.
 //!
 //! Failures panic while the processes are alive, so the appliances' logs get printed.
 
@@ -15,12 +18,13 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::Api;
+use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
-use siteboot_tests::appliance::{self, Appliance};
+use siteboot_controller::crd::{Host, HostSpec, HostState, SITE_LABEL};
+use siteboot_tests::appliance::{self, Appliance, mac_dashed};
 use siteboot_tests::clients::{AckCapture, ClientHost, Udhcpc, perfdhcp};
 use siteboot_tests::provider::{ProviderLab, SITE, SYSTEM_NS, host_name};
-use siteboot_tests::wait;
+use siteboot_tests::{sim, wait};
 
 const A: &str = "10.99.0.1";
 const B: &str = "10.99.0.2";
@@ -31,6 +35,11 @@ const PERFDHCP: &str = "10.99.0.250";
 const LEASE_DURATION: Duration = Duration::from_secs(15);
 const TAKEOVER: Duration = Duration::from_secs(60);
 const BIND: Duration = Duration::from_secs(60);
+/// How long a replica's boot plane may take to know a lease the other replica granted: a
+/// standby reads the site's checkpoint every 5 s.
+const KNOWN: Duration = Duration::from_secs(15);
+/// The Host of the last client, which the test boots against each replica.
+const LAST_CLIENT_HOST: &str = "client-8";
 
 fn replica_config(cfg: &mut Value) {
     // The clients have no Host objects: answer every MAC.
@@ -99,6 +108,19 @@ fn dhcp_replies_sent(siteboot: &Appliance) -> f64 {
         .sum()
 }
 
+/// Whether `server` knows `host` by its address: the boot script it serves the host's MAC (a
+/// Host in Inspecting) carries a ramdisk token, which siteboot mints only for a request from
+/// the address that holds the MAC's lease. Asked until it does, for at most [`KNOWN`].
+fn knows_by_address(host: &ClientHost, server: &str) -> bool {
+    let url =
+        format!("http://{server}:{}/boot/{}.ipxe", appliance::HTTP_PORT, mac_dashed(&host.mac));
+    let known = wait::for_(&format!("{server} to know {} by its address", host.mac), KNOWN, || {
+        let (status, script) = sim::http_get(&host.ns, &url).ok()?;
+        (status == 200 && script.contains("siteboot.token=")).then_some(())
+    });
+    known.is_ok()
+}
+
 fn renew_same(client: &mut Udhcpc, mac: &str, had: Ipv4Addr, bindings: &mut Bindings) -> Ipv4Addr {
     let lease = client.renew(BIND).unwrap();
     bindings.record_all(mac, client);
@@ -122,6 +144,11 @@ async fn dhcp_fails_over_between_replicas_without_giving_an_address_twice() {
         })
         .collect::<anyhow::Result<_>>()
         .unwrap();
+    // The last client is a machine of the site being inspected: its boot script carries a token
+    // when the replica knows it by its address.
+    let mut host = Host::new(LAST_CLIENT_HOST, HostSpec::new(hosts[7].mac.clone()));
+    host.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), SITE.to_owned())]));
+    lab.hosts().create(&PostParams::default(), &host).await.unwrap();
     let mut bindings = Bindings::default();
     let mut clients: Vec<Udhcpc> = Vec::new();
     let mut addresses: Vec<Ipv4Addr> = Vec::new();
@@ -184,6 +211,13 @@ async fn dhcp_fails_over_between_replicas_without_giving_an_address_twice() {
     let (address, server) = bind(&hosts[7], &mut clients, &mut bindings);
     assert_eq!(server.to_string(), A);
     addresses.push(address);
+    let inspecting = wait::for_async("client 8's Host to be Inspecting", TAKEOVER, || async {
+        let states = lab.host_states().await.ok()?;
+        (states.get(LAST_CLIENT_HOST) == Some(&HostState::Inspecting)).then_some(())
+    });
+    inspecting.await.unwrap();
+    // B, a standby, learns client 8's lease (A's) from the site's checkpoint.
+    let standby_knew = knows_by_address(&hosts[7], B);
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
         dhcp_replies_sent(&b.siteboot),
@@ -201,6 +235,16 @@ async fn dhcp_fails_over_between_replicas_without_giving_an_address_twice() {
     assert!(
         handover < LEASE_DURATION,
         "the Lease was left to expire ({handover:?}) instead of being given back"
+    );
+    // Right after the takeover, before any DHCP reaches B: client 8 boots against the new
+    // leader, which knows it by the address A leased it.
+    let leader_knew = knows_by_address(&hosts[7], B);
+    assert!(
+        standby_knew && leader_knew,
+        "B did not know client 8 ({}) by its address {}: as a standby: {standby_knew}, right \
+         after taking over: {leader_knew}",
+        hosts[7].mac,
+        addresses[7]
     );
     let exited =
         wait::until("A to exit", Duration::from_secs(30), Duration::from_millis(100), || {

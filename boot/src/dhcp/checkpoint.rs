@@ -10,8 +10,11 @@
 //!   group commit). Every lease a client has heard of is therefore in the checkpoint, renewals
 //!   included. If the write fails, the replies that depend on it are withheld; clients retry.
 //! - **Read before answering.** A replica that becomes leader loads the checkpoint and
-//!   [merges](super::leases::LeaseTable::merge) it into its table before it answers anything,
-//!   keeping the longer lease where the two disagree.
+//!   [merges](super::leases::LeaseTable::merge) it into its table before it answers anything
+//!   (at once, without waiting for a client), keeping the longer lease where the two disagree.
+//! - **Read by standbys.** A standby reads and merges it the same way every few seconds: its
+//!   boot plane, which serves HTTP and TFTP too, knows the leader's clients by their addresses
+//!   (identity, see [`neighbors`](crate::neighbors)), and a takeover starts from a recent view.
 //! - **Fenced.** A save is a compare-and-swap on what this replica last read or wrote, so a
 //!   deposed leader whose write arrives late (a hung call, a frozen process) is refused and
 //!   withholds its replies; after any refused or failed save the leader reloads first.

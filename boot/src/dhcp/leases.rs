@@ -365,6 +365,12 @@ impl LeaseTable {
         Some(self.bind(lease.clone()))
     }
 
+    /// [`merge`](Self::merge)s every lease of a checkpoint read: a new term's first read, and a
+    /// standby's refresh. Returns the records to journal.
+    pub fn merge_all(&mut self, leases: &[Lease]) -> Vec<LeaseRecord> {
+        leases.iter().filter_map(|lease| self.merge(lease)).collect()
+    }
+
     /// `mac` gives `addr` back. `None` if it does not hold it.
     pub fn release(&mut self, mac: MacAddr, addr: Ipv4Addr, now: UnixTime) -> Option<LeaseRecord> {
         let lease = self.leases.get(&addr).filter(|l| l.mac == mac && l.expires > now)?;
@@ -498,6 +504,29 @@ mod tests {
         assert_eq!(t.merge(&other(b, mac(3), NOW + 100)), None);
         assert_eq!(t.merge(&other(ip("10.0.0.12"), mac(3), NOW + 10)), None);
         assert_eq!(t.lease_of(mac(3)).unwrap().addr, b);
+    }
+
+    #[test]
+    fn a_standby_refresh_follows_the_leader_and_keeps_its_own_longer_leases() {
+        let mut standby = table("10.0.0.10-10.0.0.20", vec![]);
+        // From when this replica led: its renewal of mac 1 outlasts the checkpoint's copy.
+        let a = lease(&mut standby, mac(1), NOW + 200);
+        let (b, c) = (ip("10.0.0.15"), ip("10.0.0.16"));
+        let at = |addr, m, expires| Lease { addr, mac: m, expires, hostname: None };
+        let first = [at(a, mac(1), NOW + 100), at(b, mac(2), NOW + 100)];
+        assert_eq!(standby.merge_all(&first), vec![LeaseRecord::Lease(first[1].clone())]);
+        assert_eq!(standby.lease(a).unwrap().expires, NOW + 200, "the longer local lease stays");
+        // The leader renewed mac 2 and leased c to mac 3: the next read takes both, once.
+        let second = [first[0].clone(), at(b, mac(2), NOW + 300), at(c, mac(3), NOW + 300)];
+        let merged = standby.merge_all(&second);
+        assert_eq!(merged.len(), 2, "{merged:?}");
+        assert!(standby.merge_all(&second).is_empty(), "reading it again changes nothing");
+        for (m, addr, expires) in [(1, a, NOW + 200), (2, b, NOW + 300), (3, c, NOW + 300)] {
+            assert_eq!(standby.lease_of(mac(m)), Some(&at(addr, mac(m), expires)));
+        }
+        // Taking over, it offers none of them to another MAC.
+        assert!([a, b, c].iter().all(|addr| !standby.available_to(*addr, mac(4), NOW)));
+        assert_eq!(standby.choose(mac(4), 0, None, NOW), Some(ip("10.0.0.11")));
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //!
 //! No reply leaves before the lease it announces is on disk (and, with several replicas, in the
 //! site's [checkpoint](super::checkpoint)), so a crash at any moment loses no lease a client was
-//! told about. With leader election, nothing is answered outside this replica's term.
+//! told about. With leader election, nothing is answered outside this replica's term, and a
+//! standby reads the checkpoint every [`STANDBY_REFRESH`]: its boot plane (HTTP, TFTP) knows the
+//! leader's clients by their addresses, and so does it the moment it takes over.
 //!
 //! The loop has a thread and a single-threaded runtime of its own, and syncs the lease file on
 //! that thread: it waits for each sync anyway, and on the shared runtime every batch cost a trip
@@ -17,6 +19,7 @@ use std::time::Duration;
 
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::UdpSocket;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::checkpoint::LeaseCheckpoint;
@@ -31,6 +34,34 @@ const MAX_BATCH: usize = 256;
 const MAX_DATAGRAM: usize = 9000;
 /// Bytes of requests a DHCP socket may hold unread.
 const RECEIVE_QUEUE: usize = 4 << 20;
+/// How often a standby reads the site's lease checkpoint. A read is one GET of the ConfigMap
+/// (up to 1 MiB at ten thousand leases).
+pub const STANDBY_REFRESH: Duration = Duration::from_secs(5);
+
+/// Why the site's checkpoint is read now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CheckpointRead {
+    /// The first read of this replica's term (or the first after a failed save): nothing is
+    /// answered until it succeeds, since another replica may have led meanwhile.
+    ForTerm,
+    /// A standby's refresh, so that its boot plane knows the leader's clients.
+    Refresh,
+}
+
+/// Whether to read the checkpoint `now`: a leader whose term has not read it yet, a standby
+/// that has not read it for [`STANDBY_REFRESH`] (`refreshed`: when it last tried).
+fn checkpoint_read_due(
+    leading: bool,
+    read_for_term: bool,
+    refreshed: Option<Instant>,
+    now: Instant,
+) -> Option<CheckpointRead> {
+    if leading {
+        return (!read_for_term).then_some(CheckpointRead::ForTerm);
+    }
+    let due = refreshed.is_none_or(|at| now.duration_since(at) >= STANDBY_REFRESH);
+    due.then_some(CheckpointRead::Refresh)
+}
 
 /// A UDP socket on `port` of all addresses, bound to `interface`: it sees broadcasts and sends
 /// them out of that interface only. Non-blocking, for [`DhcpService::run`].
@@ -73,13 +104,22 @@ pub struct DhcpService {
     leadership: Option<LeadershipWatch>,
     /// With several replicas: where their leases meet.
     checkpoint: Option<Arc<dyn LeaseCheckpoint>>,
-    /// The checkpoint was loaded since this replica last led or last failed to save to it.
+    /// The checkpoint was loaded in this replica's current term, and no save failed since.
     checkpoint_loaded: bool,
+    /// When this replica, as a standby, last tried to read the checkpoint.
+    refreshed: Option<Instant>,
 }
 
 impl DhcpService {
     pub fn new(server: DhcpServer, journal: Option<Journal>) -> Self {
-        Self { server, journal, leadership: None, checkpoint: None, checkpoint_loaded: false }
+        Self {
+            server,
+            journal,
+            leadership: None,
+            checkpoint: None,
+            checkpoint_loaded: false,
+            refreshed: None,
+        }
     }
 
     /// Answers only during this replica's terms as leader: with several appliances at a site,
@@ -133,25 +173,24 @@ impl DhcpService {
         shutdown: CancellationToken,
     ) -> io::Result<()> {
         let mut buf = vec![0u8; MAX_DATAGRAM];
-        // The lease gauge changes with time as well as with traffic: refresh it on a tick.
-        let mut gauge = tokio::time::interval(Duration::from_secs(1));
+        // The lease gauge changes with time as well as with traffic, and a standby reads the
+        // checkpoint (a new leader too, without waiting for a client): both on a tick.
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             let mut outcomes: Vec<(Port, Outcome)> = Vec::new();
             tokio::select! {
                 r = dhcp.readable() => r?,
                 r = pxe.readable() => r?,
-                _ = gauge.tick() => {
+                _ = tick.tick() => {
                     self.server.refresh_lease_gauge(unix_now());
+                    let leading = self.is_leading();
+                    self.read_checkpoint(leading).await;
                     continue;
                 }
                 _ = shutdown.cancelled() => break,
             }
-            // A new term reads the checkpoint first: another replica may have led meanwhile.
             let leading = self.is_leading();
-            if !leading {
-                self.checkpoint_loaded = false;
-            }
-            let leading = leading && self.load_checkpoint().await;
+            let leading = self.read_checkpoint(leading).await && leading;
             // Take whatever is queued on both ports, so one sync covers many leases under load.
             for (socket, port) in [(&pxe, Port::Pxe), (&dhcp, Port::Dhcp)] {
                 while outcomes.len() < MAX_BATCH {
@@ -194,36 +233,56 @@ impl DhcpService {
         Ok(())
     }
 
-    /// Before a leader's first answer (and after a failed save): reads the site's checkpoint
-    /// into the table and the journal. `false` if it cannot be read: nothing is answered then.
-    async fn load_checkpoint(&mut self) -> bool {
+    /// Reads the site's checkpoint into the table and the journal when it is due
+    /// ([`checkpoint_read_due`]), merging by expiry. `false` while this replica leads and its
+    /// term's read has not succeeded: nothing is answered then.
+    async fn read_checkpoint(&mut self, leading: bool) -> bool {
         let Some(checkpoint) = self.checkpoint.clone() else {
             return true;
         };
-        if self.checkpoint_loaded {
+        // A new term reads the checkpoint first: another replica may have led meanwhile.
+        if !leading {
+            self.checkpoint_loaded = false;
+        }
+        let now = Instant::now();
+        let read = checkpoint_read_due(leading, self.checkpoint_loaded, self.refreshed, now);
+        let Some(read) = read else {
             return true;
+        };
+        if read == CheckpointRead::Refresh {
+            self.refreshed = Some(now);
         }
         let leases = match checkpoint.load().await {
             Ok(leases) => leases,
-            Err(e) => {
+            Err(e) if read == CheckpointRead::ForTerm => {
                 tracing::error!(error = %e, "cannot read the site's lease checkpoint; not answering DHCP until it can be read");
                 return false;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the site's lease checkpoint; this standby's boot plane may not know the leader's newest clients");
+                return true;
             }
         };
         let merged: Vec<LeaseRecord> = {
             let mut table = self.server.table();
-            leases.iter().filter_map(|lease| table.merge(lease)).collect()
+            table.merge_all(&leases)
         };
-        tracing::info!(
-            leases = leases.len(),
-            merged = merged.len(),
-            "read the site's lease checkpoint"
-        );
-        if !self.append(merged) {
-            return false;
+        if read == CheckpointRead::ForTerm || !merged.is_empty() {
+            tracing::info!(
+                leases = leases.len(),
+                merged = merged.len(),
+                leading,
+                "read the site's lease checkpoint"
+            );
         }
-        self.checkpoint_loaded = true;
-        true
+        let journaled = self.append(merged);
+        match read {
+            CheckpointRead::ForTerm => {
+                self.checkpoint_loaded = journaled;
+                journaled
+            }
+            CheckpointRead::Refresh => true,
+        }
     }
 
     /// Makes the batch's lease changes durable: the lease file, then the checkpoint. `false` if
@@ -293,5 +352,27 @@ impl DhcpService {
                 tracing::error!(error = %e, "cannot compact the lease file at shutdown (its records stay valid)")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_leader_reads_the_checkpoint_once_per_term_and_a_standby_every_refresh() {
+        let t0 = Instant::now();
+        let later = |d: Duration| t0 + d;
+        // A term reads it before anything else, whenever the standby last did.
+        assert_eq!(checkpoint_read_due(true, false, Some(t0), t0), Some(CheckpointRead::ForTerm));
+        assert_eq!(checkpoint_read_due(true, true, None, later(STANDBY_REFRESH * 9)), None);
+        // A standby at once, then every STANDBY_REFRESH.
+        assert_eq!(checkpoint_read_due(false, false, None, t0), Some(CheckpointRead::Refresh));
+        let soon = later(STANDBY_REFRESH - Duration::from_millis(1));
+        assert_eq!(checkpoint_read_due(false, false, Some(t0), soon), None);
+        assert_eq!(
+            checkpoint_read_due(false, false, Some(t0), later(STANDBY_REFRESH)),
+            Some(CheckpointRead::Refresh)
+        );
     }
 }
