@@ -352,13 +352,14 @@ impl Flood {
                 while !stop.load(Ordering::Relaxed) {
                     for conn in &mut conns {
                         conn.poll(&plan);
-                        if conn.state == FloodState::Closed {
-                            if let Ok(again) =
-                                FloodConn::connect(&plan, conn.source, conn.reader, false)
-                            {
-                                *conn = again;
-                                reopened.fetch_add(1, Ordering::Relaxed);
-                            }
+                        if conn.state != FloodState::Closed {
+                            continue;
+                        }
+                        if let Ok(again) =
+                            FloodConn::connect(&plan, conn.source, conn.reader, false)
+                        {
+                            *conn = again;
+                            reopened.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                     let now_open = conns.iter().filter(|c| c.state == FloodState::Open).count();
