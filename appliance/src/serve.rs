@@ -26,7 +26,7 @@ use siteboot_boot::tftp::TftpServer;
 use siteboot_boot::timeline::Timeline;
 use siteboot_boot::tls::ServerIdentity;
 use siteboot_boot::{BootPlane, Endpoints, Inventory};
-use tokio::net::{TcpListener, UdpSocket};
+use tokio::net::UdpSocket;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -163,12 +163,12 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     let http_addr = SocketAddrV4::new(config.address, config.http.port);
     let https_addr = SocketAddrV4::new(config.address, config.http.https_port);
     let address = config.address;
-    let bind = |addr: SocketAddrV4| async move {
-        TcpListener::bind(addr).await.with_context(|| {
+    let bind = |addr: SocketAddrV4| {
+        siteboot_boot::http::listen(addr.into()).with_context(|| {
             format!("binding HTTP to {addr} (is {address} an address of this machine?)")
         })
     };
-    let listeners = Listeners { http: bind(http_addr).await?, https: bind(https_addr).await? };
+    let listeners = Listeners { http: bind(http_addr)?, https: bind(https_addr)? };
     let tftp_addr = SocketAddrV4::new(config.address, TFTP_PORT);
     let tftp_socket =
         UdpSocket::bind(tftp_addr).await.with_context(|| format!("binding TFTP to {tftp_addr}"))?;

@@ -163,8 +163,11 @@ pub struct Metrics {
     pub http_bytes: AtomicU64,
     /// Connections being served (a gauge).
     pub http_connections_active: AtomicU64,
-    /// Connections closed on arrival: their address already held its share.
+    /// Connections closed on arrival: their address already held its share, or every slot
+    /// was taken.
     pub http_connections_refused: AtomicU64,
+    /// Connections of unknown addresses closed to give their slot to a known host's.
+    pub http_connections_evicted: AtomicU64,
     /// Failed `accept()` calls (out of file descriptors, ...), each followed by a backoff.
     pub http_accept_errors: AtomicU64,
     /// Connections and requests cut off by a deadline.
@@ -235,7 +238,7 @@ impl Metrics {
                 );
             }
         }
-        let scalars: [(&str, &str, &str, &AtomicU64); 15] = [
+        let scalars: [(&str, &str, &str, &AtomicU64); 16] = [
             (
                 "siteboot_dhcp_dropped_total",
                 "counter",
@@ -306,8 +309,14 @@ impl Metrics {
             (
                 "siteboot_http_connections_refused_total",
                 "counter",
-                "HTTP connections closed on arrival because their address held http.max_connections_per_address.",
+                "HTTP connections closed on arrival: their address held http.max_connections_per_address, or every slot was taken.",
                 &self.http_connections_refused,
+            ),
+            (
+                "siteboot_http_connections_evicted_total",
+                "counter",
+                "HTTP connections of unknown addresses closed to give their slot to a known host's (the oldest first).",
+                &self.http_connections_evicted,
             ),
             (
                 "siteboot_http_accept_errors_total",

@@ -1,9 +1,11 @@
 //! Hostile clients for the denial-of-service tests: idle connections, stalled request bodies,
-//! responses nobody reads, and helpers to squeeze a process's file-descriptor limit. Sockets
+//! responses nobody reads, floods from many source addresses ([`Flood`]), and helpers to squeeze a process's file-descriptor limit. Sockets
 //! are made inside a namespace ([`Netns::enter`]) and watched from the test thread.
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, SocketAddrV4, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -210,4 +212,182 @@ pub fn http_status(ns: &Netns, server: SocketAddrV4, method: &str, path: &str) -
         .nth(1)
         .and_then(|s| s.parse().ok())
         .with_context(|| format!("no HTTP status in {text:?}"))
+}
+
+/// Many source addresses holding connections to one server, as an attacker with a block of
+/// addresses does: slow readers (a tiny receive window, a little read each round, so the
+/// server's write deadline never fires) and idle connections that send nothing. Whatever the
+/// server closes is opened again at once, so the flood lasts until it is dropped. It runs on
+/// its own thread inside the namespace.
+pub struct Flood {
+    open: Arc<AtomicUsize>,
+    reopened: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// What a [`Flood`] opens from each of its source addresses.
+pub struct FloodPlan {
+    pub sources: Vec<Ipv4Addr>,
+    pub server: SocketAddrV4,
+    /// Slow readers of `request`'s answer, from the sources in turn, connected one after the
+    /// other before [`Flood::start`] returns.
+    pub readers: usize,
+    pub request: Vec<u8>,
+    /// Idle connections per source, all started at once after the readers: a connect burst.
+    pub idle: usize,
+}
+
+/// Bytes a slow reader reads per round.
+const SLOW_READ: usize = 256;
+const FLOOD_ROUND: Duration = Duration::from_millis(250);
+
+/// One flood connection, from the client's side.
+struct FloodConn {
+    socket: socket2::Socket,
+    source: Ipv4Addr,
+    reader: bool,
+    state: FloodState,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum FloodState {
+    Connecting,
+    Open,
+    Closed,
+}
+
+impl FloodConn {
+    /// A socket from `source` with a receive window of a few hundred bytes; `blocking`
+    /// connects within [`CONNECT_TIMEOUT`], else the SYN is sent and the connect goes on alone.
+    fn connect(plan: &FloodPlan, source: Ipv4Addr, reader: bool, blocking: bool) -> Result<Self> {
+        use socket2::{Domain, Socket, Type};
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+        socket.set_recv_buffer_size(1024)?;
+        socket.bind(&SocketAddr::V4(SocketAddrV4::new(source, 0)).into())?;
+        let server = SocketAddr::V4(plan.server).into();
+        let mut conn = Self { socket, source, reader, state: FloodState::Connecting };
+        if blocking {
+            conn.socket.connect_timeout(&server, CONNECT_TIMEOUT)?;
+            conn.socket.set_nonblocking(true)?;
+            conn.opened(plan);
+        } else {
+            conn.socket.set_nonblocking(true)?;
+            match conn.socket.connect(&server) {
+                Ok(()) => conn.opened(plan),
+                Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(conn)
+    }
+
+    fn opened(&mut self, plan: &FloodPlan) {
+        self.state = FloodState::Open;
+        if self.reader && (&self.socket).write_all(&plan.request).is_err() {
+            self.state = FloodState::Closed;
+        }
+    }
+
+    /// One round: finish a connect, read a little, notice a close.
+    fn poll(&mut self, plan: &FloodPlan) {
+        match self.state {
+            FloodState::Closed => {}
+            FloodState::Connecting => match self.socket.take_error() {
+                Ok(None) if self.socket.peer_addr().is_ok() => self.opened(plan),
+                Ok(None) => {}
+                Ok(Some(_)) | Err(_) => self.state = FloodState::Closed,
+            },
+            FloodState::Open => {
+                let mut buf = [0u8; SLOW_READ];
+                let want = if self.reader { SLOW_READ } else { 1 };
+                match (&self.socket).read(&mut buf[..want]) {
+                    Ok(0) => self.state = FloodState::Closed,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                    Err(_) => self.state = FloodState::Closed,
+                }
+            }
+        }
+    }
+}
+
+impl Flood {
+    /// Opens the readers (failing if one cannot connect), starts the idle burst, and keeps
+    /// them all going on a thread inside `ns`.
+    pub fn start(ns: &Netns, plan: FloodPlan) -> Result<Self> {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
+        let open = Arc::new(AtomicUsize::new(0));
+        let reopened = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let ns = ns.name().to_owned();
+        let thread = std::thread::spawn({
+            let (open, reopened, stop) = (open.clone(), reopened.clone(), stop.clone());
+            move || {
+                let started = (|| {
+                    crate::netns::setns_current_thread(&ns)?;
+                    let mut conns = Vec::new();
+                    for &source in plan.sources.iter().cycle().take(plan.readers) {
+                        conns.push(FloodConn::connect(&plan, source, true, true).with_context(
+                            || format!("a slow reader from {source} cannot connect"),
+                        )?);
+                    }
+                    for &source in &plan.sources {
+                        for _ in 0..plan.idle {
+                            conns.push(FloodConn::connect(&plan, source, false, false)?);
+                        }
+                    }
+                    Ok(conns)
+                })();
+                let mut conns = match started {
+                    Ok(conns) => {
+                        let _ = ready_tx.send(Ok(()));
+                        conns
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                while !stop.load(Ordering::Relaxed) {
+                    for conn in &mut conns {
+                        conn.poll(&plan);
+                        if conn.state != FloodState::Closed {
+                            continue;
+                        }
+                        if let Ok(again) =
+                            FloodConn::connect(&plan, conn.source, conn.reader, false)
+                        {
+                            *conn = again;
+                            reopened.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    let now_open = conns.iter().filter(|c| c.state == FloodState::Open).count();
+                    open.store(now_open, Ordering::Relaxed);
+                    std::thread::sleep(FLOOD_ROUND);
+                }
+            }
+        });
+        ready_rx.recv().context("the flood thread ended before it started")??;
+        Ok(Self { open, reopened, stop, thread: Some(thread) })
+    }
+
+    /// Connections open (the handshake done, no close seen) at the last round.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Connections opened again after the server closed them.
+    pub fn reopened(&self) -> usize {
+        self.reopened.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Flood {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }

@@ -123,7 +123,7 @@ impl Netns {
 }
 
 /// setns(2) into network namespace `ns` for the calling thread only.
-fn setns_current_thread(ns: &str) -> Result<()> {
+pub(crate) fn setns_current_thread(ns: &str) -> Result<()> {
     let path = format!("/run/netns/{ns}");
     let target = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;
     // SAFETY: setns on an open namespace file; it changes only the calling thread.

@@ -5,7 +5,10 @@
 //! reports for the VM's MAC. The VM must boot, a real TFTP client must still get iPXE, siteboot
 //! must stay up, and the server must close every stalled connection within its deadline (seen
 //! from the client: EOF or a reset). A second test squeezes siteboot's file-descriptor limit:
-//! failing accepts must not stop it, and it serves again once descriptors are free.
+//! failing accepts must not stop it, and it serves again once descriptors are free. A third
+//! floods siteboot from 72 addresses (every connection slot held by slow readers, a connect
+//! burst over the listen backlog) while a host of the site fetches its boot script and a
+//! range of its kernel.
 //!
 //! siteboot runs with its default limits (the config has only the lab's fields). Every check
 //! is collected and all failures are reported together, while the VM and siteboot are alive,
@@ -16,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use siteboot_tests::appliance::{self, Appliance};
-use siteboot_tests::attack::{self, Stalled};
-use siteboot_tests::clients::ClientHost;
+use siteboot_tests::attack::{self, Flood, FloodPlan, Stalled};
+use siteboot_tests::clients::{ClientHost, Udhcpc};
 use siteboot_tests::netns::{self, Netns};
 use siteboot_tests::vm::{Firmware, Vm, VmConfig};
 use siteboot_tests::{initramfs, wait};
@@ -306,4 +309,133 @@ fn running_out_of_file_descriptors_does_not_stop_siteboot() {
     let metrics = siteboot.metrics().unwrap();
     assert!(metrics.get("siteboot_http_accept_errors_total") >= 1.0, "failed accepts are counted");
     assert!(siteboot.exited().is_none());
+}
+
+/// The attacker's block of source addresses: more than `max_connections /
+/// max_connections_per_address` (1,024 / 16 = 64), so together they can hold every slot.
+const FLOOD_SOURCES: u8 = 72;
+/// Slow `/ipxe/` readers, from the sources in turn (14 or 15 each): every general slot and the
+/// whole boot reserve (which admits `/ipxe/`).
+const FLOOD_READERS: usize = 1_024;
+/// Idle connections per source, opened all at once after the readers: a 288-connect burst,
+/// more than a 128-entry listen backlog holds (and over the per-address cap for most).
+const FLOOD_IDLE: usize = 4;
+const KNOWN_MAC: &str = "52:54:00:00:0f:10";
+/// For the known host's whole exchange, connect included; it takes well under a second
+/// unflooded. The idle connections' header deadline (10 s) passes within it, so a server that
+/// only waits for them to go still fails here: the flood opens them again at once.
+const KNOWN_DEADLINE: Duration = Duration::from_secs(30);
+
+/// `curl` from inside `ns` with `args`, within [`KNOWN_DEADLINE`]: the status and the body.
+fn curl(ns: &Netns, args: &[&str], path: &str) -> anyhow::Result<(u16, Vec<u8>)> {
+    let url = format!("http://{HTTP}{path}");
+    let deadline = KNOWN_DEADLINE.as_secs().to_string();
+    let out = ns
+        .command("curl")
+        .args(["-sS", "--max-time", &deadline, "-o", "-", "-w", "\n%{http_code}"])
+        .args(args)
+        .arg(&url)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "curl {url}: {} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    let split = out.stdout.iter().rposition(|b| *b == b'\n').unwrap_or(0);
+    let status = String::from_utf8_lossy(&out.stdout[split + 1..]).trim().parse()?;
+    Ok((status, out.stdout[..split].to_vec()))
+}
+
+/// Issue 22, item 11: 72 addresses hold every HTTP connection slot with slow `/ipxe/` readers
+/// and a burst of idle connections, and open again whatever the server closes. A host the
+/// site knows (listed in the config, holding its lease) must still get its boot script and a
+/// range of its kernel while the flood's connections are still open.
+#[test]
+fn a_known_host_boots_while_many_addresses_hold_every_connection() {
+    attack::raise_fd_limit(8192).unwrap();
+    let ns = appliance::lab_network("flood").unwrap();
+    let mut config = appliance::lab_config("full");
+    config["hosts"] = json!([{ "mac": KNOWN_MAC, "profile": appliance::LAB_PROFILE }]);
+    let mut siteboot = Appliance::start(&ns, config).unwrap();
+    let kernel: Vec<u8> = (0..64 * 1024u32).map(|i| (i % 251) as u8).collect();
+    std::fs::create_dir_all(siteboot.http_root().join("lab")).unwrap();
+    std::fs::write(siteboot.http_root().join("lab/vmlinuz"), &kernel).unwrap();
+
+    let known = ClientHost::attach(&ns, appliance::BRIDGE, KNOWN_MAC).unwrap();
+    let mut dhcp = Udhcpc::start(&known, &[]).unwrap();
+    let lease = dhcp.wait_bound(Duration::from_secs(60)).unwrap();
+    eprintln!("the known host holds {:?}", lease.address);
+
+    let attacker = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:0f:01").unwrap();
+    let sources: Vec<Ipv4Addr> =
+        (0..FLOOD_SOURCES).map(|i| Ipv4Addr::new(10, 99, 0, 10 + i)).collect();
+    for source in &sources {
+        let address = format!("{source}/24");
+        attacker.ns.ip(&["addr", "add", &address, "dev", ClientHost::IFACE]).unwrap();
+    }
+    let flood = Flood::start(
+        &attacker.ns,
+        FloodPlan {
+            sources,
+            server: HTTP,
+            readers: FLOOD_READERS,
+            request: b"GET /ipxe/snponly.efi HTTP/1.1\r\nHost: 10.99.0.1\r\n\r\n".to_vec(),
+            idle: FLOOD_IDLE,
+        },
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    eprintln!("the flood holds {} connections", flood.open());
+
+    let mut failures = Vec::new();
+    let started = Instant::now();
+    let script = curl(&known.ns, &[], &format!("/boot/{KNOWN_MAC}.ipxe"));
+    match &script {
+        Ok((200, body)) if body.starts_with(b"#!ipxe") => {}
+        other => failures.push(format!("the known host's boot script: {}", outcome(other))),
+    }
+    let range = curl(&known.ns, &["-r", "4096-8191"], "/files/lab/vmlinuz");
+    match &range {
+        Ok((206, body)) if body[..] == kernel[4096..8192] => {}
+        other => failures.push(format!("the known host's kernel range: {}", outcome(other))),
+    }
+    eprintln!(
+        "the known host's script and range took {:?}; the flood's client side has {} \
+         connections open (it opened {} again)",
+        started.elapsed(),
+        flood.open(),
+        flood.reopened()
+    );
+    // The attack was in force: the server still serves (nearly) every slot to the flood, and
+    // made room for the host (and this request, from the appliance's own address) by closing
+    // a few of its oldest connections.
+    match siteboot.metrics() {
+        Ok(m) => {
+            let active = m.get("siteboot_http_connections_active");
+            let evicted = m.get("siteboot_http_connections_evicted_total");
+            eprintln!("siteboot serves {active} connections, evicted {evicted}");
+            if active < (FLOOD_READERS - 24) as f64 {
+                failures.push(format!("the flood held only {active} connections"));
+            }
+            if evicted < 1.0 {
+                failures.push("no flood connection was closed to make room".into());
+            }
+        }
+        Err(e) => failures.push(format!("siteboot does not answer /metrics: {e:#}")),
+    }
+    if let Some(status) = siteboot.exited() {
+        failures.push(format!("siteboot exited ({status})"));
+    }
+    drop(flood);
+    assert!(failures.is_empty(), "{} checks failed:\n- {}", failures.len(), failures.join("\n- "));
+}
+
+fn outcome(result: &anyhow::Result<(u16, Vec<u8>)>) -> String {
+    match result {
+        Ok((status, body)) => {
+            format!("{status} {:?}", String::from_utf8_lossy(&body[..body.len().min(80)]))
+        }
+        Err(e) => format!("{e:#}"),
+    }
 }

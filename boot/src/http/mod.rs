@@ -18,9 +18,11 @@
 //! HTTPS routes (`http.https_port`, the certificate of [`crate::tls`]): `/agent/...` only.
 //!
 //! Every client is untrusted: connections on both ports are admitted per address from one pool
-//! with a reserve for boot scripts and iPXE binaries ([`crate::admission`]), and every read and
-//! write has a deadline (the TLS handshake, request headers, the agent body, and
-//! [`deadline::WriteDeadline`] for responses). On shutdown both listeners close at once and
+//! with a reserve for boot scripts and iPXE binaries ([`crate::admission`]); a host the site
+//! knows is never kept out by the others (its connection takes the slot of the oldest unknown
+//! one), and the listeners are never paused, so it never waits behind a flood in the listen
+//! backlog ([`listen`]). Every read and write has a deadline (the TLS handshake, request
+//! headers, the agent body, and [`deadline::WriteDeadline`] for responses). On shutdown both listeners close at once and
 //! the requests in flight get the configured `drain_timeout` to finish.
 
 mod deadline;
@@ -51,7 +53,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::admission::{Caps, CapsError, Slot, Slots, Ticket};
+use crate::admission::{Caps, CapsError, Slot, Slots, Standing, Ticket};
 use crate::backoff::Backoff;
 use crate::decision::ipxe_script;
 use crate::files::{FileError, FileRoot};
@@ -104,16 +106,19 @@ pub struct HttpSettings {
     pub tls: Option<TlsFiles>,
     /// Kernels, initrds and images, served at `/files/<path>`.
     pub root: Option<PathBuf>,
-    /// Connections served at once, on both ports together; more wait in the listen backlog.
-    /// Each takes up to two file descriptors (the socket and a file), which the process's
-    /// limit must allow.
+    /// Connections served at once, on both ports together. Once they are all taken, a new
+    /// connection from an address held by a host the site knows (in the config or a Host)
+    /// takes the slot of the oldest connection of an address that is not, which is closed;
+    /// any other is closed on arrival. Each takes up to two file descriptors (the socket and a
+    /// file), which the process's limit must allow.
     pub max_connections: usize,
     /// Connections one client address may hold at once; more are closed as they arrive, so
     /// one machine cannot take every slot.
     pub max_connections_per_address: usize,
-    /// How many of `max_connections` are kept for boot scripts (`/boot/`), iPXE binaries
-    /// (`/ipxe/`), `/healthz` and `/readyz` once the others are taken: hosts can still start to
-    /// boot, and probes still answer, while large downloads or idle clients hold the rest.
+    /// How many of `max_connections` addresses the site does not know may use only for boot
+    /// scripts (`/boot/`), iPXE binaries (`/ipxe/`), `/healthz` and `/readyz`, once the others
+    /// are taken: unknown hosts can still start to boot while large downloads or idle clients
+    /// hold the rest. Known hosts and the appliance's own address (its probes) never need it.
     /// Default: a sixteenth of `max_connections`.
     pub reserved_connections: Option<usize>,
     /// Time an HTTPS client has to finish the TLS handshake, from connecting.
@@ -291,13 +296,11 @@ impl HttpServer {
     ) {
         let mut backoff = Backoff::default();
         loop {
+            // Never paused for want of a slot: a known host's connect must not wait in the
+            // backlog behind a flood, so every connection is accepted and admitted or closed.
             let accepted = tokio::select! {
                 () = shutdown.cancelled() => return,
-                // With every slot taken, new connections wait in the listen backlog.
-                accepted = async {
-                    self.slots.room().await;
-                    listener.accept().await
-                } => accepted,
+                accepted = listener.accept() => accepted,
             };
             let (stream, remote) = match accepted {
                 Ok(accepted) => {
@@ -316,7 +319,7 @@ impl HttpServer {
                     }
                 }
             };
-            match self.slots.admit(remote.ip()) {
+            match self.slots.admit(remote.ip(), self.standing(remote)) {
                 Ok(ticket) => {
                     let connection =
                         self.clone().connection(stream, remote, port, ticket, shutdown.clone());
@@ -342,29 +345,41 @@ impl HttpServer {
         let _ = stream.set_nodelay(true);
         let metrics = self.plane.metrics.clone();
         Metrics::add(&metrics.http_connections_active, 1);
-        match port {
-            Port::Http => {
-                // Files leave by sendfile, so only plain HTTP connections get a chunk queue.
-                let chunks = Arc::new(FileChunks::default());
-                let io = WriteDeadline::new(
-                    SendfileStream::new(stream, chunks.clone()),
-                    self.stall_timeout,
-                );
-                self.serve_http(io, remote, port, Some(chunks), ticket.slot(), &shutdown).await
-            }
-            Port::Https => {
-                // Under TLS, so the stall deadline sees the client's real progress.
-                let io = WriteDeadline::new(stream, self.stall_timeout);
-                match tokio::time::timeout(self.handshake_timeout, self.tls.accept(io)).await {
-                    Ok(Ok(tls)) => {
-                        self.serve_http(tls, remote, port, None, ticket.slot(), &shutdown).await
-                    }
-                    Ok(Err(e)) => tracing::debug!(%remote, error = %e, "TLS handshake failed"),
-                    Err(_elapsed) => {
-                        Metrics::add(&metrics.http_timeouts, 1);
-                        tracing::debug!(%remote, "TLS handshake not finished in time");
+        let evicted = ticket.evicted().clone();
+        let slot = ticket.slot();
+        let serve = async move {
+            match port {
+                Port::Http => {
+                    // Files leave by sendfile, so only plain HTTP connections get a chunk queue.
+                    let chunks = Arc::new(FileChunks::default());
+                    let io = WriteDeadline::new(
+                        SendfileStream::new(stream, chunks.clone()),
+                        self.stall_timeout,
+                    );
+                    self.serve_http(io, remote, port, Some(chunks), slot, &shutdown).await
+                }
+                Port::Https => {
+                    // Under TLS, so the stall deadline sees the client's real progress.
+                    let io = WriteDeadline::new(stream, self.stall_timeout);
+                    match tokio::time::timeout(self.handshake_timeout, self.tls.accept(io)).await {
+                        Ok(Ok(tls)) => {
+                            self.serve_http(tls, remote, port, None, slot, &shutdown).await
+                        }
+                        Ok(Err(e)) => tracing::debug!(%remote, error = %e, "TLS handshake failed"),
+                        Err(_elapsed) => {
+                            Metrics::add(&self.plane.metrics.http_timeouts, 1);
+                            tracing::debug!(%remote, "TLS handshake not finished in time");
+                        }
                     }
                 }
+            }
+        };
+        tokio::select! {
+            () = serve => {}
+            // A known host needed the slot: dropping the connection closes it, mid-request or not.
+            () = evicted.cancelled() => {
+                Metrics::add(&metrics.http_connections_evicted, 1);
+                tracing::debug!(%remote, ?port, "closed a connection to give its slot to a known host");
             }
         }
         metrics.http_connections_active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
@@ -723,6 +738,15 @@ impl HttpServer {
         json(&serde_json::json!({ "mac": mac, "events": self.plane.timeline.events(mac) }))
     }
 
+    /// Whether `remote` is one of the site's hosts (its proven holder is a MAC the inventory
+    /// knows) or this appliance itself: asked once per connection, at accept.
+    fn standing(&self, remote: SocketAddr) -> Standing {
+        let own = ipv4(remote) == Some(self.plane.endpoints.address);
+        Standing::of(own, if own { None } else { self.mac_of(remote) }, |mac| {
+            self.plane.inventory.knows(mac)
+        })
+    }
+
     fn mac_of(&self, remote: SocketAddr) -> Option<MacAddr> {
         match remote.ip() {
             std::net::IpAddr::V4(ip) => self.plane.neighbors.mac_of(ip),
@@ -731,6 +755,26 @@ impl HttpServer {
             }
         }
     }
+}
+
+/// The listen backlog asked for. The kernel caps it at `net.core.somaxconn` (per network
+/// namespace; 4096 by default since Linux 5.4), and tokio's own `bind` asks for 128. The
+/// accept loops never pause, so the queue fills only in a burst of connects faster than they
+/// run; a SYN that finds it full is dropped (the client sends it again after 1 s, 3 s, ...),
+/// SYN cookies (`net.ipv4.tcp_syncookies`, on by default) or not: cookies stand in only for
+/// the queue of half-open connections (`tcp_max_syn_backlog`), against a SYN flood.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listener on `addr` with [`LISTEN_BACKLOG`].
+pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    // As tokio's `bind` does: a restarted appliance binds again at once.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// Errors of one connection that came and went before `accept()`: no reason to back off.

@@ -37,7 +37,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use super::{Body, full, text};
-use crate::admission::{Caps, Slots, Ticket};
+use crate::admission::{Caps, Slots, Standing, Ticket};
 use crate::inventory::HostSummary;
 use crate::leadership::{Leadership, LeadershipWatch};
 use crate::metrics::{Headline, HttpRoute};
@@ -127,7 +127,7 @@ impl StatusPage {
     }
 
     fn events(&self, plane: &BootPlane, remote: IpAddr) -> Response<Body> {
-        let ticket = match self.streams.admit(remote) {
+        let ticket = match self.streams.admit(remote, Standing::Unknown) {
             Ok(ticket) => ticket,
             Err(refusal) => {
                 let mut busy = text(

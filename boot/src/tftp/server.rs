@@ -17,7 +17,7 @@ use tokio_util::task::TaskTracker;
 
 use super::packet::{self, ErrorCode, Packet};
 use super::transfer::{self, Limits, Send, Transfer};
-use crate::admission::{Caps, CapsError, Refusal, Slots};
+use crate::admission::{Caps, CapsError, Refusal, Slots, Standing};
 use crate::backoff::Backoff;
 use crate::files::{FileError, FileRoot};
 use crate::metrics::Metrics;
@@ -217,14 +217,15 @@ impl TftpServer {
         if !self.active.lock().expect("active lock").insert(from) {
             return; // a retransmitted request for a transfer already running
         }
-        let slot = match self.slots.admit(IpAddr::V4(*from.ip())) {
+        // Unknown for all: TFTP transfers are not evicted (they end on their own timeout).
+        let slot = match self.slots.admit(IpAddr::V4(*from.ip()), Standing::Unknown) {
             Ok(slot) => slot,
             Err(refusal) => {
                 self.active.lock().expect("active lock").remove(&from);
                 tracing::info!(%from, %refusal, "refusing a TFTP transfer");
                 let message = match refusal {
                     Refusal::PerAddress(_) => "too many transfers from this address",
-                    Refusal::Full(_) => "server busy, try again",
+                    Refusal::Full(_) | Refusal::FullOfKnownHosts(_) => "server busy, try again",
                 };
                 return self.refuse(listener, from, ErrorCode::NotDefined, message).await;
             }
