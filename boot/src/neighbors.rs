@@ -214,7 +214,7 @@ mod tests {
 
     use super::*;
     use crate::dhcp::leases::{Lease, LeaseTable};
-    use crate::dhcp::settings::{NetworkPlan, Settings, SubnetSettings};
+    use crate::dhcp::settings::{NetworkPlan, Settings, SubnetSettings, TrustedRelay};
 
     const NOW: UnixTime = 2_000_000;
 
@@ -250,7 +250,7 @@ mod tests {
                 subnet("10.0.0.0/24", "10.0.0.100-10.0.0.120"),
                 subnet("10.0.5.0/24", "10.0.5.100-10.0.5.120"),
             ],
-            trusted_relays: vec![ip("10.0.5.1")],
+            trusted_relays: vec![TrustedRelay::at(ip("10.0.5.1"))],
             ..Settings::default()
         };
         let plan = NetworkPlan::new(&settings, ip("10.0.0.1"), "dhcp").unwrap();
