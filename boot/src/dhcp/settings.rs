@@ -47,6 +47,12 @@ pub struct Settings {
     /// address, is dropped. Empty, the default: relayed messages are refused, since any
     /// machine on the link can put a relay's address in a message.
     pub trusted_relays: Vec<TrustedRelay>,
+    /// Full mode: whether a lease ACKed through a trusted relay is, by itself, its client's
+    /// identity (a ramdisk token, bootstrap data). Weaker than on-link identity, where an ARP
+    /// entry must name the lessee: a machine behind the same relay that forges the lessee's
+    /// MAC takes its lease, and with it its token. Off, the default: relayed clients get
+    /// addresses and boot files, but no identity.
+    pub trust_relayed_leases: bool,
 }
 
 /// A relay whose relayed messages are answered: `10.99.1.1` (it sends from its `giaddr`), or
@@ -114,6 +120,7 @@ impl Default for Settings {
             reservations: Vec::new(),
             known_hosts_only: None,
             trusted_relays: Vec::new(),
+            trust_relayed_leases: false,
         }
     }
 }
@@ -322,6 +329,8 @@ pub struct NetworkPlan {
     pub reservations: Vec<Reservation>,
     /// In full mode, each `giaddr` inside a subnet (the one its clients get addresses from).
     pub trusted_relays: Vec<TrustedRelay>,
+    /// A relayed lease alone is identity (`dhcp.trust_relayed_leases`).
+    pub trust_relayed_leases: bool,
     /// Index into `subnets` of the subnet containing the server address, if any.
     pub local: Option<usize>,
     pub decline_quarantine: Duration,
@@ -494,6 +503,7 @@ impl NetworkPlan {
             subnets,
             reservations: settings.reservations.clone(),
             trusted_relays: settings.trusted_relays.clone(),
+            trust_relayed_leases: settings.trust_relayed_leases,
             local,
             decline_quarantine: settings.decline_quarantine,
         })
