@@ -125,7 +125,7 @@ impl DhcpServer {
         }
         self.ctx.metrics.dhcp_received(msg_type);
         table.sweep(now);
-        let outcome = match (self.ctx.mode, port) {
+        let mut outcome = match (self.ctx.mode, port) {
             (DhcpMode::Off, _) => Outcome::default(),
             (_, Port::Pxe) => self.boot_server(&msg, &client, from),
             (DhcpMode::Proxy, Port::Dhcp) => self.proxy(&msg, &client),
@@ -133,7 +133,6 @@ impl DhcpServer {
                 self.full(&mut table, &msg, msg_type, &client, from, now)
             }
         };
-        let mut outcome = outcome;
         if let Some(reply) = &mut outcome.reply {
             // RFC 3046 2.2: the relay agent information goes back verbatim; relays drop
             // replies without it.
