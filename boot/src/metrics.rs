@@ -86,6 +86,31 @@ impl HttpRoute {
     }
 }
 
+/// Why a relayed DHCP message (one with `giaddr` set) was dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelayRefusal {
+    /// Its `giaddr` is not in `dhcp.trusted_relays`.
+    UntrustedRelay,
+    /// Its `giaddr` is a trusted relay's, but it came from an address that relay does not
+    /// send from.
+    UnexpectedSource,
+}
+
+impl RelayRefusal {
+    const ALL: [RelayRefusal; 2] = [RelayRefusal::UntrustedRelay, RelayRefusal::UnexpectedSource];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            RelayRefusal::UntrustedRelay => "untrusted-relay",
+            RelayRefusal::UnexpectedSource => "unexpected-source",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// Why an HTTP request was refused before it was served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HttpRefusal {
@@ -151,6 +176,7 @@ pub struct Metrics {
     /// RELEASEs that ended no lease: not sent from the released address, or a known host's
     /// or a reserved address (those leases run until they expire).
     pub dhcp_releases_ignored: AtomicU64,
+    dhcp_relayed_dropped: [AtomicU64; RelayRefusal::ALL.len()],
     pub tftp_started: AtomicU64,
     pub tftp_completed: AtomicU64,
     pub tftp_failed: AtomicU64,
@@ -185,6 +211,10 @@ impl Metrics {
 
     pub fn dhcp_sent(&self, t: MessageType) {
         self.dhcp_sent[dhcp_type_index(t)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn dhcp_relayed_dropped(&self, why: RelayRefusal) {
+        self.dhcp_relayed_dropped[why.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn http_request(&self, route: HttpRoute) {
@@ -334,6 +364,20 @@ impl Metrics {
         for (name, kind, help, counter) in scalars {
             header(&mut out, name, kind, help);
             let _ = writeln!(out, "{name} {}", get(counter));
+        }
+        header(
+            &mut out,
+            "siteboot_dhcp_relayed_dropped_total",
+            "counter",
+            "Relayed DHCP messages dropped: their giaddr is not in dhcp.trusted_relays, or they came from an address that relay does not send from.",
+        );
+        for why in RelayRefusal::ALL {
+            let _ = writeln!(
+                out,
+                "siteboot_dhcp_relayed_dropped_total{{reason=\"{}\"}} {}",
+                why.as_str(),
+                get(&self.dhcp_relayed_dropped[why.index()])
+            );
         }
         header(&mut out, "siteboot_http_requests_total", "counter", "HTTP requests by route.");
         for route in HttpRoute::ALL {

@@ -8,7 +8,8 @@
 //!   Ethernet address, and a missing, incomplete, failed or all-zero entry names no one (an
 //!   attacker can put the table in any of those states). A relayed client (an address of a
 //!   relay's subnet) is off-link and has no entry: the lease alone counts, unless an entry
-//!   contradicts it;
+//!   contradicts it, and only where the operator opted in (`dhcp.trust_relayed_leases`:
+//!   a machine behind the same relay can forge the lessee's MAC);
 //! - when another server hands them out (proxy mode, DHCP off), a complete ARP entry alone;
 //! - never a DHCP packet's `chaddr` by itself, whatever the port.
 
@@ -151,7 +152,10 @@ impl Neighbors {
                     Some(lease) if lease.expires > now && table.plan().on_link(addr) => {
                         Leased::OnLink(lease.mac)
                     }
-                    Some(lease) if lease.expires > now => Leased::Relayed(lease.mac),
+                    Some(lease) if lease.expires > now && table.plan().trust_relayed_leases => {
+                        Leased::Relayed(lease.mac)
+                    }
+                    Some(lease) if lease.expires > now => Leased::RelayedNotTrusted(lease.mac),
                     _ => Leased::No,
                 }
             }
@@ -161,6 +165,9 @@ impl Neighbors {
         match (holder, leased, arp) {
             (None, Leased::OnLink(lessee) | Leased::Relayed(lessee), Some(seen)) => {
                 tracing::warn!(%addr, %lessee, arp = %seen, "the ARP table contradicts the lease (a forged MAC?); no identity for this address");
+            }
+            (None, Leased::RelayedNotTrusted(lessee), _) => {
+                tracing::debug!(%addr, %lessee, "a relayed lease is no identity without dhcp.trust_relayed_leases");
             }
             (None, Leased::OnLink(lessee), None) => {
                 tracing::warn!(%addr, %lessee, "no complete ARP entry for an on-link lease (missing, incomplete, failed or all zeros); no identity for this address");
@@ -180,8 +187,10 @@ enum Leased {
     No,
     /// Leased to a MAC, in the served subnet.
     OnLink(MacAddr),
-    /// Leased to a MAC, in a relay's subnet.
+    /// Leased to a MAC, in a relay's subnet, and relayed leases are identity.
     Relayed(MacAddr),
+    /// Leased to a MAC, in a relay's subnet, and relayed leases are not identity.
+    RelayedNotTrusted(MacAddr),
 }
 
 /// The rule in the module documentation. `arp` is a complete, non-zero entry's MAC.
@@ -214,7 +223,7 @@ mod tests {
 
     use super::*;
     use crate::dhcp::leases::{Lease, LeaseTable};
-    use crate::dhcp::settings::{NetworkPlan, Settings, SubnetSettings};
+    use crate::dhcp::settings::{NetworkPlan, Settings, SubnetSettings, TrustedRelay};
 
     const NOW: UnixTime = 2_000_000;
 
@@ -237,6 +246,11 @@ mod tests {
     /// A lease table where mac(1) holds 10.0.0.100 (and mac(2) held .101 until NOW) on the
     /// served subnet 10.0.0.0/24, and mac(4) holds 10.0.5.100 behind the relay 10.0.5.1.
     fn leases() -> SharedLeases {
+        leases_with(true)
+    }
+
+    /// [`leases`], with relayed leases identity or not.
+    fn leases_with(trust_relayed_leases: bool) -> SharedLeases {
         let subnet = |subnet: &str, pool: &str| SubnetSettings {
             subnet: subnet.parse().unwrap(),
             pools: vec![pool.parse().unwrap()],
@@ -250,7 +264,8 @@ mod tests {
                 subnet("10.0.0.0/24", "10.0.0.100-10.0.0.120"),
                 subnet("10.0.5.0/24", "10.0.5.100-10.0.5.120"),
             ],
-            trusted_relays: vec![ip("10.0.5.1")],
+            trusted_relays: vec![TrustedRelay::at(ip("10.0.5.1"))],
+            trust_relayed_leases,
             ..Settings::default()
         };
         let plan = NetworkPlan::new(&settings, ip("10.0.0.1"), "dhcp").unwrap();
@@ -305,8 +320,24 @@ mod tests {
         assert_eq!(n.holder_at(ip("10.0.0.100"), NOW), None);
     }
 
+    /// Issue 22, item 2: behind a relay, a machine that forges a host's MAC gets the host's
+    /// lease. Unless the operator opted in, that lease is no identity.
     #[test]
-    fn full_mode_a_relayed_lease_alone_is_enough() {
+    fn full_mode_a_relayed_lease_is_no_identity_unless_trusted() {
+        let n = Neighbors::from_leases(leases_with(false), vec![]);
+        assert_eq!(n.holder_at(ip("10.0.5.100"), NOW), None);
+        let agreeing = Neighbors::from_leases(leases_with(false), vec![(ip("10.0.5.100"), mac(4))]);
+        assert_eq!(agreeing.holder_at(ip("10.0.5.100"), NOW), None, "no ARP entry off-link");
+        let on_link = Neighbors::from_leases(leases_with(false), vec![(ip("10.0.0.100"), mac(1))]);
+        assert_eq!(
+            on_link.holder_at(ip("10.0.0.100"), NOW),
+            Some(Holder { mac: mac(1), evidence: Evidence::LeaseAndArp }),
+            "on-link identity does not depend on it"
+        );
+    }
+
+    #[test]
+    fn full_mode_a_trusted_relayed_lease_alone_is_enough() {
         let n = Neighbors::from_leases(leases(), vec![]);
         assert_eq!(
             n.holder_at(ip("10.0.5.100"), NOW),
@@ -345,6 +376,7 @@ mod tests {
                         Some(_) => named(Evidence::LeaseAndArp),
                     },
                 ),
+                (Leased::RelayedNotTrusted(mac(1)), None),
                 (Leased::NotOurs, arp.map(|mac| Holder { mac, evidence: Evidence::Arp })),
                 (Leased::No, None),
             ];

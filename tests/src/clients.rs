@@ -318,6 +318,63 @@ impl ForgedDhcp {
     }
 }
 
+/// A machine on the segment posing as a DHCP relay: it sends relayed DISCOVERs (`giaddr` set)
+/// unicast to the server from its own address, and has the relay's address too, so the
+/// server's answer to `giaddr`:67 reaches it.
+pub struct ForgedRelay {
+    socket: std::net::UdpSocket,
+    server: Ipv4Addr,
+    giaddr: Ipv4Addr,
+}
+
+impl ForgedRelay {
+    /// Puts `source` (first, so datagrams leave from it) and `giaddr` on `iface` of `ns`, and
+    /// binds port 67 there.
+    pub fn open(
+        ns: &Netns,
+        iface: &'static str,
+        source: Ipv4Addr,
+        giaddr: Ipv4Addr,
+        server: Ipv4Addr,
+    ) -> Result<Self> {
+        let mut addresses = vec![source, giaddr];
+        addresses.dedup();
+        for address in addresses {
+            ns.ip(&["addr", "add", &format!("{address}/24"), "dev", iface])?;
+        }
+        let socket = ns.enter(move || {
+            use socket2::{Domain, Protocol, Socket, Type};
+            let socket = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP))?;
+            socket.bind_device(Some(iface.as_bytes()))?;
+            socket
+                .bind(&SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, ThreadDhcp::SERVER_PORT).into())?;
+            socket.set_read_timeout(Some(ThreadDhcp::RETRY))?;
+            Ok(std::net::UdpSocket::from(socket))
+        })?;
+        Ok(Self { socket, server, giaddr })
+    }
+
+    /// A DISCOVER as `mac`, relayed through `giaddr` with `relay_info` as option 82 (RFC
+    /// 3046 sub-options, already encoded): the OFFER if one came within a second.
+    pub fn discover(&self, mac: &str, relay_info: Option<&[u8]>) -> Result<Option<Message>> {
+        let chaddr = mac.parse::<siteboot_boot::MacAddr>()?.octets();
+        let xid = u32::from_be_bytes([chaddr[2], chaddr[3], chaddr[4], chaddr[5]]).rotate_left(11);
+        let mut discover = request(xid, &chaddr, MessageType::Discover);
+        discover.set_giaddr(self.giaddr).set_hops(1);
+        let mut bytes = discover.to_vec()?;
+        if let Some(info) = relay_info {
+            // dhcproto's option 82 type re-encodes sub-options; a relay appends its bytes last.
+            let end = bytes.iter().rposition(|b| *b == 255).context("no end option")?;
+            bytes.truncate(end);
+            bytes.extend_from_slice(&[82, u8::try_from(info.len())?]);
+            bytes.extend_from_slice(info);
+            bytes.push(255);
+        }
+        self.socket.send_to(&bytes, SocketAddrV4::new(self.server, ThreadDhcp::SERVER_PORT))?;
+        receive(&self.socket, xid, &chaddr, &[MessageType::Offer])
+    }
+}
+
 /// A client's DISCOVER or REQUEST, broadcast, asking for what udhcpc asks for.
 fn request(xid: u32, chaddr: &[u8], kind: MessageType) -> Message {
     let unspecified = Ipv4Addr::UNSPECIFIED;

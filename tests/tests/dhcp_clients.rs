@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use siteboot_tests::appliance::{self, Appliance};
-use siteboot_tests::clients::{self, ClientHost, Dhclient, Dnsmasq, Lease, Udhcpc};
+use siteboot_tests::clients::{self, ClientHost, Dhclient, Dnsmasq, ForgedRelay, Lease, Udhcpc};
 use siteboot_tests::netns::Netns;
 
 const LEASE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -18,6 +18,13 @@ const LEASE_SECS: u64 = 600;
 const RESERVED_MAC: &str = "52:54:00:00:02:10";
 const RESERVED: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 10);
 const RELEASES: &str = r#"siteboot_dhcp_messages_total{direction="received",type="release"}"#;
+/// The trusted relay, sending from its giaddr (as perfdhcp does).
+const RELAY: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 250);
+/// A trusted relay that sends from another address than its giaddr.
+const RELAY_GIADDR: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 240);
+const RELAY_SOURCE: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 241);
+const UNTRUSTED_RELAYS: &str = r#"siteboot_dhcp_relayed_dropped_total{reason="untrusted-relay"}"#;
+const FORGED_SOURCES: &str = r#"siteboot_dhcp_relayed_dropped_total{reason="unexpected-source"}"#;
 
 /// siteboot in full mode on a fresh lab network, with a 10 minute lease and one reservation.
 fn siteboot(tag: &str) -> (Netns, Appliance) {
@@ -27,7 +34,10 @@ fn siteboot(tag: &str) -> (Netns, Appliance) {
     config["dhcp"]["reservations"] =
         json!([{ "mac": RESERVED_MAC, "address": RESERVED.to_string() }]);
     // perfdhcp acts as a relay from this address.
-    config["dhcp"]["trusted_relays"] = json!(["10.99.0.250"]);
+    config["dhcp"]["trusted_relays"] = json!([
+        RELAY.to_string(),
+        { "giaddr": RELAY_GIADDR.to_string(), "sources": [RELAY_SOURCE.to_string()] },
+    ]);
     let siteboot = Appliance::start(&ns, config).unwrap();
     (ns, siteboot)
 }
@@ -148,6 +158,72 @@ fn perfdhcp_burst_is_answered() {
         assert_eq!(exchange.rejected_leases, 0, "{context}");
     }
     assert!(siteboot.exited().is_none(), "siteboot exited during the burst");
+}
+
+/// A machine on the segment (10.99.0.77) puts the trusted relay's address in `giaddr` and
+/// holds that address too, to read the answer: on the code before the fix it was answered
+/// (the datagram's source was never checked). A relay siteboot does not trust was dropped with
+/// a debug line only; now once per relay at warn, and counted.
+#[test]
+fn relayed_messages_are_answered_only_from_the_trusted_relay_s_source() {
+    let (ns, siteboot) = siteboot("relaysrc");
+    let server = appliance::ADDRESS.parse().unwrap();
+    let attacker = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:40").unwrap();
+    let forger = ForgedRelay::open(
+        &attacker.ns,
+        ClientHost::IFACE,
+        Ipv4Addr::new(10, 99, 0, 77),
+        RELAY,
+        server,
+    )
+    .unwrap();
+    for _ in 0..3 {
+        let offer = forger.discover("52:54:00:00:02:41", None).unwrap();
+        assert!(offer.is_none(), "answered a trusted giaddr from another source: {offer:?}");
+    }
+
+    let untrusted = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:42").unwrap();
+    let untrusted_relay = Ipv4Addr::new(10, 99, 0, 251);
+    let relay = ForgedRelay::open(
+        &untrusted.ns,
+        ClientHost::IFACE,
+        untrusted_relay,
+        untrusted_relay,
+        server,
+    )
+    .unwrap();
+    for _ in 0..3 {
+        assert!(relay.discover("52:54:00:00:02:43", None).unwrap().is_none());
+    }
+    let metrics = siteboot.metrics().unwrap();
+    assert_eq!(
+        (metrics.get(FORGED_SOURCES), metrics.get(UNTRUSTED_RELAYS)),
+        (3.0, 3.0),
+        "each dropped datagram counted"
+    );
+    let log = siteboot.log();
+    assert_eq!(log.matches("a relay not in dhcp.trusted_relays").count(), 1, "{log}");
+    assert_eq!(log.matches("does not list for it").count(), 1, "{log}");
+
+    // A relay listed with the source it sends from is answered, with its option 82 echoed.
+    let relay_host = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:44").unwrap();
+    let relay =
+        ForgedRelay::open(&relay_host.ns, ClientHost::IFACE, RELAY_SOURCE, RELAY_GIADDR, server)
+            .unwrap();
+    let circuit_id = [&[1, 6][..], b"eth1/7"].concat();
+    let offer = relay.discover("52:54:00:00:02:45", Some(&circuit_id)).unwrap();
+    let offer = offer.expect("no OFFER through the relay's own source");
+    assert!(in_pool(offer.yiaddr()), "{offer:?}");
+    use dhcproto::v4::{DhcpOption, OptionCode, relay};
+    let circuit = match offer.opts().get(OptionCode::RelayAgentInformation) {
+        Some(DhcpOption::RelayAgentInformation(info)) => info.get(relay::RelayCode::AgentCircuitId),
+        _ => None,
+    };
+    assert_eq!(
+        circuit,
+        Some(&relay::RelayInfo::AgentCircuitId(b"eth1/7".to_vec())),
+        "option 82 not echoed: {offer:?}"
+    );
 }
 
 /// Checks the client helpers themselves against dnsmasq (no siteboot): if this fails, the

@@ -1,12 +1,14 @@
 //! The DHCP server: `settings` (the config section and the checked plan), `leases` (the lease
-//! table), `budget` (how many addresses one client may quarantine), `journal` (the table's
-//! crash-safe file), `checkpoint` (the leases shared by a site's replicas), `server` (the
-//! protocol, no I/O) and `socket` (the loop that ties them to the network).
+//! table), `budget` (how many addresses one client may quarantine), `relay` (which relays were
+//! refused and logged), `journal` (the table's crash-safe file),
+//! `checkpoint` (the leases shared by a site's replicas), `server` (the protocol, no I/O) and
+//! `socket` (the loop that ties them to the network).
 
 mod budget;
 pub mod checkpoint;
 pub mod journal;
 pub mod leases;
+mod relay;
 pub mod server;
 pub mod settings;
 mod socket;

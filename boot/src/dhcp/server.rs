@@ -15,11 +15,12 @@ use siteboot_ipxe::IpxeBinaries;
 
 use super::budget::{DECLINES_PER_CLIENT, DeclineBudget};
 use super::leases::{DeclineRefused, Lease, LeaseRecord, LeaseTable, SharedLeases, UnixTime};
+use super::relay::{RefusalLog, RefusedRelays};
 use super::settings::SubnetPlan;
 use crate::client::{BootClient, HTTP_CLIENT, PXE_CLIENT};
 use crate::decision::{self, Answer, BootOffer, DhcpMode};
 use crate::inventory::Inventory;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RelayRefusal};
 use crate::timeline::{Stage, Timeline};
 use crate::{Endpoints, MacAddr};
 
@@ -74,11 +75,18 @@ pub struct DhcpServer {
     leases: SharedLeases,
     /// Locked for DECLINEs and refused RELEASEs only (taken after `leases`).
     declines: Mutex<DeclineBudget>,
+    /// Locked for refused relayed messages only (taken after `leases`).
+    refused_relays: Mutex<RefusedRelays>,
 }
 
 impl DhcpServer {
     pub fn new(ctx: Context, leases: SharedLeases) -> Self {
-        Self { ctx, leases, declines: Mutex::new(DeclineBudget::new()) }
+        Self {
+            ctx,
+            leases,
+            declines: Mutex::new(DeclineBudget::new()),
+            refused_relays: Mutex::new(RefusedRelays::new()),
+        }
     }
 
     pub fn table(&self) -> MutexGuard<'_, LeaseTable> {
@@ -92,7 +100,7 @@ impl DhcpServer {
 
     /// Handles one datagram received on `port` from `from`.
     pub fn handle(&self, bytes: &[u8], from: SocketAddrV4, port: Port, now: UnixTime) -> Outcome {
-        let Some(msg) = decode(bytes) else {
+        let Some((msg, relay_agent_information)) = decode(bytes) else {
             self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::debug!(%from, len = bytes.len(), "dropping a datagram that is not a DHCP request");
             return Outcome::default();
@@ -111,14 +119,13 @@ impl DhcpServer {
             return Outcome::default();
         }
         let mut table = self.table();
-        if !table.plan().relay_trusted(msg.giaddr()) {
-            self.ctx.metrics.dhcp_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tracing::debug!(%from, giaddr = %msg.giaddr(), mac = %client.mac, "dropping a message relayed by a relay not in dhcp.trusted_relays");
+        if let Err(why) = table.plan().check_relay(msg.giaddr(), *from.ip()) {
+            self.refuse_relayed(msg.giaddr(), from, why);
             return Outcome::default();
         }
         self.ctx.metrics.dhcp_received(msg_type);
         table.sweep(now);
-        let outcome = match (self.ctx.mode, port) {
+        let mut outcome = match (self.ctx.mode, port) {
             (DhcpMode::Off, _) => Outcome::default(),
             (_, Port::Pxe) => self.boot_server(&msg, &client, from),
             (DhcpMode::Proxy, Port::Dhcp) => self.proxy(&msg, &client),
@@ -126,12 +133,40 @@ impl DhcpServer {
                 self.full(&mut table, &msg, msg_type, &client, from, now)
             }
         };
-        if let Some(reply) = &outcome.reply
-            && let Some(t) = decode_type(&reply.bytes)
-        {
-            self.ctx.metrics.dhcp_sent(t);
+        if let Some(reply) = &mut outcome.reply {
+            // RFC 3046 2.2: the relay agent information goes back verbatim; relays drop
+            // replies without it.
+            if let Some(value) = &relay_agent_information {
+                append_option(&mut reply.bytes, RELAY_AGENT_INFORMATION, value);
+            }
+            if let Some(t) = decode_type(&reply.bytes) {
+                self.ctx.metrics.dhcp_sent(t);
+            }
         }
         outcome
+    }
+
+    /// Counts a relayed message that is not answered, and logs the first from each relay
+    /// (its `giaddr` and source): an operator sees why that relay's hosts get nothing.
+    fn refuse_relayed(&self, giaddr: Ipv4Addr, from: SocketAddrV4, why: RelayRefusal) {
+        self.ctx.metrics.dhcp_dropped.fetch_add(1, Ordering::Relaxed);
+        self.ctx.metrics.dhcp_relayed_dropped(why);
+        let log =
+            self.refused_relays.lock().expect("refused relays lock").refused(giaddr, *from.ip());
+        const COUNTED: &str =
+            "logged once per relay and source; siteboot_dhcp_relayed_dropped_total counts them all";
+        match (log, why) {
+            (RefusalLog::First, RelayRefusal::UntrustedRelay) => {
+                tracing::warn!(%giaddr, %from, "dropping messages relayed by {giaddr}, a relay not in dhcp.trusted_relays ({COUNTED})");
+            }
+            (RefusalLog::First, RelayRefusal::UnexpectedSource) => {
+                tracing::warn!(%giaddr, %from, "dropping messages that name the trusted relay {giaddr} but come from {}, an address dhcp.trusted_relays does not list for it (a machine posing as the relay?) ({COUNTED})", from.ip());
+            }
+            (RefusalLog::LastLogged, _) => {
+                tracing::warn!(%giaddr, %from, "dropping relayed messages from more relays than are logged: no more are logged; siteboot_dhcp_relayed_dropped_total counts them");
+            }
+            (RefusalLog::Quiet, _) => {}
+        }
     }
 
     fn answer(&self, client: &BootClient) -> Answer {
@@ -493,24 +528,34 @@ impl DhcpServer {
 /// Options read from requests. dhcproto's decoders for some other options panic on malformed
 /// lengths (debug assertions, an unwrap), so everything else is dropped before decoding.
 const OPTIONS_READ: [u8; 12] = [12, 50, 53, 54, 55, 57, 60, 61, 77, 93, 97, 175];
+/// The relay agent information option (RFC 3046), kept as bytes: never decoded by dhcproto
+/// (its sub-option decoder is one of those), echoed as received.
+const RELAY_AGENT_INFORMATION: u8 = 82;
 /// Where the options start: after the fixed BOOTP header and the magic cookie.
 const OPTIONS_OFFSET: usize = 240;
 
 /// Decodes a BOOTREQUEST with the DHCP magic cookie and a message type; anything else is not
-/// for us.
-fn decode(bytes: &[u8]) -> Option<Message> {
+/// for us. With it, a relayed message's relay agent information option value, as received
+/// (dhcproto re-encodes sub-options, and encodes an unknown option 82 twice).
+fn decode(bytes: &[u8]) -> Option<(Message, Option<Vec<u8>>)> {
     if bytes.get(236..OPTIONS_OFFSET) != Some(&MAGIC_COOKIE[..]) {
         return None;
     }
-    let clean = keep_read_options(bytes)?;
+    let (clean, relay_agent_information) = keep_read_options(bytes)?;
     let msg = Message::decode(&mut Decoder::new(&clean)).ok()?;
-    (msg.opcode() == Opcode::BootRequest && msg.opts().msg_type().is_some()).then_some(msg)
+    // Not relayed: a client's own option 82 vouches for nothing and is not echoed.
+    let relay_agent_information =
+        relay_agent_information.filter(|_| !msg.giaddr().is_unspecified());
+    (msg.opcode() == Opcode::BootRequest && msg.opts().msg_type().is_some())
+        .then_some((msg, relay_agent_information))
 }
 
-/// A copy of the request holding only the options in [`OPTIONS_READ`], or `None` if the
+/// A copy of the message holding only the options in [`OPTIONS_READ`], and the value of its
+/// relay agent information option (RFC 3396: the concatenation, if split); `None` if the
 /// options area is malformed (an option runs past the end).
-fn keep_read_options(bytes: &[u8]) -> Option<Vec<u8>> {
+fn keep_read_options(bytes: &[u8]) -> Option<(Vec<u8>, Option<Vec<u8>>)> {
     let mut clean = bytes[..OPTIONS_OFFSET].to_vec();
+    let mut relay_agent_information: Option<Vec<u8>> = None;
     let mut rest = &bytes[OPTIONS_OFFSET..];
     while let Some((&code, tail)) = rest.split_first() {
         match code {
@@ -522,17 +567,44 @@ fn keep_read_options(bytes: &[u8]) -> Option<Vec<u8>> {
                 if OPTIONS_READ.contains(&code) {
                     clean.extend_from_slice(&[code, len]);
                     clean.extend_from_slice(value);
+                } else if code == RELAY_AGENT_INFORMATION {
+                    relay_agent_information.get_or_insert_default().extend_from_slice(value);
                 }
                 rest = &tail[len as usize..];
             }
         }
     }
     clean.push(255);
-    Some(clean)
+    Some((clean, relay_agent_information))
 }
 
+/// The message type of a reply this server encoded (read as requests are: the option 82 it
+/// echoes came from the network).
 fn decode_type(bytes: &[u8]) -> Option<MessageType> {
-    Message::decode(&mut Decoder::new(bytes)).ok()?.opts().msg_type()
+    let (clean, _) = keep_read_options(bytes)?;
+    Message::decode(&mut Decoder::new(&clean)).ok()?.opts().msg_type()
+}
+
+/// Adds option `code` with `value` (split in 255-byte parts, RFC 3396) last in an encoded
+/// reply, before its end option, keeping the reply at least [`MIN_REPLY_LEN`] long.
+fn append_option(reply: &mut Vec<u8>, code: u8, value: &[u8]) {
+    let mut end = OPTIONS_OFFSET;
+    while let Some(&at) = reply.get(end) {
+        match at {
+            255 => break,
+            0 => end += 1,
+            _ => end += 2 + usize::from(reply.get(end + 1).copied().unwrap_or(0)),
+        }
+    }
+    reply.truncate(end);
+    for part in value.chunks(255) {
+        reply.extend_from_slice(&[code, part.len() as u8]);
+        reply.extend_from_slice(part);
+    }
+    reply.push(255);
+    if reply.len() < MIN_REPLY_LEN {
+        reply.resize(MIN_REPLY_LEN, 0);
+    }
 }
 
 fn encode(msg: &Message) -> Vec<u8> {
@@ -695,7 +767,7 @@ fn describe_answer(a: &Answer) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dhcp::settings::{NetworkPlan, Reservation, Settings, SubnetSettings};
+    use crate::dhcp::settings::{NetworkPlan, Reservation, Settings, SubnetSettings, TrustedRelay};
     use crate::inventory::{BootAction, BootRequest, BoxFuture, LocalBoot};
     use crate::neighbors::Neighbors;
     use dhcproto::v4::Architecture;
@@ -756,7 +828,7 @@ mod tests {
                 address: "10.0.0.20".parse().unwrap(),
                 hostname: Some("node-r".into()),
             }],
-            trusted_relays: vec![ip("10.0.5.1")],
+            trusted_relays: vec![TrustedRelay::at(ip("10.0.5.1"))],
             ..Settings::default()
         };
         let plan = NetworkPlan::new(&settings, SERVER, "dhcp").unwrap();
@@ -1084,11 +1156,77 @@ mod tests {
             assert_eq!(dropped(&h), 2, "{mode:?}");
             let mut discover = request(mac(1), MessageType::Discover, pxe_opts(0));
             discover.set_giaddr(ip("10.0.5.1"));
+            // The trusted relay's giaddr from another machine of the segment (the attack), or
+            // from the relay's subnet.
+            for source in ["10.0.0.77", "10.0.5.7"] {
+                let from = SocketAddrV4::new(ip(source), SERVER_PORT);
+                assert!(h.send(&discover, Port::Dhcp, from).0.is_none(), "{mode:?} {source}");
+            }
+            assert_eq!(dropped(&h), 4, "{mode:?}");
             let from = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
             let (r, _) = h.send(&discover, Port::Dhcp, from);
             assert_eq!(r.unwrap().1, from, "{mode:?}: answered through the trusted relay");
-            assert_eq!(dropped(&h), 2);
+            assert_eq!(dropped(&h), 4);
+            let text = h.server.ctx.metrics.render(&Timeline::new());
+            for line in [
+                "siteboot_dhcp_relayed_dropped_total{reason=\"untrusted-relay\"} 2",
+                "siteboot_dhcp_relayed_dropped_total{reason=\"unexpected-source\"} 2",
+            ] {
+                assert!(text.contains(line), "{mode:?}: {line}\n{text}");
+            }
         }
+    }
+
+    /// RFC 3046 2.2: a server echoes the relay agent information option verbatim in every
+    /// reply to a relayed request (relays drop replies without it, or forward them to the
+    /// wrong port); this one is not even well-formed sub-options, and goes back as it came.
+    #[test]
+    fn replies_to_relayed_requests_echo_the_relay_agent_information() {
+        // Circuit-id "eth1/7", remote-id 4 bytes, and a sub-option that runs past the end.
+        let info: Vec<u8> =
+            [&[1, 6][..], b"eth1/7", &[2, 4, 0xde, 0xad, 0xbe, 0xef], &[9, 200, 1]].concat();
+        let with_info = |mut msg: Message, giaddr: &str| {
+            msg.set_giaddr(ip(giaddr));
+            let mut bytes = encode(&msg);
+            append_option(&mut bytes, RELAY_AGENT_INFORMATION, &info);
+            bytes
+        };
+        let echoed = |bytes: &[u8]| keep_read_options(bytes).unwrap().1;
+        let relay = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
+        for mode in [DhcpMode::Full, DhcpMode::Proxy] {
+            let h = harness(mode);
+            let discover =
+                with_info(request(mac(1), MessageType::Discover, pxe_opts(0)), "10.0.5.1");
+            let offer = h.server.handle(&discover, relay, Port::Dhcp, NOW).reply.unwrap();
+            assert_eq!(echoed(&offer.bytes), Some(info.clone()), "{mode:?}: the OFFER");
+            // Not relayed: a client's own option 82 proves nothing and is not echoed.
+            let direct = with_info(request(mac(2), MessageType::Discover, pxe_opts(0)), "0.0.0.0");
+            let offer = h.server.handle(&direct, CLIENT, Port::Dhcp, NOW).reply.unwrap();
+            assert_eq!(echoed(&offer.bytes), None, "{mode:?}: not relayed");
+        }
+        let h = harness(DhcpMode::Full);
+        let ask = |addr: &str| {
+            let opts = vec![
+                DhcpOption::ServerIdentifier(SERVER),
+                DhcpOption::RequestedIpAddress(ip(addr)),
+            ];
+            with_info(request(mac(1), MessageType::Request, opts), "10.0.5.1")
+        };
+        let ack = h.server.handle(&ask("10.0.5.100"), relay, Port::Dhcp, NOW).reply.unwrap();
+        assert_eq!(decode_type(&ack.bytes), Some(MessageType::Ack));
+        assert_eq!(echoed(&ack.bytes), Some(info.clone()), "the ACK");
+        let nak = h.server.handle(&ask("10.0.0.100"), relay, Port::Dhcp, NOW).reply.unwrap();
+        assert_eq!(decode_type(&nak.bytes), Some(MessageType::Nak));
+        assert_eq!(echoed(&nak.bytes), Some(info.clone()), "the NAK");
+        let mut inform = request(mac(1), MessageType::Inform, vec![]);
+        inform.set_ciaddr(ip("10.0.5.100"));
+        let ack = h.server.handle(&with_info(inform, "10.0.5.1"), relay, Port::Dhcp, NOW).reply;
+        assert_eq!(echoed(&ack.unwrap().bytes), Some(info), "the INFORM's ACK");
+        // Longer than one option holds: split, and joined again (RFC 3396).
+        let long: Vec<u8> = (0..300u16).map(|n| n as u8).collect();
+        let mut bytes = encode(&request(mac(1), MessageType::Discover, vec![]));
+        append_option(&mut bytes, RELAY_AGENT_INFORMATION, &long);
+        assert_eq!(echoed(&bytes), Some(long));
     }
 
     fn pxe_opts(arch: u16) -> Vec<DhcpOption> {

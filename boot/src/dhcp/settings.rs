@@ -13,6 +13,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::MacAddr;
 use crate::decision::DhcpMode;
+use crate::metrics::RelayRefusal;
 
 /// The `dhcp:` section. A field left out takes its value from [`Settings::default`], the one
 /// place the defaults are written (`examples/standalone.yaml` shows each, checked by a test).
@@ -40,10 +41,73 @@ pub struct Settings {
     /// decides: false standalone, true in Kubernetes mode (where a new machine gets its Host
     /// before it first boots, and so is answered and inspected).
     pub known_hosts_only: Option<bool>,
-    /// The DHCP relays (their `giaddr`) whose relayed messages are answered; a message relayed
-    /// by any other is dropped. Empty, the default: relayed messages are refused, since any
+    /// The DHCP relays whose relayed messages are answered: each by its `giaddr`, and the
+    /// addresses its datagrams come from (the `giaddr` itself unless `sources` says
+    /// otherwise). A message naming any other relay, or a trusted one's `giaddr` from another
+    /// address, is dropped. Empty, the default: relayed messages are refused, since any
     /// machine on the link can put a relay's address in a message.
-    pub trusted_relays: Vec<Ipv4Addr>,
+    pub trusted_relays: Vec<TrustedRelay>,
+    /// Full mode: whether a lease ACKed through a trusted relay is, by itself, its client's
+    /// identity (a ramdisk token, bootstrap data). Weaker than on-link identity, where an ARP
+    /// entry must name the lessee: a machine behind the same relay that forges the lessee's
+    /// MAC takes its lease, and with it its token. Off, the default: relayed clients get
+    /// addresses and boot files, but no identity.
+    pub trust_relayed_leases: bool,
+}
+
+/// A relay whose relayed messages are answered: `10.99.1.1` (it sends from its `giaddr`), or
+/// `{giaddr: 10.99.1.1, sources: [10.99.0.2]}` for one that sends from another address (its
+/// address towards siteboot).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "TrustedRelayEntry")]
+pub struct TrustedRelay {
+    /// The address it puts in `giaddr`: its address on its clients' subnet.
+    pub giaddr: Ipv4Addr,
+    /// The source addresses of its datagrams; never empty.
+    pub sources: Vec<Ipv4Addr>,
+}
+
+impl TrustedRelay {
+    /// A relay that sends from its `giaddr`.
+    pub fn at(giaddr: Ipv4Addr) -> Self {
+        Self { giaddr, sources: vec![giaddr] }
+    }
+}
+
+/// `trusted_relays[]` as written: an address, or the long form.
+#[derive(Deserialize)]
+#[serde(untagged, expecting = "a relay's address, or {giaddr: <address>, sources: [<address>...]}")]
+enum TrustedRelayEntry {
+    Address(Ipv4Addr),
+    Relay(TrustedRelayFields),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TrustedRelayFields {
+    giaddr: Ipv4Addr,
+    sources: Option<Vec<Ipv4Addr>>,
+}
+
+impl TryFrom<TrustedRelayEntry> for TrustedRelay {
+    type Error = &'static str;
+
+    fn try_from(entry: TrustedRelayEntry) -> Result<Self, Self::Error> {
+        match entry {
+            TrustedRelayEntry::Address(giaddr) => Ok(Self::at(giaddr)),
+            TrustedRelayEntry::Relay(TrustedRelayFields { giaddr, sources: None }) => {
+                Ok(Self::at(giaddr))
+            }
+            TrustedRelayEntry::Relay(TrustedRelayFields { sources: Some(sources), .. })
+                if sources.is_empty() =>
+            {
+                Err("sources is empty: leave it out for a relay that sends from its giaddr")
+            }
+            TrustedRelayEntry::Relay(TrustedRelayFields { giaddr, sources: Some(sources) }) => {
+                Ok(Self { giaddr, sources })
+            }
+        }
+    }
 }
 
 impl Default for Settings {
@@ -56,6 +120,7 @@ impl Default for Settings {
             reservations: Vec::new(),
             known_hosts_only: None,
             trusted_relays: Vec::new(),
+            trust_relayed_leases: false,
         }
     }
 }
@@ -262,8 +327,10 @@ impl SubnetPlan {
 pub struct NetworkPlan {
     pub subnets: Vec<SubnetPlan>,
     pub reservations: Vec<Reservation>,
-    /// In full mode, each inside a subnet (the one its clients get addresses from).
-    pub trusted_relays: Vec<Ipv4Addr>,
+    /// In full mode, each `giaddr` inside a subnet (the one its clients get addresses from).
+    pub trusted_relays: Vec<TrustedRelay>,
+    /// A relayed lease alone is identity (`dhcp.trust_relayed_leases`).
+    pub trust_relayed_leases: bool,
     /// Index into `subnets` of the subnet containing the server address, if any.
     pub local: Option<usize>,
     pub decline_quarantine: Duration,
@@ -391,11 +458,32 @@ impl NetworkPlan {
         }
         for (i, relay) in settings.trusted_relays.iter().enumerate() {
             let at = format!("{field}.trusted_relays[{i}]");
-            if relay.is_unspecified() || relay.is_broadcast() || relay.is_multicast() {
-                return Err(FieldError::new(at, format!("{relay} is not a relay's address")));
+            let not_an_address =
+                |a: &Ipv4Addr| a.is_unspecified() || a.is_broadcast() || a.is_multicast();
+            if not_an_address(&relay.giaddr) {
+                return Err(FieldError::new(
+                    at,
+                    format!("{} is not a relay's address", relay.giaddr),
+                ));
             }
-            if settings.mode == DhcpMode::Full && !subnets.iter().any(|s| s.subnet.is_host(*relay))
+            if let Some((j, source)) =
+                relay.sources.iter().enumerate().find(|(_, a)| not_an_address(a))
             {
+                return Err(FieldError::new(
+                    format!("{at}.sources[{j}]"),
+                    format!("{source} is not a relay's address"),
+                ));
+            }
+            if let Some(j) =
+                settings.trusted_relays[..i].iter().position(|o| o.giaddr == relay.giaddr)
+            {
+                return Err(FieldError::new(
+                    at,
+                    format!("{} is already trusted_relays[{j}]", relay.giaddr),
+                ));
+            }
+            let relay = relay.giaddr;
+            if settings.mode == DhcpMode::Full && !subnets.iter().any(|s| s.subnet.is_host(relay)) {
                 return Err(FieldError::new(
                     at,
                     format!(
@@ -415,15 +503,23 @@ impl NetworkPlan {
             subnets,
             reservations: settings.reservations.clone(),
             trusted_relays: settings.trusted_relays.clone(),
+            trust_relayed_leases: settings.trust_relayed_leases,
             local,
             decline_quarantine: settings.decline_quarantine,
         })
     }
 
-    /// Whether a message that names `giaddr` as its relay is answered: sent directly (no
-    /// relay), or by a trusted relay.
-    pub fn relay_trusted(&self, giaddr: Ipv4Addr) -> bool {
-        giaddr.is_unspecified() || self.trusted_relays.contains(&giaddr)
+    /// Whether a message that names `giaddr` as its relay and came from `source` is
+    /// answered: sent directly (no relay), or by a trusted relay from one of its sources.
+    pub fn check_relay(&self, giaddr: Ipv4Addr, source: Ipv4Addr) -> Result<(), RelayRefusal> {
+        if giaddr.is_unspecified() {
+            return Ok(());
+        }
+        match self.trusted_relays.iter().find(|r| r.giaddr == giaddr) {
+            None => Err(RelayRefusal::UntrustedRelay),
+            Some(relay) if !relay.sources.contains(&source) => Err(RelayRefusal::UnexpectedSource),
+            Some(_) => Ok(()),
+        }
     }
 
     /// The subnet a request belongs to: the relay's (`giaddr`) or the local one.
@@ -553,26 +649,80 @@ mod tests {
         );
         s.reservations.clear();
 
-        s.trusted_relays = vec!["10.0.0.254".parse().unwrap(), "10.5.0.1".parse().unwrap()];
+        let relay = |a: &str| TrustedRelay::at(a.parse().unwrap());
+        s.trusted_relays = vec![relay("10.0.0.254"), relay("10.5.0.1")];
         let e = NetworkPlan::new(&s, server, "dhcp").unwrap_err();
         assert_eq!(
             (e.field.as_str(), e.message.contains("no configured subnet")),
             ("dhcp.trusted_relays[1]", true)
         );
-        s.trusted_relays[1] = Ipv4Addr::UNSPECIFIED;
+        s.trusted_relays[1] = relay("0.0.0.0");
         assert_eq!(
             NetworkPlan::new(&s, server, "dhcp").unwrap_err().field,
             "dhcp.trusted_relays[1]"
         );
-        s.trusted_relays.truncate(1);
+        s.trusted_relays[1] = relay("10.0.0.254");
+        let e = NetworkPlan::new(&s, server, "dhcp").unwrap_err();
+        assert_eq!(
+            (e.field.as_str(), e.message.contains("already trusted_relays[0]")),
+            ("dhcp.trusted_relays[1]", true)
+        );
+        s.trusted_relays[1] = TrustedRelay {
+            giaddr: "10.0.0.253".parse().unwrap(),
+            sources: vec!["10.0.0.2".parse().unwrap(), Ipv4Addr::BROADCAST],
+        };
+        assert_eq!(
+            NetworkPlan::new(&s, server, "dhcp").unwrap_err().field,
+            "dhcp.trusted_relays[1].sources[1]"
+        );
+        s.trusted_relays[1].sources.pop();
 
         let plan = NetworkPlan::new(&s, server, "dhcp").unwrap();
-        assert!(plan.relay_trusted(Ipv4Addr::UNSPECIFIED), "not relayed");
-        assert!(plan.relay_trusted("10.0.0.254".parse().unwrap()));
-        assert!(!plan.relay_trusted("10.0.0.253".parse().unwrap()));
+        let check = |giaddr: &str, source: &str| {
+            plan.check_relay(giaddr.parse().unwrap(), source.parse().unwrap())
+        };
+        assert_eq!(check("0.0.0.0", "10.0.0.77"), Ok(()), "not relayed");
+        assert_eq!(check("10.0.0.254", "10.0.0.254"), Ok(()), "the short form: from giaddr");
+        assert_eq!(check("10.0.0.253", "10.0.0.2"), Ok(()), "from a listed source");
+        assert_eq!(check("10.0.0.252", "10.0.0.252"), Err(RelayRefusal::UntrustedRelay));
+        // A trusted giaddr from anywhere else: a machine on the link posing as the relay.
+        for (giaddr, source) in [("10.0.0.254", "10.0.0.77"), ("10.0.0.253", "10.0.0.253")] {
+            assert_eq!(check(giaddr, source), Err(RelayRefusal::UnexpectedSource), "{giaddr}");
+        }
         assert_eq!(plan.local, Some(0));
         assert_eq!(plan.subnet_for(Ipv4Addr::UNSPECIFIED), Some(0));
         assert_eq!(plan.subnet_for("10.0.0.254".parse().unwrap()), Some(0));
         assert_eq!(plan.subnet_for("10.5.0.1".parse().unwrap()), None);
+    }
+
+    #[test]
+    fn trusted_relays_are_an_address_or_giaddr_with_sources() {
+        let read = |relays: &str| {
+            serde_json::from_str::<Settings>(&format!(r#"{{"trusted_relays": {relays}}}"#))
+                .map(|s| s.trusted_relays)
+        };
+        let ip = |a: &str| a.parse::<Ipv4Addr>().unwrap();
+        let relays = read(
+            r#"["10.0.5.1", {"giaddr": "10.0.6.1"}, {"giaddr": "10.0.7.1", "sources": ["10.0.0.2", "10.0.0.3"]}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            relays,
+            [
+                TrustedRelay::at(ip("10.0.5.1")),
+                TrustedRelay::at(ip("10.0.6.1")),
+                TrustedRelay {
+                    giaddr: ip("10.0.7.1"),
+                    sources: vec![ip("10.0.0.2"), ip("10.0.0.3")]
+                },
+            ]
+        );
+        for bad in [
+            r#"[{"giaddr": "10.0.7.1", "sources": []}]"#,
+            r#"[{"giaddr": "10.0.7.1", "source": "10.0.0.2"}]"#,
+            r#"["relay.example"]"#,
+        ] {
+            assert!(read(bad).is_err(), "{bad}");
+        }
     }
 }
