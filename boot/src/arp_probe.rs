@@ -80,9 +80,9 @@ const BROADCAST: [u8; 6] = [0xff; 6];
 /// Probes on the served interface through a packet socket (AF_PACKET, CAP_NET_RAW), one socket
 /// per probe so concurrent probes each see every answer.
 pub struct PacketProbe {
+    interface: String,
     ifindex: i32,
-    /// The interface's MAC and address: the probe's sender, where the answers come.
-    own_mac: [u8; 6],
+    /// The interface's address: the probe's sender, where the answers come.
     own_addr: Ipv4Addr,
 }
 
@@ -96,8 +96,8 @@ impl PacketProbe {
         if ifindex == 0 {
             return Err(std::io::Error::last_os_error());
         }
-        let probe =
-            Self { ifindex: ifindex as i32, own_mac: hardware_address(interface)?, own_addr };
+        hardware_address(interface)?;
+        let probe = Self { interface: interface.to_owned(), ifindex: ifindex as i32, own_addr };
         probe.socket()?;
         Ok(probe)
     }
@@ -148,7 +148,10 @@ impl PacketProbe {
         // SAFETY: an `OwnedFd` is open and is the same descriptor until the `AsyncFd` drops it.
         let socket =
             unsafe { AsyncFd::register_with_interest(self.socket()?, Interest::READABLE) }?;
-        let frame = request_frame(self.own_mac, self.own_addr, addr);
+        // Read at each probe: a bridge's MAC changes as ports come and go, and the answers go
+        // to the MAC the request names.
+        let own_mac = hardware_address(&self.interface)?;
+        let frame = request_frame(own_mac, self.own_addr, addr);
         let to = self.link_address(&BROADCAST);
         // SAFETY: sendto(2) reads `frame` and `to`, both alive for the call.
         let sent = unsafe {
