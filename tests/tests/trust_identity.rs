@@ -3,7 +3,8 @@
 //! table, never a packet's `chaddr`. Here another machine of the site forges the MAC of a host
 //! being provisioned in one DHCP packet, then asks for that host's boot script and bootstrap
 //! data from its own address: it must get neither a token nor the data, also when it leaves the
-//! appliance's ARP entry for its address naming no one (zeroed, or never answered).
+//! appliance's ARP entry for its address naming no one (zeroed, or never answered) or plants one
+//! naming the victim (then only the appliance's own ARP probe tells it from the victim).
 //!
 //! Failures panic (`unwrap`) while everything is alive, so the logs get printed.
 
