@@ -38,7 +38,9 @@ enum Command {
     /// Serve DHCP, TFTP and HTTP as configured in FILE (standalone mode, no Kubernetes).
     ///
     /// Logs go to stderr; set SITEBOOT_LOG (e.g. `debug`, `siteboot_boot=debug`) to change the
-    /// level. Needs root or CAP_NET_BIND_SERVICE for ports 67, 69 and 4011 (nothing else).
+    /// level. Needs root or CAP_NET_BIND_SERVICE for ports 67, 69 and 4011, and CAP_NET_RAW for
+    /// the ARP probe that confirms an on-link host before its ramdisk token and bootstrap data
+    /// (without it, no on-link host gets a token).
     ///
     /// With --kubeconfig or --site (or a `kubernetes:` config section), it also runs the Cluster
     /// API provider for that site: Hosts come from the management cluster and their state

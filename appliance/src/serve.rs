@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use siteboot_boot::arp_probe::PacketProbe;
 use siteboot_boot::decision::DhcpMode;
 use siteboot_boot::dhcp::checkpoint::LeaseCheckpoint;
 use siteboot_boot::dhcp::journal::Journal;
@@ -76,9 +77,18 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     };
     // Who holds a client address: our leases when we hand them out, else the ARP table.
     let arp = KernelArp::new(interface).context("opening a socket for ARP look-ups")?;
-    let neighbors = Arc::new(match config.dhcp.mode {
+    let neighbors = match config.dhcp.mode {
         DhcpMode::Full => Neighbors::from_leases(leases.clone(), arp),
         DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(arp),
+    };
+    // Confirms an on-link holder where a token is minted or secrets leave. Without it siteboot
+    // still boots hosts, but mints no token for them: it fails closed, and says why.
+    let neighbors = Arc::new(match PacketProbe::new(interface, config.address) {
+        Ok(probe) => neighbors.probing(probe),
+        Err(error) => {
+            tracing::error!(%interface, %error, "cannot open a packet socket for ARP probes (it needs CAP_NET_RAW): no on-link host gets a ramdisk token or bootstrap data");
+            neighbors
+        }
     });
     // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader, and shares its
     // leases with the site's other replicas through a checkpoint.

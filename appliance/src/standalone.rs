@@ -361,7 +361,7 @@ impl StaticInventory {
         }
     }
 
-    fn action(&self, request: BootRequest) -> Option<BootAction> {
+    async fn action(&self, request: BootRequest) -> Option<BootAction> {
         let Some(host) = self.hosts.get(&request.mac) else { return self.default.clone() };
         let Some(ops) = &self.operations else { return Some(host.action.clone()) };
         let pending = ops
@@ -375,6 +375,10 @@ impl StaticInventory {
         }
         if !request.remote_holds_mac {
             tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host.name, "boot script asked for by an address that does not hold this MAC; no token issued");
+            return Some(ramdisk_boot(&ops.ramdisk, None));
+        }
+        if let Err(why) = request.segment.confirm(request.remote, request.mac).await {
+            tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host.name, %why, "boot script asked for by an address the segment does not confirm as this MAC's; no token issued");
             return Some(ramdisk_boot(&ops.ramdisk, None));
         }
         let issued =
@@ -481,6 +485,7 @@ impl StaticInventory {
                         }
                     },
                 };
+                agent::confirm_holder(req).await?;
                 // Marked delivered (and written) before it leaves: once per operation.
                 ops.update(mac, true, |r| {
                     r.authenticate(req.token.as_deref(), req.remote, now(), ops.max_age())?;
@@ -673,8 +678,7 @@ impl Inventory for StaticInventory {
     }
 
     fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
-        let action = self.action(request);
-        Box::pin(async move { action })
+        Box::pin(self.action(request))
     }
 
     /// The hosts under `hosts`: the profile each boots, or its operation.
@@ -713,7 +717,8 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use siteboot_boot::Endpoints;
-    use siteboot_boot::inventory::{LocalBoot, Source};
+    use siteboot_boot::arp_probe::Unconfirmed;
+    use siteboot_boot::inventory::{Confirm, LocalBoot, Segment, Source};
     use siteboot_ipxe::Word;
 
     use super::*;
@@ -751,9 +756,31 @@ mod tests {
         inventory
     }
 
+    /// The segment's answer, whatever it is asked.
+    struct Answers(Result<(), Unconfirmed>);
+
+    impl Confirm for Answers {
+        fn confirm(&self, _: Ipv4Addr, _: MacAddr) -> BoxFuture<'_, Result<(), Unconfirmed>> {
+            let answer = self.0;
+            Box::pin(async move { answer })
+        }
+    }
+
+    fn confirmed() -> Segment {
+        Segment(Arc::new(Answers(Ok(()))))
+    }
+
     fn boot(inventory: &StaticInventory, remote_holds_mac: bool) -> Vec<String> {
-        let request = BootRequest { mac: mac(), remote: HOST, remote_holds_mac };
-        match inventory.action(request) {
+        boot_confirmed(inventory, remote_holds_mac, confirmed())
+    }
+
+    fn boot_confirmed(
+        inventory: &StaticInventory,
+        remote_holds_mac: bool,
+        segment: Segment,
+    ) -> Vec<String> {
+        let request = BootRequest { mac: mac(), remote: HOST, remote_holds_mac, segment };
+        match block_on(inventory.action(request)) {
             Some(BootAction::Linux(linux)) => {
                 linux.cmdline.iter().map(|w| w.as_str().to_owned()).collect()
             }
@@ -774,6 +801,7 @@ mod tests {
             token: token.map(str::to_owned),
             remote: HOST,
             remote_mac,
+            segment: confirmed(),
             body: bytes::Bytes::from_static(b"{\"cpus\": 2}"),
         };
         let response = block_on(inventory.agent_request(request));
@@ -792,6 +820,10 @@ mod tests {
         block_on(inventory.start("node-a", OperationKind::Inspect)).unwrap();
         let stranger = boot(&inventory, false);
         assert!(stranger.iter().all(|a| !a.starts_with("siteboot.token=")), "{stranger:?}");
+        // The tables name the MAC, but the ARP probe finds a planted entry.
+        let planted = Segment(Arc::new(Answers(Err(Unconfirmed::Conflict { other: mac() }))));
+        let planted = boot_confirmed(&inventory, true, planted);
+        assert!(planted.iter().all(|a| !a.starts_with("siteboot.token=")), "{planted:?}");
         let args = boot(&inventory, true);
         let token = args.iter().find_map(|a| a.strip_prefix("siteboot.token=")).unwrap();
 

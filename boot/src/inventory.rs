@@ -4,10 +4,12 @@
 use std::future::Future;
 use std::net::Ipv4Addr;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use siteboot_ipxe::Word;
 
 use crate::MacAddr;
+use crate::arp_probe::Unconfirmed;
 
 /// What a host's iPXE is told to do when it fetches its script.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,15 +53,40 @@ pub enum LocalBoot {
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// Asks the segment whether an address is a MAC's now
+/// ([`Neighbors::confirm`](crate::neighbors::Neighbors::confirm)): an inventory asks right
+/// before it mints a token and before secrets leave, not for every request (an ARP probe
+/// takes [`PROBE_DEADLINE`](crate::arp_probe::PROBE_DEADLINE)).
+pub trait Confirm: Send + Sync {
+    fn confirm(&self, addr: Ipv4Addr, mac: MacAddr) -> BoxFuture<'_, Result<(), Unconfirmed>>;
+}
+
+/// The boot plane's [`Confirm`], handed to the inventory with each request.
+#[derive(Clone)]
+pub struct Segment(pub Arc<dyn Confirm>);
+
+impl Segment {
+    pub async fn confirm(&self, addr: Ipv4Addr, mac: MacAddr) -> Result<(), Unconfirmed> {
+        self.0.confirm(addr, mac).await
+    }
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Segment")
+    }
+}
+
 /// Who asks for a boot script.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct BootRequest {
     /// The MAC named in the URL.
     pub mac: MacAddr,
     pub remote: Ipv4Addr,
     /// Whether `remote` is the address this appliance knows that MAC by (its DHCP lease, or
-    /// the neighbour table). Secrets go only to requests where it is.
+    /// the neighbour table). Secrets go only to requests where it is, and the `segment` confirms it.
     pub remote_holds_mac: bool,
+    pub segment: Segment,
 }
 
 /// A request to `/agent/...`: the deploy ramdisk's API.
@@ -71,8 +98,10 @@ pub struct AgentRequest {
     /// The `Authorization: Bearer` token, if any.
     pub token: Option<String>,
     pub remote: Ipv4Addr,
-    /// The MAC this appliance knows `remote` by, if any.
+    /// The MAC this appliance knows `remote` by, if any (the tables; secrets leave only once
+    /// the `segment` confirms it).
     pub remote_mac: Option<MacAddr>,
+    pub segment: Segment,
     pub body: bytes::Bytes,
 }
 

@@ -5,6 +5,7 @@
 //! appliance implements from its config file (standalone) or from its Host cache.
 
 pub mod admission;
+pub mod arp_probe;
 pub mod backoff;
 pub mod client;
 pub mod decision;

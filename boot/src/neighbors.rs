@@ -12,11 +12,17 @@
 //!   a machine behind the same relay can forge the lessee's MAC);
 //! - when another server hands them out (proxy mode, DHCP off), a complete ARP entry alone;
 //! - never a DHCP packet's `chaddr` by itself, whatever the port.
+//!
+//! A table entry can be planted or stale, so where a token is minted or secrets leave, an
+//! on-link (or proxy-mode) holder is [confirmed](Neighbors::confirm) by the appliance's own ARP
+//! probe as well ([`crate::arp_probe`]).
 
 use std::net::Ipv4Addr;
 
 use crate::MacAddr;
+use crate::arp_probe::{self, ArpProbe, Unconfirmed};
 use crate::dhcp::leases::{SharedLeases, UnixTime, unix_now};
+use crate::inventory::{BoxFuture, Confirm};
 
 /// Why siteboot believes a MAC holds an address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,17 +115,54 @@ pub struct Neighbors {
     /// The lease table when siteboot hands out the addresses; `None` when another server does.
     leases: Option<SharedLeases>,
     arp: Box<dyn ArpTable>,
+    /// How [`confirm`](Self::confirm) asks the segment; without one, nothing on-link is confirmed.
+    probe: Option<Box<dyn ArpProbe>>,
 }
 
 impl Neighbors {
     /// Full mode: the leases siteboot ACKs, checked against `arp`.
     pub fn from_leases(leases: SharedLeases, arp: impl ArpTable + 'static) -> Self {
-        Self { leases: Some(leases), arp: Box::new(arp) }
+        Self { leases: Some(leases), arp: Box::new(arp), probe: None }
     }
 
     /// Proxy mode and DHCP off: the addresses are another server's, only `arp` knows.
     pub fn from_arp(arp: impl ArpTable + 'static) -> Self {
-        Self { leases: None, arp: Box::new(arp) }
+        Self { leases: None, arp: Box::new(arp), probe: None }
+    }
+
+    /// Confirms holders with `probe`.
+    pub fn probing(mut self, probe: impl ArpProbe + 'static) -> Self {
+        self.probe = Some(Box::new(probe));
+        self
+    }
+
+    /// Whether `addr` is `mac`'s now, with positive evidence from the segment: the tables'
+    /// [`holder`](Self::holder), and for an on-link or proxy-mode holder an ARP probe answered
+    /// by `mac` alone ([`arp_probe::judge`]). A relayed holder is off-link: no ARP reaches it,
+    /// and its lease is all there is.
+    pub async fn confirm(&self, addr: Ipv4Addr, mac: MacAddr) -> Result<Evidence, Unconfirmed> {
+        self.confirm_at(addr, mac, unix_now()).await
+    }
+
+    async fn confirm_at(
+        &self,
+        addr: Ipv4Addr,
+        mac: MacAddr,
+        now: UnixTime,
+    ) -> Result<Evidence, Unconfirmed> {
+        let holder =
+            self.holder_at(addr, now).filter(|h| h.mac == mac).ok_or(Unconfirmed::NotHolder)?;
+        if holder.evidence == Evidence::Lease {
+            return Ok(holder.evidence);
+        }
+        let probe = self.probe.as_ref().ok_or(Unconfirmed::NoProbe)?;
+        let claims = probe.probe(addr).await.map_err(|error| {
+            tracing::error!(%addr, %error, "cannot probe ARP");
+            Unconfirmed::ProbeFailed
+        })?;
+        arp_probe::judge(mac, &claims).map(|()| holder.evidence).inspect_err(|why| {
+            tracing::warn!(%addr, %mac, %why, ?claims, "the ARP probe does not confirm the address's holder; no identity");
+        })
     }
 
     /// Who holds `addr` now.
@@ -178,6 +221,12 @@ impl Neighbors {
     }
 }
 
+impl Confirm for Neighbors {
+    fn confirm(&self, addr: Ipv4Addr, mac: MacAddr) -> BoxFuture<'_, Result<(), Unconfirmed>> {
+        Box::pin(async move { Neighbors::confirm(self, addr, mac).await.map(|_| ()) })
+    }
+}
+
 /// What siteboot's own DHCP says about an address.
 #[derive(Debug, Clone, Copy)]
 enum Leased {
@@ -222,6 +271,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
+    use crate::arp_probe::ArpClaim;
     use crate::dhcp::leases::{Lease, LeaseTable};
     use crate::dhcp::settings::{NetworkPlan, Settings, SubnetSettings, TrustedRelay};
 
@@ -384,6 +434,53 @@ mod tests {
                 assert_eq!(identify(leased, arp), expected, "{leased:?}, entry {entry}");
             }
         }
+    }
+
+    /// A probe that sees `claims`, whatever it asks; `None`: one that must not be asked.
+    struct Sees(Option<Vec<ArpClaim>>);
+
+    impl ArpProbe for Sees {
+        fn probe(&self, _: Ipv4Addr) -> BoxFuture<'_, std::io::Result<Vec<ArpClaim>>> {
+            let claims = self.0.clone().expect("no probe for this address");
+            Box::pin(async move { Ok(claims) })
+        }
+    }
+
+    fn claim(ethernet_source: MacAddr, sender: MacAddr) -> ArpClaim {
+        ArpClaim { ethernet_source, sender, is_reply: true }
+    }
+
+    /// Where a token is minted or secrets leave: the tables' holder, and for an on-link or
+    /// proxy-mode one the probe's judgement; a relayed holder is not probed (no ARP crosses
+    /// the relay).
+    #[tokio::test]
+    async fn confirmation_asks_the_segment_for_on_link_and_proxy_holders() {
+        let answered = Some(vec![claim(mac(1), mac(1))]);
+        let planted = Some(vec![claim(mac(9), mac(1))]);
+        let on_link = |seen| {
+            Neighbors::from_leases(leases(), vec![(ip("10.0.0.100"), mac(1))]).probing(Sees(seen))
+        };
+        let at = |n: Neighbors, addr, who| async move { n.confirm_at(ip(addr), who, NOW).await };
+        assert_eq!(
+            at(on_link(answered.clone()), "10.0.0.100", mac(1)).await,
+            Ok(Evidence::LeaseAndArp)
+        );
+        let conflict = Err(Unconfirmed::Conflict { other: mac(9) });
+        assert_eq!(at(on_link(planted), "10.0.0.100", mac(1)).await, conflict, "a planted entry");
+        assert_eq!(
+            at(on_link(Some(vec![])), "10.0.0.100", mac(1)).await,
+            Err(Unconfirmed::NoAnswer)
+        );
+        assert_eq!(at(on_link(None), "10.0.0.100", mac(2)).await, Err(Unconfirmed::NotHolder));
+        let unprobed = Neighbors::from_leases(leases(), vec![(ip("10.0.0.100"), mac(1))]);
+        assert_eq!(at(unprobed, "10.0.0.100", mac(1)).await, Err(Unconfirmed::NoProbe));
+        let relayed = Neighbors::from_leases(leases(), vec![]).probing(Sees(None));
+        assert_eq!(at(relayed, "10.0.5.100", mac(4)).await, Ok(Evidence::Lease));
+        let proxy = Neighbors::from_arp(vec![(ip("10.0.0.150"), mac(1))]);
+        assert_eq!(
+            at(proxy.probing(Sees(answered)), "10.0.0.150", mac(1)).await,
+            Ok(Evidence::Arp)
+        );
     }
 
     #[test]

@@ -18,6 +18,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, ResourceExt};
 use serde::Deserialize;
 use serde_json::json;
+use siteboot_boot::arp_probe::Unconfirmed;
 use siteboot_boot::inventory::{AgentRequest, AgentResponse};
 
 use crate::conditions::paused_itself;
@@ -158,6 +159,8 @@ pub enum Refusal {
     /// The Host is paused: nothing about it changes until the annotation goes (the ramdisk
     /// retries).
     Paused,
+    /// The segment does not confirm, as secrets would leave, that the address is the MAC's.
+    Unconfirmed(Unconfirmed),
     BadRequest(String),
 }
 
@@ -188,6 +191,9 @@ impl fmt::Display for Refusal {
             Refusal::NotBound(why) => write!(f, "not bound to a machine: {why}"),
             Refusal::BadRequest(m) => write!(f, "bad request: {m}"),
             Refusal::Paused => f.write_str("the Host is paused; try again later"),
+            Refusal::Unconfirmed(why) => {
+                write!(f, "the address is not confirmed as this host's: {why}")
+            }
         }
     }
 }
@@ -599,6 +605,11 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
         .get("format")
         .map(|f| String::from_utf8_lossy(&f.0).into_owned())
         .unwrap_or_else(|| "cloud-config".into());
+    if let Err(refusal) = confirm_holder(req).await {
+        let note = format!("bootstrap data refused to {}: {refusal}", req.remote);
+        ctx.event(&host, true, "BootstrapDataRefused", note).await;
+        return Err(refusal.into());
+    }
     // Mark it delivered first: if two requests race, only the one whose write wins gets data.
     update_host_status(&api, host.metadata.name.as_deref().unwrap_or_default(), |current| {
         let current_op = authenticate(ctx, req, current)?;
@@ -623,6 +634,13 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
         content_type,
         body: bytes::Bytes::from(value.0.clone()),
     })
+}
+
+/// Whether the segment confirms, now, that the request's address is its MAC's: asked as secrets
+/// are about to leave, since a table entry naming the MAC can be planted or stale.
+pub async fn confirm_holder(req: &AgentRequest) -> Result<(), Refusal> {
+    let mac = req.remote_mac.ok_or(Refusal::UnknownAddress)?;
+    req.segment.confirm(req.remote, mac).await.map_err(Refusal::Unconfirmed)
 }
 
 /// The SitebootMachine and Machine a Host is bound to.

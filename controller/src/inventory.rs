@@ -9,8 +9,9 @@
 //! | none yet, recreated by a move or restore | as its lifecycle record restores it ([`record::state`]) |
 //! | `spec.online: false`, unknown MAC | nothing |
 //!
-//! A token is minted only for a request from the address that holds the MAC's lease; its hash
-//! is written to the Host before the script leaves, so the ramdisk can use it at once.
+//! A token is minted only for a request from the address that holds the MAC's lease, once the
+//! segment confirms it (the appliance's own ARP probe, for an on-link address); its hash is
+//! written to the Host before the script leaves, so the ramdisk can use it at once.
 //!
 //! The status page lists the Host cache: name, state, address, whether it is claimed and the
 //! ramdisk's progress; nothing from a Secret or the BMC, nothing naming its tenant.
@@ -55,6 +56,14 @@ impl KubeInventory {
                 if !request.remote_holds_mac {
                     let note = format!(
                         "{} asked for this host's boot script but does not hold its MAC; no token issued",
+                        request.remote
+                    );
+                    self.ctx.segment_warning(&host, "TokenRefused", note).await;
+                    return Some(ramdisk_boot(&self.ctx.ramdisk, None));
+                }
+                if let Err(why) = request.segment.confirm(request.remote, request.mac).await {
+                    let note = format!(
+                        "{} holds this host's MAC by the lease and ARP tables, but {why}; no token issued",
                         request.remote
                     );
                     self.ctx.segment_warning(&host, "TokenRefused", note).await;

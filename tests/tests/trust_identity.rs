@@ -3,20 +3,25 @@
 //! table, never a packet's `chaddr`. Here another machine of the site forges the MAC of a host
 //! being provisioned in one DHCP packet, then asks for that host's boot script and bootstrap
 //! data from its own address: it must get neither a token nor the data, also when it leaves the
-//! appliance's ARP entry for its address naming no one (zeroed, or never answered).
+//! appliance's ARP entry for its address naming no one (zeroed, or never answered) or plants one
+//! naming the victim (then only the appliance's own ARP probe tells it from the victim).
 //!
 //! Failures panic (`unwrap`) while everything is alive, so the logs get printed.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Stdio;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::{ListParams, PostParams};
+use siteboot_boot::MacAddr;
+use siteboot_boot::arp_probe::{ArpClaim, ArpProbe, PacketProbe, Unconfirmed, judge};
 use siteboot_boot::neighbors::{ArpTable, KernelArp};
 use siteboot_controller::crd::{Host, HostSpec, HostState, SITE_LABEL};
 use siteboot_tests::appliance::{self, mac_dashed};
@@ -96,6 +101,62 @@ fn the_arp_lookup_reads_the_served_interface_s_entries_only() {
             None, // another interface's
         ]
     );
+}
+
+/// The appliance's own ARP probe on a real interface: a broadcast who-has from the served
+/// bridge, and every claim to the address seen in time. The neighbour's kernel answers from its
+/// own MAC (confirmed); an address no one has gets no answer; and a second machine announcing
+/// the neighbour's MAC from its own Ethernet address while the probe listens is a conflict.
+#[test]
+fn the_arp_probe_confirms_only_the_machine_that_answers_as_itself() {
+    let served = Netns::new("probe").unwrap();
+    served.add_bridge("br-probe", "10.79.0.1/24").unwrap();
+    // Made before the ports join: the bridge's MAC changes as they do.
+    let appliance = Ipv4Addr::new(10, 79, 0, 1);
+    let made = served.enter(move || Ok(PacketProbe::new("br-probe", appliance)?)).unwrap();
+    let made = Arc::new(made);
+    let neighbour = ClientHost::attach(&served, "br-probe", "52:54:00:00:79:10").unwrap();
+    neighbour.ns.ip(&["addr", "add", "10.79.0.10/24", "dev", ClientHost::IFACE]).unwrap();
+    let planter = ClientHost::attach(&served, "br-probe", INTRUDER_MAC).unwrap();
+    let (address, absent) = (Ipv4Addr::new(10, 79, 0, 10), Ipv4Addr::new(10, 79, 0, 11));
+    let lessee: MacAddr = neighbour.mac.parse().unwrap();
+    // Probes run on a thread in the served namespace, as siteboot runs there.
+    let probe = |target: Ipv4Addr| {
+        let probe = made.clone();
+        served
+            .enter(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                Ok(runtime.block_on(probe.probe(target))?)
+            })
+            .unwrap()
+    };
+
+    let answered = probe(address);
+    assert!(
+        answered.contains(&ArpClaim { ethernet_source: lessee, sender: lessee, is_reply: true }),
+        "{answered:?}"
+    );
+    assert_eq!(judge(lessee, &answered), Ok(()));
+    assert_eq!(judge(lessee, &probe(absent)), Err(Unconfirmed::NoAnswer));
+
+    let socket = planter.ns.enter(|| packet_socket(libc::ETH_P_ARP, false)).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let planting = std::thread::spawn(move || {
+        while !flag.load(Ordering::Acquire) {
+            send_gratuitous_arp(&socket, address, lessee.octets()).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let planted = probe(address);
+    stop.store(true, Ordering::Release);
+    planting.join().unwrap();
+    let intruder: MacAddr = INTRUDER_MAC.parse().unwrap();
+    assert!(
+        planted.contains(&ArpClaim { ethernet_source: intruder, sender: lessee, is_reply: false }),
+        "{planted:?}"
+    );
+    assert_eq!(judge(lessee, &planted), Err(Unconfirmed::Conflict { other: intruder }));
 }
 
 /// Port 67, full mode: the intruder gives its lease back and asks for the same address as the
@@ -200,7 +261,7 @@ async fn a_forged_lease_with_a_zeroed_arp_entry_gives_no_identity() {
     let (victim, victim_token) = provisioning_victim(&lab).await;
     let intruder = Intruder::join(&lab).await;
     intruder.take_lease_of(&victim);
-    intruder.assert_gets_nothing_without_arp(&lab, Unresolved::ZeroMac, &victim, &victim_token);
+    intruder.assert_gets_nothing_without_arp(&lab, Spoil::ZeroMac, &victim, &victim_token);
 }
 
 /// The same forged lease, and the intruder answers no ARP while it asks, so the appliance's
@@ -211,7 +272,43 @@ async fn a_forged_lease_with_arp_unanswered_gives_no_identity() {
     let (victim, victim_token) = provisioning_victim(&lab).await;
     let intruder = Intruder::join(&lab).await;
     intruder.take_lease_of(&victim);
-    intruder.assert_gets_nothing_without_arp(&lab, Unresolved::Unanswered, &victim, &victim_token);
+    intruder.assert_gets_nothing_without_arp(&lab, Spoil::Unanswered, &victim, &victim_token);
+}
+
+/// The same forged lease, and an entry that does name the victim: the intruder plants "its
+/// address is-at the victim's MAC" with gratuitous ARPs from its own Ethernet address (and keeps
+/// sending them, answering no ARP itself), on a bridge that floods every frame (`ageing_time
+/// 0`: a hub, or any switch that has not learnt the victim's MAC, say while it is off), so the
+/// answers sent to the victim's MAC reach the intruder. Only the appliance's own ARP probe,
+/// whose answer must come from the lessee's MAC as both Ethernet and ARP sender, tells this
+/// from the victim. The control: the victim itself, answering for its own address, still gets
+/// a token and its bootstrap data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forged_lease_with_an_arp_entry_planted_for_the_victim_gives_no_identity() {
+    let lab = provisioning_lab().await;
+    let (victim, victim_token) = provisioning_victim(&lab).await;
+    let intruder = Intruder::join(&lab).await;
+    intruder.take_lease_of(&victim);
+    lab.lab.ip(&["link", "set", appliance::BRIDGE, "type", "bridge", "ageing_time", "0"]).unwrap();
+    let sniffer = Sniffer::start(&intruder.host, mac_bytes(victim.mac()));
+    let planted = Spoil::NamingTheVictim(mac_bytes(victim.mac()));
+    intruder.assert_gets_nothing_without_arp(&lab, planted, &victim, &victim_token);
+    let flooded = sniffer.stop();
+    assert!(
+        flooded.iter().any(|frame| contains(frame, b"#!ipxe")),
+        "no boot script sent to the victim's MAC reached the intruder: the test did not make the attack it means to"
+    );
+    assert!(
+        !flooded.iter().any(|frame| contains(frame, b"siteboot.token=")),
+        "a token left to the segment"
+    );
+
+    // The victim boots again once the intruder has let the address go.
+    intruder.release_lease_of(&victim);
+    victim.reboot();
+    let token = wait_token(&victim, Some(&victim_token)).await;
+    let (status, data) = victim.http("GET", "/agent/v1/bootstrap", Some(&token), None).unwrap();
+    assert_eq!((status, data.as_str()), (200, SECRET));
 }
 
 /// A Kubernetes-mode lab with one manual simulated host and a Cluster whose bootstrap data is
@@ -259,6 +356,8 @@ struct Intruder {
     host: ClientHost,
     address: Ipv4Addr,
     base_url: String,
+    /// The thread sending [`Spoil::NamingTheVictim`]'s ARPs, and its stop flag.
+    announcer: Mutex<Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>>,
 }
 
 impl Intruder {
@@ -271,7 +370,8 @@ impl Intruder {
         let lease = dhcp.wait_bound(Duration::from_secs(60)).unwrap();
         // The address stays on the interface; port 68 is free for the forged exchanges.
         dhcp.kill();
-        Self { host, address: lease.address.unwrap(), base_url: lab.siteboot.base_url().to_owned() }
+        let base_url = lab.siteboot.base_url().to_owned();
+        Self { host, address: lease.address.unwrap(), base_url, announcer: Mutex::default() }
     }
 
     /// Sends `packet` from the intruder's address and `port` (0: any) to `to`; with `answer`,
@@ -320,7 +420,7 @@ impl Intruder {
     fn assert_gets_nothing_without_arp(
         &self,
         lab: &ProviderLab,
-        how: Unresolved,
+        how: Spoil,
         victim: &SimHost,
         victim_token: &str,
     ) {
@@ -375,39 +475,74 @@ impl Intruder {
     }
 
     /// Leaves the appliance's ARP entry for the intruder's address naming no one.
-    fn spoil_arp(&self, lab: &ProviderLab, how: Unresolved) {
+    fn spoil_arp(&self, lab: &ProviderLab, how: Spoil) {
         match how {
-            Unresolved::ZeroMac => self.gratuitous_arp([0; 6]),
-            Unresolved::Unanswered => {
+            Spoil::ZeroMac => self.gratuitous_arp([0; 6]),
+            Spoil::Unanswered => {
                 self.arp_ignore(8); // answer no ARP request
                 // The entry a real intruder lets age out (stale, then failed when probes go
                 // unanswered): gone now, then incomplete while the appliance asks in vain.
                 let address = self.address.to_string();
                 lab.lab.ip(&["neigh", "del", &address, "dev", appliance::BRIDGE]).unwrap();
             }
+            Spoil::NamingTheVictim(victim) => {
+                self.arp_ignore(8);
+                let stop = Arc::new(AtomicBool::new(false));
+                let (flag, address) = (stop.clone(), self.address);
+                let socket = self.host.ns.enter(|| packet_socket(libc::ETH_P_ARP, false)).unwrap();
+                let thread = std::thread::spawn(move || {
+                    while !flag.load(Ordering::Acquire) {
+                        send_gratuitous_arp(&socket, address, victim).unwrap();
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                });
+                *self.announcer.lock().unwrap() = Some((stop, thread));
+            }
         }
         let address = self.address.to_string();
         let spoiled = siteboot_tests::wait::until(
-            "the appliance's ARP entry to name no one",
+            "the appliance's ARP entry to be spoiled",
             Duration::from_secs(5),
             Duration::from_millis(50),
             || {
                 let mut show = lab.lab.command("ip");
                 let entry = siteboot_tests::netns::output(show.args(["neigh", "show", &address]));
                 let entry = entry.unwrap();
-                let complete =
-                    entry.contains("lladdr") && !entry.contains("lladdr 00:00:00:00:00:00");
-                (!complete).then_some(())
+                let spoiled = match how {
+                    Spoil::NamingTheVictim(victim) => {
+                        let victim: Vec<String> =
+                            victim.iter().map(|b| format!("{b:02x}")).collect();
+                        entry.contains(&format!("lladdr {}", victim.join(":")))
+                    }
+                    Spoil::ZeroMac | Spoil::Unanswered => {
+                        !entry.contains("lladdr") || entry.contains("lladdr 00:00:00:00:00:00")
+                    }
+                };
+                spoiled.then_some(())
             },
         );
         spoiled.expect("the test did not make the attack it means to");
     }
 
-    fn restore_arp(&self, how: Unresolved) {
-        if how == Unresolved::Unanswered {
+    fn restore_arp(&self, how: Spoil) {
+        if let Some((stop, thread)) = self.announcer.lock().unwrap().take() {
+            stop.store(true, Ordering::Release);
+            thread.join().unwrap();
+        }
+        if how != Spoil::ZeroMac {
             self.arp_ignore(0);
         }
         self.gratuitous_arp(mac_bytes(INTRUDER_MAC));
+    }
+
+    /// Gives the lease [`take_lease_of`](Self::take_lease_of) took back (a RELEASE from its
+    /// address) and the address with it.
+    fn release_lease_of(&self, victim: &SimHost) {
+        let mut release = vec![53, 1, DHCP_RELEASE, 54, 4];
+        release.extend_from_slice(&SERVER.octets());
+        let release = bootp(victim.mac(), self.address, &[&release]);
+        self.send(0, SocketAddrV4::new(SERVER, 67), release, false);
+        self.host.ns.ip(&["addr", "flush", "dev", ClientHost::IFACE]).unwrap();
     }
 
     fn arp_ignore(&self, value: u8) {
@@ -419,43 +554,11 @@ impl Intruder {
     /// hardware address, from a packet socket in the intruder's namespace: what any machine on
     /// the segment can send.
     fn gratuitous_arp(&self, sender: [u8; 6]) {
-        let mut frame = vec![0xff; 6]; // to everyone
-        frame.extend_from_slice(&mac_bytes(INTRUDER_MAC));
-        // ARP, Ethernet/IPv4, a request: sender, then target (the same address).
-        frame.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 1]);
-        frame.extend_from_slice(&sender);
-        frame.extend_from_slice(&self.address.octets());
-        frame.extend_from_slice(&[0; 6]);
-        frame.extend_from_slice(&self.address.octets());
-        let interface = std::ffi::CString::new(ClientHost::IFACE).unwrap();
+        let address = self.address;
         self.host
             .ns
             .enter(move || {
-                let protocol = (libc::ETH_P_ARP as u16).to_be();
-                // SAFETY: plain socket calls on a descriptor this closure owns and closes; the
-                // buffers passed outlive the calls.
-                unsafe {
-                    let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, protocol.into());
-                    anyhow::ensure!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-                    let mut to: libc::sockaddr_ll = std::mem::zeroed();
-                    to.sll_family = libc::AF_PACKET as u16;
-                    to.sll_protocol = protocol;
-                    to.sll_ifindex = libc::if_nametoindex(interface.as_ptr()) as i32;
-                    to.sll_halen = 6;
-                    to.sll_addr[..6].fill(0xff);
-                    let sent = libc::sendto(
-                        fd,
-                        frame.as_ptr().cast(),
-                        frame.len(),
-                        0,
-                        (&to as *const libc::sockaddr_ll).cast(),
-                        std::mem::size_of::<libc::sockaddr_ll>() as u32,
-                    );
-                    let error = std::io::Error::last_os_error();
-                    libc::close(fd);
-                    anyhow::ensure!(sent == frame.len() as isize, "sendto: {error}");
-                }
-                Ok(())
+                send_gratuitous_arp(&packet_socket(libc::ETH_P_ARP, false)?, address, sender)
             })
             .unwrap();
     }
@@ -494,13 +597,142 @@ impl Intruder {
     }
 }
 
-/// How the intruder leaves the appliance's ARP entry for its address naming no one.
+/// How the intruder spoils the appliance's ARP entry for its address: naming no one, or the
+/// victim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Unresolved {
+enum Spoil {
     /// A gratuitous ARP with an all-zero sender MAC.
     ZeroMac,
     /// No answer to the appliance's ARP requests.
     Unanswered,
+    /// Gratuitous ARPs with this (the victim's) sender MAC from the intruder's own Ethernet
+    /// address, every 50 ms, and no answer to ARP requests.
+    NamingTheVictim([u8; 6]),
+}
+
+/// Frames to one MAC that reach a machine of the segment: a packet socket in its namespace.
+struct Sniffer {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<Vec<u8>>>,
+}
+
+impl Sniffer {
+    fn start(host: &ClientHost, to: [u8; 6]) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (fd, _) = host.ns.enter(|| packet_socket(libc::ETH_P_ALL, true)).unwrap();
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut frames = Vec::new();
+            let mut buf = vec![0u8; 65536];
+            while !flag.load(Ordering::Acquire) {
+                // SAFETY: recv into a buffer this thread owns, on a descriptor it owns.
+                let n =
+                    unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+                if n >= 14 && buf[..6] == to {
+                    let frame = buf[..n as usize].to_vec();
+                    let text = String::from_utf8_lossy(&frame);
+                    if let Some(word) =
+                        text.split_whitespace().find(|w| w.starts_with("siteboot.token="))
+                    {
+                        eprintln!("sniffed a frame to the victim's MAC carrying {word}");
+                    }
+                    frames.push(frame);
+                }
+            }
+            frames
+        });
+        Self { stop, thread }
+    }
+
+    /// Every frame to the MAC seen since the start.
+    fn stop(self) -> Vec<Vec<u8>> {
+        self.stop.store(true, Ordering::Release);
+        self.thread.join().unwrap()
+    }
+}
+
+/// A packet socket for `protocol`, and the index of the namespace's `eth0` (asked in the
+/// namespace); with `receive`, bound to it with a 100 ms receive timeout.
+fn packet_socket(protocol: libc::c_int, receive: bool) -> anyhow::Result<(OwnedFd, i32)> {
+    let protocol = (protocol as u16).to_be();
+    let interface = std::ffi::CString::new(ClientHost::IFACE).unwrap();
+    // SAFETY: reads the NUL-terminated name, which outlives the call.
+    let ifindex = unsafe { libc::if_nametoindex(interface.as_ptr()) } as i32;
+    anyhow::ensure!(ifindex > 0, "no {}: {}", ClientHost::IFACE, std::io::Error::last_os_error());
+    // SAFETY: plain socket calls; the descriptor is owned at once, the structs outlive the calls.
+    unsafe {
+        let fd = libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_RAW,
+            if receive { protocol.into() } else { 0 },
+        );
+        anyhow::ensure!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let fd = OwnedFd::from_raw_fd(fd);
+        if receive {
+            let mut at: libc::sockaddr_ll = std::mem::zeroed();
+            at.sll_family = libc::AF_PACKET as u16;
+            at.sll_protocol = protocol;
+            at.sll_ifindex = ifindex;
+            let len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
+            let bound = libc::bind(fd.as_raw_fd(), (&at as *const libc::sockaddr_ll).cast(), len);
+            anyhow::ensure!(bound == 0, "bind: {}", std::io::Error::last_os_error());
+            let timeout = libc::timeval { tv_sec: 0, tv_usec: 100_000 };
+            let size = std::mem::size_of::<libc::timeval>() as u32;
+            let set = libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&timeout as *const libc::timeval).cast(),
+                size,
+            );
+            anyhow::ensure!(set == 0, "SO_RCVTIMEO: {}", std::io::Error::last_os_error());
+        }
+        Ok((fd, ifindex))
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Broadcasts, on the packet socket `fd` and its namespace's `eth0`, a gratuitous ARP request for
+/// `address` with `sender` as its hardware address, from the intruder's own Ethernet address.
+fn send_gratuitous_arp(
+    (fd, ifindex): &(OwnedFd, i32),
+    address: Ipv4Addr,
+    sender: [u8; 6],
+) -> anyhow::Result<()> {
+    let mut frame = vec![0xff; 6]; // to everyone
+    frame.extend_from_slice(&mac_bytes(INTRUDER_MAC));
+    // ARP, Ethernet/IPv4, a request: sender, then target (the same address).
+    frame.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 1]);
+    frame.extend_from_slice(&sender);
+    frame.extend_from_slice(&address.octets());
+    frame.extend_from_slice(&[0; 6]);
+    frame.extend_from_slice(&address.octets());
+    // SAFETY: sendto with buffers that outlive the call, on a descriptor the caller owns.
+    unsafe {
+        let mut to: libc::sockaddr_ll = std::mem::zeroed();
+        to.sll_family = libc::AF_PACKET as u16;
+        to.sll_protocol = (libc::ETH_P_ARP as u16).to_be();
+        to.sll_ifindex = *ifindex;
+        to.sll_halen = 6;
+        to.sll_addr[..6].fill(0xff);
+        let sent = libc::sendto(
+            fd.as_raw_fd(),
+            frame.as_ptr().cast(),
+            frame.len(),
+            0,
+            (&to as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        );
+        anyhow::ensure!(
+            sent == frame.len() as isize,
+            "sendto: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
 }
 
 fn mac_bytes(mac: &str) -> [u8; 6] {

@@ -57,7 +57,7 @@ use crate::admission::{Caps, CapsError, Slot, Slots, Standing, Ticket};
 use crate::backoff::Backoff;
 use crate::decision::ipxe_script;
 use crate::files::{FileError, FileRoot};
-use crate::inventory::{AgentRequest, BootRequest};
+use crate::inventory::{AgentRequest, BootRequest, Segment};
 use crate::metrics::{HttpRefusal, HttpRoute, Metrics};
 use crate::rate::{Rate, RateLimiter};
 use crate::timeline::Stage;
@@ -529,6 +529,7 @@ impl HttpServer {
             mac,
             remote: remote_ip,
             remote_holds_mac: self.plane.neighbors.mac_of(remote_ip) == Some(mac),
+            segment: Segment(self.plane.neighbors.clone()),
         };
         match self.plane.inventory.boot_action(request).await {
             Some(action) => {
@@ -683,6 +684,7 @@ impl HttpServer {
             token,
             remote: remote_ip,
             remote_mac: self.plane.neighbors.mac_of(remote_ip),
+            segment: Segment(self.plane.neighbors.clone()),
             body,
         };
         let response = self.plane.inventory.agent(request).await;
