@@ -340,11 +340,12 @@ const IMAGE_USER: i64 = 65532;
 
 /// Why the appliance's container needs what it asks for; an annotation on its Deployment, and
 /// a label of the image (`scripts/build-image`).
-const CAPABILITIES_WHY: &str = "NET_BIND_SERVICE only: DHCP binds UDP 67 and TFTP UDP 69, below \
-1024, as user 65532, through the binary's file capability (so allowPrivilegeEscalation must not \
-be false: no_new_privs would ignore it). The DHCP sockets are plain UDP with SO_BROADCAST and \
-SO_BINDTODEVICE (unprivileged since Linux 5.7; older kernels also need NET_RAW); no raw sockets, \
-no NET_ADMIN. hostNetwork: DHCP and TFTP serve the site's L2 segment.";
+const CAPABILITIES_WHY: &str = "NET_BIND_SERVICE and NET_RAW only: DHCP binds UDP 67 and TFTP UDP \
+69, below 1024, and the ARP probe that confirms an on-link host before its ramdisk token is \
+minted and before its bootstrap data leaves uses a packet socket; both as user 65532, through \
+the binary's file capabilities (so allowPrivilegeEscalation must not be false: no_new_privs \
+would ignore them). The DHCP sockets are plain UDP with SO_BROADCAST and SO_BINDTODEVICE; no \
+NET_ADMIN. hostNetwork: DHCP and TFTP serve the site's L2 segment.";
 
 /// One site's appliance: the values that differ between sites and installs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -507,7 +508,7 @@ kubernetes:
                                       "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } }],
                             "securityContext": {
                                 "readOnlyRootFilesystem": true,
-                                "capabilities": { "drop": ["ALL"], "add": ["NET_BIND_SERVICE"] },
+                                "capabilities": { "drop": ["ALL"], "add": ["NET_BIND_SERVICE", "NET_RAW"] },
                             },
                             "ports": [
                                 { "name": "dhcp", "containerPort": 67, "protocol": "UDP" },
@@ -550,7 +551,7 @@ const APPLIANCE_HEADER: &str = "\
 # The image is what scripts/build-image builds (localhost/siteboot:<version>; push it to your
 # registry and pass --image): the static siteboot binary, Debian's iPXE binaries under
 # /usr/lib/ipxe, CA certificates. Put the ramdisk files under /srv/siteboot (a volume of yours).
-# It runs as user 65532 with NET_BIND_SERVICE only (the siteboot.dev/capabilities annotation
+# It runs as user 65532 with NET_BIND_SERVICE and NET_RAW only (the siteboot.dev/capabilities annotation
 # says why). The state directory is per Pod: in Kubernetes mode the leases live on in the
 # site's checkpoint (a ConfigMap), and cached images are fetched again after a restart.
 #
@@ -826,7 +827,7 @@ mod tests {
         assert_eq!(container["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
         assert_eq!(
             container["securityContext"]["capabilities"]["add"],
-            json!(["NET_BIND_SERVICE"])
+            json!(["NET_BIND_SERVICE", "NET_RAW"])
         );
         // no_new_privs would drop the binary's file capability.
         assert!(container["securityContext"].get("allowPrivilegeEscalation").is_none());

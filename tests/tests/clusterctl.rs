@@ -308,7 +308,7 @@ async fn check_installed_components(env: &KubeEnv) -> Result<()> {
     ensure!(pod["nodeSelector"] == json!({ "siteboot.dev/site": "rack-7" }), "{pod}");
     ensure!(
         pod["containers"][0]["securityContext"]["capabilities"]["add"]
-            == json!(["NET_BIND_SERVICE"])
+            == json!(["NET_BIND_SERVICE", "NET_RAW"])
     );
     let config = env.api("v1", "ConfigMap", ns).get("siteboot-rack-7").await?;
     let config = config.data["data"]["siteboot.yaml"].as_str().context("siteboot.yaml")?.to_owned();

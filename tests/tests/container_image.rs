@@ -1,6 +1,7 @@
 //! The appliance's container image (`scripts/build-image`): built reproducibly, it runs
 //! `siteboot --version` and `check-config` on the examples it carries, and serves DHCP (UDP 67),
-//! TFTP (UDP 69) and HTTP as its non-root user with no capability but NET_BIND_SERVICE.
+//! TFTP (UDP 69) and HTTP as its non-root user with no capabilities but NET_BIND_SERVICE and
+//! NET_RAW (the ARP probe's packet socket).
 //!
 //! Run with rootful podman, `--network none` (the server test binds loopback only). The image is
 //! built once per set of inputs (cached under `$SITEBOOT_CACHE/image/`); the first build compiles
@@ -186,31 +187,39 @@ impl Drop for Container {
 }
 
 #[test]
-fn it_serves_as_its_non_root_user_with_net_bind_service_only() {
+fn it_serves_as_its_non_root_user_with_net_bind_service_and_net_raw_only() {
     let name = image();
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("siteboot.yaml");
     std::fs::write(&config, loopback_config()).unwrap();
     let volume = format!("--volume={}:/etc/siteboot/siteboot.yaml:ro", config.display());
 
-    // The binary carries the capability, so that a non-root exec gets it (where the runtime
+    // The binary carries the capabilities, so that a non-root exec gets them (where the runtime
     // sets no ambient capabilities, as Kubernetes' do not).
     let mounted = run(Command::new("podman").args(["image", "mount", name]));
     assert!(mounted.status.success());
     let getcap =
         run(Command::new("getcap").arg(Path::new(&stdout(&mounted)).join("usr/bin/siteboot")));
     run(Command::new("podman").args(["image", "unmount", name]));
-    assert!(stdout(&getcap).ends_with("cap_net_bind_service=ep"), "{}", stdout(&getcap));
+    assert!(
+        stdout(&getcap).ends_with("cap_net_bind_service,cap_net_raw=ep"),
+        "{}",
+        stdout(&getcap)
+    );
 
-    // Without NET_BIND_SERVICE in the bounding set the kernel refuses to run a binary whose
-    // file capability it cannot grant: the Deployment must keep it.
-    let refused = run(podman_run().args(["--cap-drop=ALL", &volume, name]));
-    assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("operation not permitted"));
+    // Without both in the bounding set the kernel refuses to run a binary whose file
+    // capabilities it cannot grant: the Deployment must keep them.
+    for kept in [&[][..], &["--cap-add=NET_BIND_SERVICE"], &["--cap-add=NET_RAW"]] {
+        let refused = run(podman_run().arg("--cap-drop=ALL").args(kept).args([&volume, name]));
+        assert!(!refused.status.success(), "ran with only {kept:?}");
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(stderr.contains("operation not permitted"), "{kept:?}: {stderr}");
+    }
 
     let container = Container(format!("sbt-image-{}", std::process::id()));
     let mut serve = podman_run();
-    serve.args(["--name", &container.0, "--cap-drop=ALL", "--cap-add=NET_BIND_SERVICE", &volume]);
+    serve.args(["--name", &container.0, "--cap-drop=ALL", "--cap-add=NET_BIND_SERVICE"]);
+    serve.args(["--cap-add=NET_RAW", &volume]);
     serve.arg(name);
     let mut server = Supervised::spawn("siteboot-in-podman", &mut serve, dir.path()).unwrap();
     wait::for_("siteboot to serve in the container", Duration::from_secs(60), || {
