@@ -70,6 +70,14 @@ fn podman_run() -> Command {
     command
 }
 
+/// `podman run` with exactly the capabilities the Deployment grants (podman's defaults lack
+/// NET_RAW, without which the binary's file capabilities refuse the exec).
+fn podman_run_as_deployed() -> Command {
+    let mut command = podman_run();
+    command.args(["--cap-drop=ALL", "--cap-add=NET_BIND_SERVICE", "--cap-add=NET_RAW"]);
+    command
+}
+
 #[test]
 fn the_image_is_reproducible() {
     let name = image();
@@ -96,14 +104,14 @@ fn the_image_is_reproducible() {
 #[test]
 fn version_and_check_config_run_in_the_image() {
     let name = image();
-    let version = run(podman_run().args([name, "--version"]));
+    let version = run(podman_run_as_deployed().args([name, "--version"]));
     assert!(version.status.success());
     assert_eq!(stdout(&version), format!("siteboot {}", env!("CARGO_PKG_VERSION")));
     // What `siteboot manifests` puts in its Deployments unless given --image.
     assert_eq!(name, siteboot_controller::manifests::default_image());
 
     // The examples the image carries pass against the iPXE binaries the image carries.
-    let checked = run(podman_run().args([
+    let checked = run(podman_run_as_deployed().args([
         name,
         "check-config",
         "/usr/share/siteboot/examples/standalone.yaml",
@@ -114,7 +122,7 @@ fn version_and_check_config_run_in_the_image() {
         "/usr/share/siteboot/examples/standalone.yaml: ok (full DHCP, 2 known hosts, iPXE \
          binaries for bios, uefi-x64)"
     );
-    let checked = run(podman_run().args([
+    let checked = run(podman_run_as_deployed().args([
         name,
         "check-config",
         "/usr/share/siteboot/examples/kubernetes.yaml",
@@ -137,7 +145,7 @@ fn version_and_check_config_run_in_the_image() {
     let site_config =
         site_config.replacen("interface: eth1\n", "interface: eth1\naddress: 10.99.0.2\n", 1);
     std::fs::write(&config, site_config).unwrap();
-    let checked = run(podman_run()
+    let checked = run(podman_run_as_deployed()
         .arg(format!("--volume={}:/etc/siteboot/siteboot.yaml:ro", config.display()))
         .args([name, "check-config", "/etc/siteboot/siteboot.yaml"]));
     assert!(checked.status.success());
@@ -148,7 +156,7 @@ fn version_and_check_config_run_in_the_image() {
         loopback_config().replace("profiles:", "tftp:\n  ipxe_dir: /nowhere\nprofiles:"),
     )
     .unwrap();
-    let refused = run(podman_run()
+    let refused = run(podman_run_as_deployed()
         .arg(format!("--volume={}:/etc/siteboot/siteboot.yaml:ro", config.display()))
         .args([name, "check-config", "/etc/siteboot/siteboot.yaml"]));
     assert_eq!(refused.status.code(), Some(1));
@@ -217,9 +225,8 @@ fn it_serves_as_its_non_root_user_with_net_bind_service_and_net_raw_only() {
     }
 
     let container = Container(format!("sbt-image-{}", std::process::id()));
-    let mut serve = podman_run();
-    serve.args(["--name", &container.0, "--cap-drop=ALL", "--cap-add=NET_BIND_SERVICE"]);
-    serve.args(["--cap-add=NET_RAW", &volume]);
+    let mut serve = podman_run_as_deployed();
+    serve.args(["--name", &container.0, &volume]);
     serve.arg(name);
     let mut server = Supervised::spawn("siteboot-in-podman", &mut serve, dir.path()).unwrap();
     wait::for_("siteboot to serve in the container", Duration::from_secs(60), || {
