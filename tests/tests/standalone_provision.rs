@@ -100,11 +100,18 @@ fn cli(config: &Path, args: &[&str]) -> (bool, String, String) {
     Cli::start(config, args).finish()
 }
 
-/// Reboots `sim` and waits until it runs the ramdisk again, with a token: that boot's.
+/// Reboots `sim` and waits until it runs the ramdisk again, with a token: that boot's. The
+/// CLI starts the operation while the host reboots, so the host may fetch its script first and
+/// boot its disk: then it is power-cycled again, as an operator would.
 fn boot_ramdisk(sim: &SimHost) -> String {
-    let boots = sim.boots();
+    let mut boots = sim.boots();
     sim.reboot();
     wait::until("the host to boot the ramdisk with a token", STEP, POLL, || {
+        if sim.boots() > boots && sim.phase() == Phase::Os {
+            boots = sim.boots();
+            sim.reboot();
+            return None;
+        }
         (sim.boots() > boots && sim.phase() == Phase::Ramdisk).then(|| sim.token()).flatten()
     })
     .unwrap()
