@@ -18,11 +18,20 @@
 //! probe as well ([`crate::arp_probe`]).
 
 use std::net::Ipv4Addr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use crate::MacAddr;
 use crate::arp_probe::{self, ArpProbe, Unconfirmed};
 use crate::dhcp::leases::{SharedLeases, UnixTime, unix_now};
 use crate::inventory::{BoxFuture, Confirm};
+use crate::rate::{Rate, RateLimiter};
+
+/// One warning per address a minute about a lease its ARP entry does not back: the segment
+/// decides how often that is asked (every connection and request from the address).
+const WARNING_RATE: Rate = Rate { burst: 1, every: Duration::from_secs(60) };
+/// How many addresses' warnings are tracked (the limiter forgets refilled ones first).
+const WARNED_ADDRESSES: usize = 1024;
 
 /// Why siteboot believes a MAC holds an address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,17 +126,18 @@ pub struct Neighbors {
     arp: Box<dyn ArpTable>,
     /// How [`confirm`](Self::confirm) asks the segment; without one, nothing on-link is confirmed.
     probe: Option<Box<dyn ArpProbe>>,
+    warnings: Mutex<RateLimiter<Ipv4Addr>>,
 }
 
 impl Neighbors {
     /// Full mode: the leases siteboot ACKs, checked against `arp`.
     pub fn from_leases(leases: SharedLeases, arp: impl ArpTable + 'static) -> Self {
-        Self { leases: Some(leases), arp: Box::new(arp), probe: None }
+        Self { leases: Some(leases), arp: Box::new(arp), probe: None, warnings: warnings() }
     }
 
     /// Proxy mode and DHCP off: the addresses are another server's, only `arp` knows.
     pub fn from_arp(arp: impl ArpTable + 'static) -> Self {
-        Self { leases: None, arp: Box::new(arp), probe: None }
+        Self { leases: None, arp: Box::new(arp), probe: None, warnings: warnings() }
     }
 
     /// Confirms holders with `probe`.
@@ -206,6 +216,7 @@ impl Neighbors {
         let arp = self.arp.lookup(addr);
         let holder = identify(leased, arp);
         match (holder, leased, arp) {
+            (None, Leased::OnLink(_) | Leased::Relayed(_), _) if !self.may_warn(addr) => {}
             (None, Leased::OnLink(lessee) | Leased::Relayed(lessee), Some(seen)) => {
                 tracing::warn!(%addr, %lessee, arp = %seen, "the ARP table contradicts the lease (a forged MAC?); no identity for this address");
             }
@@ -219,6 +230,17 @@ impl Neighbors {
         }
         holder
     }
+}
+
+impl Neighbors {
+    /// Whether a warning about `addr` may be logged now (see [`WARNING_RATE`]).
+    fn may_warn(&self, addr: Ipv4Addr) -> bool {
+        self.warnings.lock().expect("warning limiter lock").allow(addr, Instant::now())
+    }
+}
+
+fn warnings() -> Mutex<RateLimiter<Ipv4Addr>> {
+    Mutex::new(RateLimiter::new(WARNING_RATE, WARNED_ADDRESSES))
 }
 
 impl Confirm for Neighbors {
@@ -283,6 +305,19 @@ mod tests {
 
     fn mac(n: u8) -> MacAddr {
         MacAddr::new([0x52, 0x54, 0, 0, 0, n])
+    }
+
+    /// The segment decides how often an address without ARP backing is asked about: the
+    /// warning is logged once a minute per address, never once per question.
+    #[test]
+    fn an_unbacked_lease_is_warned_about_once_per_address() {
+        let n = Neighbors::from_leases(leases(), vec![]);
+        assert!(n.may_warn(ip("10.0.0.100")));
+        assert!((0..100).all(|_| !n.may_warn(ip("10.0.0.100"))), "one warning a minute");
+        assert!(n.may_warn(ip("10.0.0.101")), "addresses are counted apart");
+        for _ in 0..10 {
+            assert_eq!(n.holder_at(ip("10.0.0.100"), NOW), None, "still no identity");
+        }
     }
 
     #[test]
