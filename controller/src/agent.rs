@@ -110,6 +110,9 @@ pub struct Grant<'a> {
     pub token_hash: Option<&'a str>,
     /// The address it was issued to.
     pub address: Option<&'a str>,
+    /// It came through the host's BMC, in virtual media, never over the segment: holding it is
+    /// the evidence, whatever address the request comes from.
+    pub via_bmc: bool,
     /// Whether it was issued less than the token lifetime ago.
     pub fresh: bool,
 }
@@ -126,7 +129,7 @@ pub fn check_token(
     if !token::matches(token, hash) {
         return Err(Refusal::WrongToken);
     }
-    if grant.address != Some(remote.to_string().as_str()) {
+    if !grant.via_bmc && grant.address != Some(remote.to_string().as_str()) {
         return Err(Refusal::WrongAddress);
     }
     if !grant.fresh {
@@ -234,6 +237,7 @@ fn authenticate(ctx: &Ctx, req: &AgentRequest, host: &Host) -> Result<Operation,
     let grant = op.as_ref().map(|op| Grant {
         token_hash: op.token_hash.as_deref(),
         address: op.token_address.as_deref(),
+        via_bmc: op.virtual_media,
         fresh: op
             .token_issued
             .as_ref()
@@ -605,7 +609,10 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
         .get("format")
         .map(|f| String::from_utf8_lossy(&f.0).into_owned())
         .unwrap_or_else(|| "cloud-config".into());
-    if let Err(refusal) = confirm_holder(req).await {
+    // A token from virtual media is the evidence itself; the segment can add nothing to it.
+    if !op.virtual_media
+        && let Err(refusal) = confirm_holder(req).await
+    {
         let note = format!("bootstrap data refused to {}: {refusal}", req.remote);
         ctx.event(&host, true, "BootstrapDataRefused", note).await;
         return Err(refusal.into());
@@ -712,7 +719,12 @@ mod tests {
     fn a_token_is_good_only_as_issued_to_its_address_and_in_time() {
         let (token, hash) = token::mint();
         let remote: std::net::Ipv4Addr = "10.0.0.5".parse().unwrap();
-        let grant = Grant { token_hash: Some(&hash), address: Some("10.0.0.5"), fresh: true };
+        let grant = Grant {
+            token_hash: Some(&hash),
+            address: Some("10.0.0.5"),
+            via_bmc: false,
+            fresh: true,
+        };
         assert_eq!(check_token(Some(&token), Some(grant), remote), Ok(()));
         let refusal = |token: Option<&str>, grant: Option<Grant<'_>>, remote| {
             check_token(token, grant, remote).unwrap_err()
@@ -727,6 +739,10 @@ mod tests {
         let stale = Grant { fresh: false, ..grant };
         assert_eq!(refusal(Some(&token), Some(stale), remote), Refusal::Expired);
         assert!(needs_new_token(&Refusal::Expired) && !needs_new_token(&Refusal::WrongAddress));
+        let from_media = Grant { address: None, via_bmc: true, ..grant };
+        assert_eq!(check_token(Some(&token), Some(from_media), elsewhere), Ok(()));
+        assert_eq!(refusal(Some(&hash), Some(from_media), elsewhere), Refusal::WrongToken);
+        assert_eq!(refusal(Some(&token), Some(Grant { fresh: false, ..from_media }), elsewhere), Refusal::Expired);
     }
 
     #[test]

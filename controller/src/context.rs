@@ -55,6 +55,10 @@ pub struct Ctx {
     pub images: Option<Arc<crate::images::ImageService>>,
     /// The workload clusters' clients, kept between passes.
     pub workloads: crate::workload::Workloads,
+    /// Where a BMC fetches a host's virtual media (`https://<address>:<https_port>`, the agent
+    /// API's listener, which serves `/media/<key>.iso`); `None`: this appliance serves no
+    /// media (`kubernetes.ramdisk_media` unset).
+    pub media_base: Option<String>,
 }
 
 impl Ctx {
@@ -85,6 +89,7 @@ impl Ctx {
             segment_events: Mutex::default(),
             images: None,
             workloads: Default::default(),
+            media_base: None,
         }
     }
 

@@ -3,6 +3,7 @@
 //! | Host state | boot |
 //! |---|---|
 //! | Inspecting, Provisioning, Deprovisioning | the ramdisk with a fresh token for the operation |
+//! | the same, booting from virtual media | the local disk: its token comes only in the media |
 //! | the same, paused (`cluster.x-k8s.io/paused`) | the ramdisk with no token: nothing is written |
 //! | Registering, Available, Quarantined | the ramdisk with no token: it waits for work |
 //! | Provisioned | the local disk |
@@ -13,21 +14,29 @@
 //! segment confirms it (the appliance's own ARP probe, for an on-link address); its hash is
 //! written to the Host before the script leaves, so the ramdisk can use it at once.
 //!
+//! A host with `spec.bootMethod: VirtualMedia` gets its token another way: the Host reconciler
+//! mints a media key, stores the hash of the token it stands for and inserts
+//! `/media/<key>.iso` through the BMC; [`Inventory::media`] answers the BMC's fetch with the
+//! ramdisk's command line, that token included.
+//!
 //! The status page lists the Host cache: name, state, address, whether it is claimed and the
 //! ramdisk's progress; nothing from a Secret or the BMC, nothing naming its tenant.
 
 use std::net::Ipv4Addr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use siteboot_boot::MacAddr;
 use siteboot_boot::inventory::{
     AgentRequest, AgentResponse, BootAction, BootRequest, BoxFuture, ByteProgress, Claim,
-    HostSummary, Inventory, LocalBoot, OperationSummary,
+    HostSummary, Inventory, LocalBoot, MediaRequest, OperationSummary,
 };
+use siteboot_ipxe::Word;
 
 use crate::conditions::paused_itself;
 use crate::context::{Ctx, host_key, update_host_status};
 use crate::crd::{Host, HostState, now};
+use crate::host::lifecycle::older_than;
 use crate::host::record;
 use crate::token::{self, ramdisk_boot};
 
@@ -51,6 +60,12 @@ impl KubeInventory {
                 if paused_itself(&*host) =>
             {
                 Some(ramdisk_boot(&self.ctx.ramdisk, None))
+            }
+            Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning)
+                if boots_from_media(&host) =>
+            {
+                tracing::info!(mac = %request.mac, host = %host_key(&host), remote = %request.remote, "the host boots its operation from virtual media: no token over the network");
+                Some(BootAction::LocalDisk(LocalBoot::Exit))
             }
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning) => {
                 if !request.remote_holds_mac {
@@ -81,6 +96,58 @@ impl KubeInventory {
                 }
             }
             _ => Some(ramdisk_boot(&self.ctx.ramdisk, None)),
+        }
+    }
+
+    /// The ramdisk's command line for the virtual media whose key is `request.key`: the token
+    /// it stands for and the operation's id, if a Host's operation booting from virtual media
+    /// holds that token, fresh and with its bootstrap data not yet delivered. The Host
+    /// reconciler inserts the media right after it stores the token's hash, so a BMC may ask
+    /// before the cache shows it: a miss is looked up again for a moment.
+    async fn media_cmdline(&self, request: MediaRequest) -> Option<Vec<Word>> {
+        let token = token::media_token(&request.key);
+        let hash = token::hash(&token);
+        let holds = |host: &Host| {
+            host.status
+                .as_ref()
+                .and_then(|s| s.operation.as_ref())
+                .is_some_and(|op| op.virtual_media && op.token_hash.as_deref() == Some(&hash))
+        };
+        let deadline = tokio::time::Instant::now() + MEDIA_CACHE_WAIT;
+        let host = loop {
+            if let Some(host) = self.ctx.hosts.all().into_iter().find(|h| holds(h)) {
+                break host;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::info!(remote = %request.remote, "virtual media asked for with a key no operation holds");
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let op = host.status.as_ref()?.operation.as_ref()?;
+        let fresh = op
+            .token_issued
+            .as_ref()
+            .is_some_and(|t| !older_than(t, self.ctx.token_max_age.as_secs() as i64));
+        let refused = if paused_itself(&*host) {
+            Some("the Host is paused")
+        } else if op.bootstrap_delivered {
+            Some("the operation's bootstrap data was delivered")
+        } else if !fresh {
+            Some("the media's token expired")
+        } else if !op.token_hash.as_deref().is_some_and(|h| token::matches(&token, h)) {
+            Some("the media's token is not the operation's")
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            tracing::info!(host = %host_key(&host), remote = %request.remote, "virtual media refused: {why}");
+            return None;
+        }
+        tracing::info!(host = %host_key(&host), operation = %op.id, remote = %request.remote, "virtual media served");
+        match ramdisk_boot(&self.ctx.ramdisk, Some((&token, &op.id))) {
+            BootAction::Linux(linux) => Some(linux.cmdline),
+            _ => None,
         }
     }
 
@@ -156,6 +223,18 @@ impl Inventory for KubeInventory {
     fn agent(&self, request: AgentRequest) -> BoxFuture<'_, AgentResponse> {
         Box::pin(crate::agent::handle(self.ctx.clone(), request))
     }
+
+    fn media(&self, request: MediaRequest) -> BoxFuture<'_, Option<Vec<Word>>> {
+        Box::pin(self.media_cmdline(request))
+    }
+}
+
+/// How long a virtual-media fetch waits for the Host cache to show the token just stored.
+const MEDIA_CACHE_WAIT: Duration = Duration::from_secs(3);
+
+/// Whether `host`'s operation boots its ramdisk from virtual media.
+fn boots_from_media(host: &Host) -> bool {
+    host.status.as_ref().and_then(|s| s.operation.as_ref()).is_some_and(|op| op.virtual_media)
 }
 
 /// What the status page shows of the Host that owns boot MAC `mac`.
@@ -227,6 +306,7 @@ mod tests {
                 token_hash: Some("secret-hash".into()),
                 token_address: Some("10.99.0.100".into()),
                 token_issued: None,
+                virtual_media: false,
                 image: Some(Image {
                     url: "http://images.tenant.example/node.raw".into(),
                     checksum: format!("sha256:{DIGEST}"),

@@ -16,6 +16,21 @@ pub fn mint() -> (String, String) {
     (token, hash)
 }
 
+/// A fresh virtual-media key: the last part of the media's URL (`/media/<key>.iso`), 32
+/// random bytes, hex. Returns the key and the hash of the token it stands for
+/// ([`media_token`]): only whoever can read the URL (the BMC it is inserted into) has the token.
+pub fn mint_media_key() -> (String, String) {
+    let (key, _) = mint();
+    let hash = hash(&media_token(&key));
+    (key, hash)
+}
+
+/// The token a virtual-media key stands for: the same token for every fetch of that media (a
+/// BMC may fetch it again, or in ranges), and no other URL yields it.
+pub fn media_token(key: &str) -> String {
+    hash(&format!("siteboot virtual media {key}"))
+}
+
 pub fn hash(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
 }
@@ -54,5 +69,15 @@ mod tests {
         assert!(!matches(&a, &hb));
         assert!(!matches(&ha, &ha), "the hash is not a token");
         assert!(!matches("", &ha));
+    }
+
+    #[test]
+    fn a_media_key_stands_for_one_token_that_is_not_the_key() {
+        let (key, hash) = mint_media_key();
+        let token = media_token(&key);
+        assert_eq!(token, media_token(&key), "every fetch of the media carries one token");
+        assert!(matches(&token, &hash));
+        assert!(!matches(&key, &hash), "the key is not the token");
+        assert_ne!(mint_media_key().0, key);
     }
 }

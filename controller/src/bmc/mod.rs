@@ -67,6 +67,9 @@ pub enum BmcError {
     ServerError { path: Echoed, attempts: u32, message: Echoed },
     #[error("the BMC's answer makes no sense: {0}")]
     Protocol(Echoed),
+    /// The host boots from virtual media, and the BMC (or the lack of one) cannot do it.
+    #[error("no virtual CD: {0}")]
+    NoVirtualMedia(&'static str),
 }
 
 /// Text from a BMC's answer (or made around it), fit for a condition, an Event or a log: no
@@ -121,6 +124,7 @@ impl BmcError {
             Self::NotFound { .. } => "BMCSystemNotFound",
             Self::Untrusted { .. } => "BMCUntrusted",
             Self::Rejected { .. } | Self::ServerError { .. } | Self::Protocol(_) => "BMCFailed",
+            Self::NoVirtualMedia(_) => "BMCNoVirtualMedia",
         }
     }
 
@@ -178,6 +182,11 @@ pub trait BmcDriver: Send + Sync {
     fn power(&self) -> BoxFuture<'_, Result<PowerState, BmcError>>;
     /// Boots the host from the network now (once): an operation needs the ramdisk.
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>>;
+    /// Inserts the ISO at `url` as the host's virtual CD and boots it now (once): an operation
+    /// whose ramdisk comes in virtual media.
+    fn boot_from_media<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<(), BmcError>>;
+    /// Ejects the virtual CD (nothing if it holds nothing).
+    fn eject_media(&self) -> BoxFuture<'_, Result<(), BmcError>>;
     /// Power-cycles the host (powers it on if it is off).
     fn restart(&self) -> BoxFuture<'_, Result<(), BmcError>>;
     /// Turns the host off (a deleted Host, after its wipe).
@@ -196,6 +205,14 @@ impl BmcDriver for SelfBooting {
 
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>> {
         // Nothing to do: the next time the host restarts it boots the ramdisk.
+        Box::pin(async { Ok(()) })
+    }
+
+    fn boot_from_media<'a>(&'a self, _url: &'a str) -> BoxFuture<'a, Result<(), BmcError>> {
+        Box::pin(async { Err(BmcError::NoVirtualMedia("the host has no spec.bmc")) })
+    }
+
+    fn eject_media(&self) -> BoxFuture<'_, Result<(), BmcError>> {
         Box::pin(async { Ok(()) })
     }
 

@@ -28,7 +28,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
-use self::protocol::{BootOverride, ResetType};
+use self::protocol::{BootOverride, BootTarget, MediaCollection, ResetType, VirtualMedia};
 use self::retry::{Next, RetryPolicy};
 use super::{BmcDriver, BmcError, BoundCredentials, Identity, RedfishAddress, Transport};
 use crate::crd::{BootMode, PowerState};
@@ -105,10 +105,52 @@ impl RedfishClient {
         self.call(Method::POST, &path, Some(protocol::reset_body(reset)), false).await.map(drop)
     }
 
-    /// Makes the next boot, only that one, a network boot.
-    pub async fn boot_once_from_network(&self, mode: Option<BootMode>) -> Result<(), BmcError> {
-        let body = protocol::boot_once_from_network_body(mode);
+    /// Makes the next boot, only that one, from `target`.
+    pub async fn boot_once(&self, target: BootTarget, mode: Option<BootMode>) -> Result<(), BmcError> {
+        let body = protocol::boot_once_body(target, mode);
         self.call(Method::PATCH, &self.address().system, Some(body), true).await.map(drop)
+    }
+
+    /// The system's virtual CD: the first virtual media device that takes a CD or DVD image,
+    /// with its path.
+    pub async fn virtual_cd(&self) -> Result<(String, VirtualMedia), BmcError> {
+        let system = self.system().await?;
+        let collection = match protocol::virtual_media_path(&system) {
+            Some(MediaCollection::Here(path)) => path,
+            Some(MediaCollection::Manager(manager)) => {
+                protocol::manager_virtual_media_path(&self.get(&manager).await?)
+                    .ok_or_else(|| BmcError::NoVirtualMedia("the BMC's manager has no VirtualMedia"))?
+            }
+            None => return Err(BmcError::NoVirtualMedia("the BMC offers none for the system")),
+        };
+        let members = protocol::members(&self.get(&collection).await?).map_err(protocol_error)?;
+        for path in members {
+            let media = protocol::virtual_media(&path, &self.get(&path).await?);
+            if media.takes_cd {
+                return Ok((path, media));
+            }
+        }
+        Err(BmcError::NoVirtualMedia("none of the BMC's virtual media takes a CD image"))
+    }
+
+    /// Inserts the image at `url` into the virtual CD (ejecting what it holds first: many BMCs
+    /// refuse to insert into a full drive).
+    pub async fn insert_cd(&self, url: &str) -> Result<(), BmcError> {
+        let (_, cd) = self.virtual_cd().await?;
+        if cd.inserted {
+            self.call(Method::POST, &cd.eject, Some(serde_json::json!({})), false).await?;
+        }
+        let body = protocol::insert_media_body(url);
+        self.call(Method::POST, &cd.insert, Some(body), false).await.map(drop)
+    }
+
+    /// Ejects the virtual CD, if it holds anything.
+    pub async fn eject_cd(&self) -> Result<(), BmcError> {
+        let (_, cd) = self.virtual_cd().await?;
+        if !cd.inserted {
+            return Ok(());
+        }
+        self.call(Method::POST, &cd.eject, Some(serde_json::json!({})), false).await.map(drop)
     }
 
     /// The system's UUID and the MACs of its EthernetInterfaces.
@@ -494,9 +536,21 @@ impl BmcDriver for Redfish {
 
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>> {
         Box::pin(async {
-            self.client.boot_once_from_network(self.boot_mode).await?;
+            self.client.boot_once(BootTarget::Pxe, self.boot_mode).await?;
             self.restart().await
         })
+    }
+
+    fn boot_from_media<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<(), BmcError>> {
+        Box::pin(async move {
+            self.client.insert_cd(url).await?;
+            self.client.boot_once(BootTarget::Cd, self.boot_mode).await?;
+            self.restart().await
+        })
+    }
+
+    fn eject_media(&self) -> BoxFuture<'_, Result<(), BmcError>> {
+        Box::pin(self.client.eject_cd())
     }
 
     fn restart(&self) -> BoxFuture<'_, Result<(), BmcError>> {

@@ -61,6 +61,27 @@ pub struct HostSpec {
     /// Which disk the image goes to. Absent: the smallest disk that holds the image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub root_device_hints: Option<RootDeviceHints>,
+    /// How the host boots into the deploy ramdisk for an operation. `Network` (the default):
+    /// PXE or HTTP boot from this appliance, the token in the boot script. `VirtualMedia`:
+    /// through `spec.bmc`, an ISO the BMC fetches from the appliance over HTTPS and inserts
+    /// (Redfish `InsertMedia`), the token inside it: it never crosses the provisioning segment
+    /// in clear, and no network boot is needed (docs/security.md).
+    #[serde(default, skip_serializing_if = "BootMethod::is_network")]
+    pub boot_method: BootMethod,
+}
+
+/// How a host boots into the deploy ramdisk (`spec.bootMethod`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum BootMethod {
+    #[default]
+    Network,
+    VirtualMedia,
+}
+
+impl BootMethod {
+    pub fn is_network(&self) -> bool {
+        *self == BootMethod::Network
+    }
 }
 
 /// How the deploy ramdisk picks the disk to write the image to: a disk must match every hint
@@ -101,6 +122,7 @@ impl HostSpec {
             provisioning: None,
             wipe: None,
             root_device_hints: None,
+            boot_method: BootMethod::Network,
         }
     }
 }
@@ -230,9 +252,16 @@ pub struct Operation {
     /// `spec.provisioning` afterwards changes nothing here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<Image>,
-    /// The address the token was issued to: requests from elsewhere are refused.
+    /// The address the token was issued to: requests from elsewhere are refused. Unset for a
+    /// token that came in virtual media: the BMC delivered it, so it is the host's evidence
+    /// wherever the ramdisk's requests come from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_address: Option<String>,
+    /// The host boots this operation's ramdisk from virtual media (its `spec.bootMethod` when
+    /// the operation started): its token is minted when the media is inserted, never for a
+    /// network boot.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub virtual_media: bool,
     /// When the current token was issued: tokens expire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_issued: Option<Time>,
@@ -365,6 +394,10 @@ pub struct HostStatus {
     pub wipe_owed: Option<WipePolicy>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_transition_time: Option<Time>,
+    /// siteboot inserted virtual media into the host's BMC that it has not ejected yet: it is
+    /// ejected (and the host booted from its disk, or powered off) once the operation ends.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub media_inserted: bool,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Conditions,
 }

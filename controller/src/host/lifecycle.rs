@@ -21,7 +21,7 @@ use crate::conditions::BMC_READY;
 
 use crate::crd::capi::DELETE_FOR_MOVE_ANNOTATION;
 use crate::crd::{
-    Hardware, Host, HostState, HostStatus, Image, Installed, Operation, OperationKind, WipePolicy,
+    BootMethod, Hardware, Host, HostState, HostStatus, Image, Installed, Operation, OperationKind, WipePolicy,
     now, set_condition,
 };
 
@@ -64,6 +64,10 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
         Some(HostState::Registering) => {
             if let Err(e) = crate::bmc::spec_of(host) {
                 return t(HostState::Quarantined, None, "BMCFailed", &e.to_string());
+            }
+            if host.spec.boot_method == BootMethod::VirtualMedia && host.spec.bmc.is_none() {
+                let why = "spec.bootMethod VirtualMedia needs spec.bmc: the media is inserted through the BMC";
+                return t(HostState::Quarantined, None, "VirtualMediaNeedsBMC", why);
             }
             if needs_bmc_check(host) {
                 // The reconciler checks the BMC first ([`bmc_check`]).
@@ -247,6 +251,7 @@ pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
         token_hash: None,
         token_address: None,
         token_issued: None,
+        virtual_media: host.spec.boot_method == BootMethod::VirtualMedia,
         image: None,
         bootstrap_delivered: false,
         step: None,
@@ -402,11 +407,17 @@ pub fn bmc_recheck_after(host: &Host, now: i64) -> Duration {
     Duration::from_secs(failing_for).clamp(BMC_RECHECK_MIN, BMC_RECHECK_MAX)
 }
 
+/// Whether virtual media siteboot inserted for an operation that has ended is still in.
+pub fn media_to_eject(host: &Host) -> bool {
+    host.status.as_ref().is_some_and(|s| s.media_inserted && s.operation.is_none())
+}
+
 /// What the reboot annotation asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reboot {
-    /// An operation is running: boot once from the network, into the ramdisk.
-    NetworkBoot,
+    /// An operation is running: boot once into the ramdisk (from the network, or from new
+    /// virtual media).
+    IntoRamdisk,
     PowerCycle,
     /// No `spec.bmc`: siteboot cannot; the operator is told.
     NoBmc,
@@ -420,7 +431,7 @@ pub fn reboot(host: &Host) -> Option<Reboot> {
     Some(if host.spec.bmc.is_none() {
         Reboot::NoBmc
     } else if host.status.as_ref().is_some_and(|s| s.operation.is_some()) {
-        Reboot::NetworkBoot
+        Reboot::IntoRamdisk
     } else {
         Reboot::PowerCycle
     })
@@ -755,7 +766,7 @@ mod tests {
         assert_eq!(reboot_annotated(h.clone()), Some(Reboot::PowerCycle));
         record_bmc_check(&mut h, identity(&[]));
         assert_eq!(step(&mut h), Some(HostState::Inspecting));
-        assert_eq!(reboot_annotated(h), Some(Reboot::NetworkBoot));
+        assert_eq!(reboot_annotated(h), Some(Reboot::IntoRamdisk));
     }
 
     fn provisioned() -> Host {

@@ -19,10 +19,11 @@ use super::lifecycle::{
     self, Deletion, FINALIZER, REBOOT_ANNOTATION, RETRY_ANNOTATION, Reboot, Transition,
 };
 use super::record::{self, RECORD_ANNOTATION};
-use crate::bmc;
+use crate::bmc::{self, BmcError};
 use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, check_paused};
 use crate::context::{Ctx, Error, Reconciled, host_key, patch_unchanged, update_host_status};
-use crate::crd::{Host, HostState, SITE_LABEL, set_condition};
+use crate::crd::{Host, HostState, SITE_LABEL, now, set_condition};
+use crate::token;
 use crate::pools::MacStanding;
 
 /// How soon a reboot the BMC failed is tried again.
@@ -64,6 +65,9 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
     }
     let next = next_step(ctx);
     let Some(transition) = next(host) else {
+        if lifecycle::media_to_eject(host) {
+            return eject_media(host, ctx, &api).await;
+        }
         if lifecycle::needs_bmc_check(host) {
             return check_bmc(host, ctx, &api).await;
         }
@@ -118,10 +122,9 @@ async fn transit(
     )
     .await;
     if transition.operation.is_some()
-        && let Ok(driver) = bmc::driver_for(&written, &ctx.client).await
-        && let Err(e) = driver.boot_from_network().await
+        && let Err(e) = boot_ramdisk(&written, ctx, api).await
     {
-        tracing::warn!(host = %host_key(&written), error = %e, "cannot boot the host into the ramdisk; it will when it restarts");
+        tracing::warn!(host = %host_key(&written), error = %e, "cannot boot the host into the ramdisk; it will when it restarts, or with the reboot annotation");
     }
     if transition.to == HostState::Registering && lifecycle::retry_requested(&written) {
         let patch = json!({ "metadata": { "annotations": { RETRY_ANNOTATION: null } } });
@@ -310,11 +313,11 @@ async fn reboot_host(
 ) -> Result<Action, Error> {
     let result = match reboot {
         Reboot::NoBmc => Err("the host has no spec.bmc: power-cycle it by hand".to_owned()),
-        Reboot::NetworkBoot | Reboot::PowerCycle => {
+        Reboot::IntoRamdisk | Reboot::PowerCycle => {
             let done = match bmc::driver_for(host, &ctx.client).await {
-                Ok(driver) if reboot == Reboot::NetworkBoot => driver.boot_from_network().await,
-                Ok(driver) => driver.restart().await,
-                Err(e) => Err(e),
+                Ok(_) if reboot == Reboot::IntoRamdisk => boot_ramdisk(host, ctx, api).await,
+                Ok(driver) => driver.restart().await.map_err(BootFailure::from),
+                Err(e) => Err(e.into()),
             };
             done.map_err(|e| e.to_string())
         }
@@ -330,6 +333,79 @@ async fn reboot_host(
     let patch = json!({ "metadata": { "annotations": { REBOOT_ANNOTATION: null } } });
     api.patch(&host.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
     Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// Boots `host` into the ramdisk for the operation it runs: once from the network, or from
+/// virtual media carrying a token minted now. The token's hash is stored before the media is
+/// inserted, so the media works as soon as the BMC fetches it; each insertion mints a new
+/// key, which voids the one before.
+async fn boot_ramdisk(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<(), BootFailure> {
+    let driver = bmc::driver_for(host, &ctx.client).await?;
+    let Some(op) = host.status.as_ref().and_then(|s| s.operation.as_ref()) else { return Ok(()) };
+    if !op.virtual_media {
+        return Ok(driver.boot_from_network().await?);
+    }
+    let base = ctx.media_base.as_deref().ok_or(BootFailure::NoMedia)?;
+    let (key, hash) = token::mint_media_key();
+    let written = update_host_status(api, &host.name_any(), |current| {
+        let mut status = current.status.clone().unwrap_or_default();
+        let Some(current_op) = status.operation.as_mut() else { return Ok(None) };
+        // Once the data left, no new token: as for a network boot.
+        if current_op.id != op.id || current_op.bootstrap_delivered {
+            return Ok(None);
+        }
+        current_op.token_hash = Some(hash.clone());
+        current_op.token_address = None;
+        current_op.token_issued = Some(now());
+        status.media_inserted = true;
+        Ok::<_, ()>(Some(status))
+    })
+    .await?;
+    if !matches!(written, Ok(Some(_))) {
+        return Ok(());
+    }
+    tracing::info!(host = %host_key(host), operation = %op.id, "inserting the ramdisk's virtual media");
+    Ok(driver.boot_from_media(&format!("{base}/media/{key}.iso")).await?)
+}
+
+/// Why a host could not be booted into its ramdisk.
+#[derive(Debug, thiserror::Error)]
+enum BootFailure {
+    #[error(transparent)]
+    Bmc(#[from] BmcError),
+    #[error("the host boots from virtual media, but this appliance serves none (kubernetes.ramdisk_media)")]
+    NoMedia,
+    #[error("cannot store the media's token: {0}")]
+    Api(#[from] kube::Error),
+}
+
+/// Ejects the virtual media of an operation that ended, then boots the host's disk
+/// (Provisioned) or powers it off: media left in could boot the ramdisk again, with a token
+/// that no longer works.
+async fn eject_media(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error> {
+    let done = async {
+        let driver = bmc::driver_for(host, &ctx.client).await?;
+        driver.eject_media().await?;
+        match host.status.as_ref().and_then(|s| s.state) {
+            Some(HostState::Provisioned) => driver.restart().await,
+            _ => driver.power_off().await,
+        }
+    };
+    if let Err(e) = done.await {
+        tracing::warn!(host = %host_key(host), error = %e, "cannot eject the virtual media");
+        ctx.event(host, true, "MediaEjectFailed", e.to_string()).await;
+        return Ok(Action::requeue(REBOOT_RETRY));
+    }
+    update_host_status(api, &host.name_any(), |current| {
+        let mut status = current.status.clone().unwrap_or_default();
+        let ended = status.operation.is_none() && status.media_inserted;
+        status.media_inserted = false;
+        Ok::<_, ()>(ended.then_some(status))
+    })
+    .await?
+    .ok();
+    tracing::info!(host = %host_key(host), "virtual media ejected");
+    Ok(Action::requeue(Duration::ZERO))
 }
 
 /// Records what the BMC says about power, when it changed.

@@ -36,11 +36,23 @@ pub fn reset_body(reset: ResetType) -> Value {
     json!({ "ResetType": reset.as_str() })
 }
 
-/// The PATCH of the system that makes its next boot, and only that one, a network boot (in
+/// A device a system can boot once from (`BootSourceOverrideTarget`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BootTarget {
+    Pxe,
+    /// The virtual CD: inserted virtual media.
+    Cd,
+}
+
+/// The PATCH of the system that makes its next boot, and only that one, from `target` (in
 /// `mode`'s firmware path, the `BootSourceOverrideMode`, when given).
-pub fn boot_once_from_network_body(mode: Option<BootMode>) -> Value {
+pub fn boot_once_body(target: BootTarget, mode: Option<BootMode>) -> Value {
+    let target = match target {
+        BootTarget::Pxe => "Pxe",
+        BootTarget::Cd => "Cd",
+    };
     let mut boot = json!({
-        "BootSourceOverrideTarget": "Pxe",
+        "BootSourceOverrideTarget": target,
         "BootSourceOverrideEnabled": "Once",
     });
     if let Some(mode) = mode {
@@ -144,6 +156,69 @@ pub fn boot_override(system: &Value) -> BootOverride {
     }
 }
 
+/// Where the system's virtual media are: its own `VirtualMedia` collection (Redfish 2021.2
+/// and later), else the one of the manager that manages it (`Links.ManagedBy`), which takes
+/// one more read ([`MediaCollection::Manager`]).
+pub fn virtual_media_path(system: &Value) -> Option<MediaCollection> {
+    if let Some(path) = odata_id(&system["VirtualMedia"]) {
+        return Some(MediaCollection::Here(path));
+    }
+    let manager = system["Links"]["ManagedBy"].as_array()?.first().and_then(odata_id)?;
+    Some(MediaCollection::Manager(manager))
+}
+
+/// Where a system's virtual media collection is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MediaCollection {
+    Here(String),
+    /// In this manager's `VirtualMedia`.
+    Manager(String),
+}
+
+/// A manager's virtual media collection.
+pub fn manager_virtual_media_path(manager: &Value) -> Option<String> {
+    odata_id(&manager["VirtualMedia"])
+}
+
+/// A virtual media device, as far as booting from it goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VirtualMedia {
+    /// Whether it takes a CD or DVD image (an ISO).
+    pub takes_cd: bool,
+    pub inserted: bool,
+    /// The `VirtualMedia.InsertMedia` and `VirtualMedia.EjectMedia` action targets.
+    pub insert: String,
+    pub eject: String,
+}
+
+/// Reads the virtual media device at `path`.
+pub fn virtual_media(path: &str, media: &Value) -> VirtualMedia {
+    let types = media["MediaTypes"].as_array();
+    let takes_cd =
+        types.into_iter().flatten().any(|t| matches!(t.as_str(), Some("CD" | "DVD")));
+    let action = |name: &str| {
+        media["Actions"][format!("#VirtualMedia.{name}")]["target"]
+            .as_str()
+            .filter(|t| t.starts_with('/'))
+            .map_or_else(|| format!("{path}/Actions/VirtualMedia.{name}"), str::to_owned)
+    };
+    VirtualMedia {
+        takes_cd,
+        inserted: media["Inserted"].as_bool().unwrap_or(false),
+        insert: action("InsertMedia"),
+        eject: action("EjectMedia"),
+    }
+}
+
+/// The `VirtualMedia.InsertMedia` body: the image at `url`, read-only, inserted now.
+pub fn insert_media_body(url: &str) -> Value {
+    let mut body = json!({ "Image": url, "Inserted": true, "WriteProtected": true });
+    if url.starts_with("https://") {
+        body["TransferProtocolType"] = json!("HTTPS");
+    }
+    body
+}
+
 /// What went wrong, from an error answer: the status, and the Redfish error's own message (the
 /// first extended message, else `error.message`). Never the body itself: whatever answers may
 /// be a server a Host editor named, and the message ends up in the Host's status.
@@ -181,16 +256,22 @@ mod tests {
             "/redfish/v1/Systems/1/Actions/ComputerSystem.Reset"
         );
         assert_eq!(
-            boot_once_from_network_body(None),
+            boot_once_body(BootTarget::Pxe, None),
             json!({"Boot": {"BootSourceOverrideTarget": "Pxe", "BootSourceOverrideEnabled": "Once"}})
         );
         assert_eq!(
-            boot_once_from_network_body(Some(BootMode::Uefi))["Boot"]["BootSourceOverrideMode"],
+            boot_once_body(BootTarget::Pxe, Some(BootMode::Uefi))["Boot"]["BootSourceOverrideMode"],
             "UEFI"
         );
         assert_eq!(
-            boot_once_from_network_body(Some(BootMode::Legacy))["Boot"]["BootSourceOverrideMode"],
-            "Legacy"
+            boot_once_body(BootTarget::Cd, Some(BootMode::Legacy))["Boot"],
+            json!({"BootSourceOverrideTarget": "Cd", "BootSourceOverrideEnabled": "Once",
+                "BootSourceOverrideMode": "Legacy"})
+        );
+        assert_eq!(
+            insert_media_body("https://10.0.0.1:8443/media/k.iso"),
+            json!({"Image": "https://10.0.0.1:8443/media/k.iso", "Inserted": true,
+                "WriteProtected": true, "TransferProtocolType": "HTTPS"})
         );
         let c = Credentials::new("admin", "pw").unwrap();
         assert_eq!(session_body(&c), json!({"UserName": "admin", "Password": "pw"}));
@@ -263,5 +344,41 @@ mod tests {
         );
         assert_eq!(error_message(StatusCode::NOT_FOUND, b""), "404 Not Found");
         assert_eq!(error_message(StatusCode::BAD_GATEWAY, b"upstream down"), "502 Bad Gateway");
+    }
+
+    #[test]
+    fn finds_the_virtual_cd_on_the_system_or_its_manager() {
+        let system = json!({"VirtualMedia": {"@odata.id": "/redfish/v1/Systems/1/VirtualMedia"},
+            "Links": {"ManagedBy": [{"@odata.id": "/redfish/v1/Managers/1"}]}});
+        assert_eq!(
+            virtual_media_path(&system),
+            Some(MediaCollection::Here("/redfish/v1/Systems/1/VirtualMedia".into()))
+        );
+        let older = json!({"Links": {"ManagedBy": [{"@odata.id": "/redfish/v1/Managers/1"}]}});
+        assert_eq!(
+            virtual_media_path(&older),
+            Some(MediaCollection::Manager("/redfish/v1/Managers/1".into()))
+        );
+        assert_eq!(virtual_media_path(&json!({})), None);
+        let manager = json!({"VirtualMedia": {"@odata.id": "/redfish/v1/Managers/1/VirtualMedia"}});
+        assert_eq!(
+            manager_virtual_media_path(&manager).as_deref(),
+            Some("/redfish/v1/Managers/1/VirtualMedia")
+        );
+
+        let path = "/redfish/v1/Systems/1/VirtualMedia/Cd";
+        let cd = json!({"MediaTypes": ["CD", "DVD"], "Inserted": true, "Actions": {
+            "#VirtualMedia.InsertMedia": {"target": "/x/Insert"}}});
+        assert_eq!(
+            virtual_media(path, &cd),
+            VirtualMedia {
+                takes_cd: true,
+                inserted: true,
+                insert: "/x/Insert".into(),
+                eject: format!("{path}/Actions/VirtualMedia.EjectMedia"),
+            }
+        );
+        let floppy = virtual_media(path, &json!({"MediaTypes": ["Floppy", "USBStick"]}));
+        assert!(!floppy.takes_cd && !floppy.inserted);
     }
 }
