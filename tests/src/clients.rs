@@ -789,6 +789,39 @@ impl AckCapture {
     }
 }
 
+/// `tcpdump` writing the packets on an interface of a namespace that match a filter to a file,
+/// to search them for what must never cross the wire in clear.
+pub struct PacketCapture {
+    process: Supervised,
+    file: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl PacketCapture {
+    /// Starts capturing what `filter` (pcap syntax) matches on `iface` in `ns`; returns once
+    /// tcpdump listens.
+    pub fn start(ns: &Netns, iface: &str, filter: &str) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("siteboot-capture-").tempdir()?;
+        let file = dir.path().join("capture.pcap");
+        let mut command = ns.command("tcpdump");
+        command.args(["-i", iface, "-n", "-U", "-s", "0", "-w"]).arg(&file).arg(filter);
+        let process = Supervised::spawn("tcpdump", &mut command, dir.path())?;
+        let capture = Self { process, file, _dir: dir };
+        crate::wait::until(
+            "tcpdump to listen",
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+            || capture.process.log().contains("listening on").then_some(()),
+        )?;
+        Ok(capture)
+    }
+
+    /// Every byte captured so far, packet headers included.
+    pub fn bytes(&self) -> Result<Vec<u8>> {
+        Ok(std::fs::read(&self.file)?)
+    }
+}
+
 /// Reads tcpdump's verbose BOOTP output: a packet starts on an unindented line; an ACK has a
 /// `DHCP-Message (53), length 1: ACK` line, its `Your-IP` and its `Client-Ethernet-Address`.
 fn parse_acks(text: &str) -> Vec<(String, Ipv4Addr)> {

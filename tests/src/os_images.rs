@@ -17,6 +17,8 @@ const BUILD_TEST_OS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bui
 pub struct Ramdisk {
     pub kernel: PathBuf,
     pub initramfs: PathBuf,
+    /// Both on a CD image for virtual media (its kernel parameters a region the appliance fills).
+    pub iso: PathBuf,
 }
 
 /// The test OS: a raw GPT disk image that boots under SeaBIOS and OVMF and prints its NoCloud
@@ -32,8 +34,12 @@ pub struct TestOsImage {
 /// builds the agent from images/agent.
 pub fn ramdisk(agent: Option<&Path>) -> Result<Ramdisk> {
     let dir = PathBuf::from(run_builder(BUILD_RAMDISK, agent.map(Path::as_os_str))?);
-    let ramdisk = Ramdisk { kernel: dir.join("vmlinuz"), initramfs: dir.join("initramfs") };
-    for file in [&ramdisk.kernel, &ramdisk.initramfs] {
+    let ramdisk = Ramdisk {
+        kernel: dir.join("vmlinuz"),
+        initramfs: dir.join("initramfs"),
+        iso: dir.join("ramdisk.iso"),
+    };
+    for file in [&ramdisk.kernel, &ramdisk.initramfs, &ramdisk.iso] {
         if !file.is_file() {
             bail!("{BUILD_RAMDISK} printed {} but there is no {}", dir.display(), file.display());
         }

@@ -77,6 +77,11 @@ impl Libvirt {
         let libvirtd = Supervised::spawn("libvirtd", &mut ns.command("libvirtd"), &logs)?;
         let lab = Self { dir, domains: Mutex::default(), libvirtd, virtlogd, _lock: lock };
         crate::wait::for_("libvirtd to answer", READY_TIMEOUT, || lab.virsh(&["version"]).ok())?;
+        // sushy-tools uploads an inserted virtual media image into the pool named `default`.
+        // Transient: it goes with this libvirtd, leaving nothing in the machine's config.
+        let pool = lab.dir.path().join("pool");
+        std::fs::create_dir(&pool)?;
+        lab.virsh(&["pool-create-as", "default", "dir", "--target", &pool.to_string_lossy()])?;
         Ok(lab)
     }
 

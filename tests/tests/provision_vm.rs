@@ -15,6 +15,11 @@
 //! goes through what fails ([`failures`]): an unreachable BMC, an image that does not match
 //! its sha256, a ramdisk that dies during an operation.
 //!
+//! The two-disk VM boots from virtual media (`spec.bootMethod: VirtualMedia`, issue 22 item
+//! 3): each operation's ramdisk comes in an ISO the emulator fetches from the appliance and
+//! inserts, with the token inside. Every packet to or from that VM on the provisioning bridge
+//! is captured (all but the image's bulk), and none holds a token the VM booted with.
+//!
 //! Failures panic while the lab is alive, so the VM consoles and the appliance's log get
 //! printed.
 
@@ -32,10 +37,11 @@ use serde_json::{Value, json};
 use sha2::Digest;
 use siteboot_controller::conditions::BMC_READY;
 use siteboot_controller::crd::{
-    Bmc, BootMode, Host, HostSpec, HostState, OperationKind, RootDeviceHints, SITE_LABEL, condition,
+    Bmc, BootMethod, BootMode, Host, HostSpec, HostState, OperationKind, RootDeviceHints, SITE_LABEL, condition,
 };
 use siteboot_controller::host::lifecycle::{FORCE_DELETE_ANNOTATION, RETRY_ANNOTATION};
 use siteboot_tests::appliance;
+use siteboot_tests::clients::PacketCapture;
 use siteboot_tests::os_images;
 use siteboot_tests::provider::{NS, ProviderLab, SITE};
 use siteboot_tests::redfish::{Domain, Libvirt, Machine, Sushy, SushyOptions};
@@ -70,6 +76,7 @@ struct Scenario {
     root: usize,
     /// `spec.bmc.bootMode` (sushy-tools sets the domain's firmware to match it).
     boot_mode: Option<BootMode>,
+    boot_method: BootMethod,
 }
 
 fn scenarios() -> [Scenario; 3] {
@@ -82,6 +89,7 @@ fn scenarios() -> [Scenario; 3] {
             hints: None,
             root: 0,
             boot_mode: Some(BootMode::Legacy),
+            boot_method: BootMethod::Network,
         },
         Scenario {
             name: "uefi",
@@ -91,6 +99,7 @@ fn scenarios() -> [Scenario; 3] {
             hints: None,
             root: 0,
             boot_mode: Some(BootMode::Uefi),
+            boot_method: BootMethod::Network,
         },
         // Without the hint the agent would take the smaller disk that holds the image: vda.
         // UEFI: OVMF tries each disk in boot order; SeaBIOS boots only the first hard disk.
@@ -102,6 +111,7 @@ fn scenarios() -> [Scenario; 3] {
             hints: Some(RootDeviceHints { name: Some("/dev/vdb".into()), ..Default::default() }),
             root: 1,
             boot_mode: None,
+            boot_method: BootMethod::VirtualMedia,
         },
     ]
 }
@@ -112,6 +122,7 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     let os = os_images::test_os_image().unwrap();
     let lab = ProviderLab::start(0, |config| {
         config["kubernetes"]["ramdisk_silence_timeout"] = json!(format!("{}s", SILENCE.as_secs()));
+        config["kubernetes"]["ramdisk_media"] = json!(ramdisk.iso);
     })
     .await
     .unwrap();
@@ -264,6 +275,19 @@ struct Env<'a> {
 async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     let machine = Machine { firmware: s.firmware, disks_mib: s.disks_mib };
     let domain = env.libvirt.define_with(s.name, s.mac, appliance::BRIDGE, &machine)?;
+    let media = s.boot_method == BootMethod::VirtualMedia;
+    // All the VM's packets on the segment but the image's bulk (large segments from the HTTP
+    // port): where a token in clear would be.
+    let capture = media
+        .then(|| {
+            let filter = format!(
+                "ether host {} and not (tcp src port {} and greater 1000)",
+                s.mac,
+                appliance::HTTP_PORT
+            );
+            PacketCapture::start(&env.lab.lab, appliance::BRIDGE, &filter)
+        })
+        .transpose()?;
     // A disk the hints rule out must never be written: mark it, and compare it later.
     let others: Vec<(usize, String)> = (0..s.disks_mib.len())
         .filter(|i| *i != s.root)
@@ -288,6 +312,7 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
         boot_mode: s.boot_mode,
     });
     host.spec.root_device_hints = s.hints.clone();
+    host.spec.boot_method = s.boot_method;
     hosts.create(&PostParams::default(), &host).await?;
     let host = wait_host(&hosts, s.name, "Available", PHASE_TIMEOUT, |h| {
         state(h) == Some(HostState::Available)
@@ -342,6 +367,10 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
         ensure!(sha256_file(&domain.disks[*i])? == *digest, "disk {i}, ruled out, was written");
     }
 
+    if let Some(capture) = &capture {
+        media_only(&domain, capture)?;
+    }
+
     // Scaled to 0: released, wiped, Available again.
     env.lab.scale(s.name, 0).await?;
     wait_host(&hosts, s.name, "wiped and Available", PHASE_TIMEOUT, |h| {
@@ -354,6 +383,12 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     .map_err(|e| with_console(e, &domain))?;
     for disk in &domain.disks {
         no_signature(disk)?;
+    }
+    if let Some(capture) = &capture {
+        media_only(&domain, capture)?;
+        // The media ejected, the wiped host is powered off: no stale ramdisk left running.
+        wait_domain(env.libvirt, &domain, "shut off").await?;
+        return Ok(());
     }
 
     // Deleted: powered off.
@@ -546,6 +581,29 @@ async fn wait_domain(libvirt: &Libvirt, domain: &Domain, want: &str) -> Result<(
         (libvirt.state(domain).ok()? == want).then_some(())
     })
     .await
+}
+
+/// The VM booted each operation's ramdisk from virtual media, never from the network, and no
+/// token it booted with is in the capture of its packets on the segment.
+fn media_only(domain: &Domain, capture: &PacketCapture) -> Result<()> {
+    let console = domain.console();
+    ensure!(
+        console.contains("siteboot-ramdisk: grub"),
+        "the ramdisk did not boot from the virtual media's GRUB"
+    );
+    ensure!(!console.contains("iPXE"), "the VM booted iPXE from the network");
+    let tokens: std::collections::BTreeSet<&str> = console
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("siteboot.token="))
+        .collect();
+    ensure!(!tokens.is_empty(), "no siteboot.token= on the kernel command line");
+    let captured = capture.bytes()?;
+    ensure!(captured.len() > 10_000, "the capture holds {} bytes only", captured.len());
+    for token in tokens {
+        let seen = captured.windows(token.len()).any(|w| w == token.as_bytes());
+        ensure!(!seen, "a token the VM booted with crossed the segment in clear");
+    }
+    Ok(())
 }
 
 /// `error` with the domain's console (the lab prints them all only when the test panics).
