@@ -3,11 +3,13 @@
 //! (Redfish `InsertMedia`). The token then travels inside the ISO, over HTTPS, and never in
 //! clear on the provisioning segment.
 //!
-//! The contract with the ISO (built by `scripts/build-ramdisk`): the file holds, exactly once, a
-//! [`REGION_LEN`]-byte parameters region, the ASCII bytes [`MARKER`] followed by spaces up to
-//! [`REGION_LEN`] bytes: the tail of GRUB's `linux /vmlinuz <region>` line. Serving replaces
-//! those bytes with the kernel command line's words joined by single spaces and padded with
-//! spaces ([`MediaParams`]); every other byte is the file's own ([`overlay`]).
+//! The contract with the ISO (`ramdisk.iso` of `scripts/build-ramdisk`): the file holds,
+//! exactly once, a [`REGION_LEN`]-byte parameters region, the ASCII bytes [`MARKER`] followed
+//! by spaces up to [`REGION_LEN`] bytes: the tail of GRUB's `linux /vmlinuz <region>` line.
+//! Any other occurrence of [`MARKER`] is refused too: a second `linux` line left unpatched
+//! would boot without the token. Serving replaces the region's bytes with the kernel command
+//! line's words joined by single spaces and padded with spaces ([`MediaParams`]); every other
+//! byte is the file's own ([`overlay`]).
 //!
 //! What can be is pure: finding the region in a stream of chunks ([`RegionScanner`]), rendering
 //! the parameters, and overlaying them on a chunk at an offset. [`BootMedia`] does the I/O: it
