@@ -18,6 +18,7 @@ use siteboot_boot::dhcp::settings::{FieldError, NetworkPlan, Settings as DhcpSet
 use siteboot_boot::files::check_relative;
 use siteboot_boot::http::HttpSettings;
 use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
+use siteboot_boot::media::BootMedia;
 use siteboot_boot::tftp::TftpSettings;
 use siteboot_controller::bmc::AddressError;
 use siteboot_controller::crd::{BootMode, Image, RootDeviceHints, WipePolicy};
@@ -81,6 +82,13 @@ pub struct KubernetesFile {
     /// The profile (kernel + initrds) of the deploy ramdisk that inspects, images and wipes
     /// hosts; siteboot adds the operation's token to its command line.
     pub ramdisk_profile: String,
+    /// The deploy ramdisk as a boot ISO (an absolute path), for hosts booted through their
+    /// BMC's virtual media: served on `http.https_port` at `/media/<key>.iso`, with the
+    /// operation's kernel command line (its token included) written into the ISO's parameters
+    /// region for each request, so the token never crosses the provisioning segment in clear.
+    /// The file is read once at start-up (and by `siteboot check-config`): one that is not
+    /// such an ISO stops start-up. Unset: no boot media (`/media/` answers 404).
+    pub ramdisk_media: Option<PathBuf>,
     /// Where the site's leader Lease lives.
     #[serde(default = "default_lease_namespace")]
     pub lease_namespace: String,
@@ -173,6 +181,8 @@ fn default_true() -> bool {
 pub struct KubernetesConfig {
     pub site: Option<String>,
     pub ramdisk: LinuxBoot,
+    /// `kubernetes.ramdisk_media`, an absolute path; opened by [`Config::open_ramdisk_media`].
+    pub ramdisk_media: Option<PathBuf>,
     pub lease_namespace: String,
     pub leader_election: bool,
     pub token_max_age: std::time::Duration,
@@ -590,9 +600,18 @@ impl Config {
                 }
                 let ramdisk =
                     ramdisk_boot(&profiles, &k.ramdisk_profile, "kubernetes.ramdisk_profile")?;
+                if let Some(path) = &k.ramdisk_media
+                    && !path.is_absolute()
+                {
+                    return Err(FieldError::new(
+                        "kubernetes.ramdisk_media",
+                        format!("{}: give an absolute path", path.display()),
+                    ));
+                }
                 Some(KubernetesConfig {
                     site: k.site.clone(),
                     ramdisk,
+                    ramdisk_media: k.ramdisk_media.clone(),
                     lease_namespace: k.lease_namespace.clone(),
                     leader_election: k.leader_election,
                     token_max_age: k.token_max_age,
@@ -621,6 +640,20 @@ impl Config {
             ramdisk,
             ramdisk_silence_timeout: file.ramdisk_silence_timeout,
         })
+    }
+}
+
+impl Config {
+    /// Opens `kubernetes.ramdisk_media`, if it is set: reads the whole ISO (some 100 MB) once
+    /// to find its parameters region. Not part of [`Config::load`], which `siteboot probe`
+    /// runs every few seconds; `serve` and `check-config` call it.
+    pub fn open_ramdisk_media(&self) -> Result<Option<BootMedia>, FieldError> {
+        let Some(path) = self.kubernetes.as_ref().and_then(|k| k.ramdisk_media.as_deref()) else {
+            return Ok(None);
+        };
+        BootMedia::open(path)
+            .map(Some)
+            .map_err(|e| FieldError::new("kubernetes.ramdisk_media", e.to_string()))
     }
 }
 
@@ -1385,6 +1418,43 @@ unknown_hosts:
         let twice = parse("[pool-a, { namespace: pool-a, tenants: [team-a] }]").unwrap_err();
         assert_eq!(twice.field, "kubernetes.host_namespaces", "{twice}");
         assert!(parse("[{ namespace: pool-a, tenant: [team-a] }]").is_err(), "a misspelt field");
+    }
+
+    /// `kubernetes.ramdisk_media`: an absolute path, checked by parsing; the file itself is
+    /// read only when opened (serve, check-config), and a file that is no boot ISO is refused
+    /// there, naming the field.
+    #[test]
+    fn ramdisk_media_is_an_absolute_path_opened_on_demand() {
+        let dir = tempfile::tempdir().unwrap();
+        let parse = |media: &str| {
+            let text = GOOD
+                .replace("hosts:\n  - mac: 52:54:00:12:34:56\n    profile: linux\n", "")
+                .replace(
+                    "unknown_hosts:\n  profile: disk\n",
+                    &format!("kubernetes:\n  ramdisk_profile: linux\n{media}"),
+                );
+            let (_ipxe, text) = with_ipxe(&text);
+            Config::parse(&text)
+        };
+        assert!(parse("").unwrap().open_ramdisk_media().unwrap().is_none());
+        let relative = parse("  ramdisk_media: ramdisk.iso\n").unwrap_err();
+        assert_eq!(relative.field, "kubernetes.ramdisk_media", "{relative}");
+
+        let iso = dir.path().join("ramdisk.iso");
+        let config = parse(&format!("  ramdisk_media: {}\n", iso.display())).unwrap();
+        let missing = config.open_ramdisk_media().unwrap_err();
+        assert_eq!(missing.field, "kubernetes.ramdisk_media");
+        assert!(missing.message.contains(&*iso.to_string_lossy()), "{missing}");
+        std::fs::write(&iso, b"no region here").unwrap();
+        let not_media = config.open_ramdisk_media().unwrap_err();
+        assert!(not_media.message.contains("not a siteboot boot ISO"), "{not_media}");
+
+        let mut good = b"boot code ".to_vec();
+        good.extend(siteboot_boot::media::MARKER);
+        good.resize(10 + siteboot_boot::media::REGION_LEN + 100, b' ');
+        std::fs::write(&iso, good).unwrap();
+        let media = config.open_ramdisk_media().unwrap().expect("media");
+        assert_eq!(media.region_offset(), 10);
     }
 
     /// What anyone on the segment reads: a served root holding the state directory, the TLS

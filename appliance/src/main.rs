@@ -174,10 +174,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     match cli.command {
-        Command::CheckConfig { file } => match Config::load(&file) {
-            Ok(config) => {
+        Command::CheckConfig { file } => match check_config(&file) {
+            Ok((config, media)) => {
+                let media = match media {
+                    Some(media) => format!(", boot media of {} bytes", media.file_len()),
+                    None => String::new(),
+                };
                 println!(
-                    "{}: ok ({} DHCP, {} known hosts, iPXE binaries for {})",
+                    "{}: ok ({} DHCP, {} known hosts, iPXE binaries for {}{media})",
                     file.display(),
                     format!("{:?}", config.dhcp.mode).to_lowercase(),
                     config.inventory.known_hosts(),
@@ -290,6 +294,19 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// `siteboot check-config`: the file, and the boot media it names (read, as `serve` reads it).
+fn check_config(
+    file: &std::path::Path,
+) -> Result<(Config, Option<siteboot_boot::media::BootMedia>), config::ConfigError> {
+    let config = Config::load(file)?;
+    let media = config.open_ramdisk_media().map_err(|e| config::ConfigError {
+        file: file.to_owned(),
+        field: e.field,
+        message: e.message,
+    })?;
+    Ok((config, media))
 }
 
 /// Kubernetes mode if the config has a `kubernetes:` section or `--site` is given.

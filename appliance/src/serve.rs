@@ -56,6 +56,11 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     // Images the ramdisk writes: fetched once into <state_dir>/images, served by digest.
     let images = crate::image::open(&config)?;
     let images_dir = images.images_dir();
+    // The boot ISO for virtual media, read once now: a bad file stops start-up.
+    let media = config.open_ramdisk_media().map_err(|e| anyhow::anyhow!("{e}"))?;
+    if let Some(media) = &media {
+        tracing::info!(path = %media.path().display(), bytes = media.file_len(), region = media.region_offset(), "boot media");
+    }
     let binaries = Arc::new(config.binaries);
     for platform in binaries.platforms() {
         tracing::info!(%platform, file = binaries.file_for(platform), dir = %binaries.dir().display(), "iPXE binary");
@@ -196,6 +201,9 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         .context("starting the HTTP server")?;
     if config.http.status_page {
         http = http.with_status_page(StatusPage::new(site, leadership.clone()));
+    }
+    if let Some(media) = media {
+        http = http.with_boot_media(media);
     }
     let (stop, drain) = (shutdown.clone(), config.drain_timeout);
     servers.spawn(async move {

@@ -162,9 +162,7 @@ pub fn ipxe_script(
     let mut args: Vec<Word> =
         initrds.iter().map(|(_, name)| word(&format!("initrd={name}"))).collect();
     args.extend(linux.cmdline.iter().cloned());
-    args.push(Word::url(&format!("siteboot.url={}", endpoints.http_base())).expect("safe"));
-    args.push(Word::url(&format!("siteboot.agent={}", agent.base_url())).expect("safe"));
-    args.push(word(&format!("siteboot.fingerprint={}", agent.fingerprint)));
+    args.extend(appliance_args(endpoints, agent));
     args.push(word(&format!("siteboot.mac={}", mac.hyphenated())));
 
     let mut script = Script::new();
@@ -175,6 +173,27 @@ pub fn ipxe_script(
     }
     script.boot();
     script.render().to_owned()
+}
+
+/// The kernel command line of a deploy ramdisk booted from the boot media (virtual media,
+/// [`crate::media`]): its own words (`cmdline`, with the operation's token) and the
+/// appliance's, as [`ipxe_script`] gives them. No `initrd=` (GRUB loads the initrd) and no
+/// `siteboot.mac=` (the request came from a BMC, not from the host's MAC).
+pub fn media_cmdline(cmdline: &[Word], endpoints: &Endpoints, agent: &AgentEndpoint) -> Vec<Word> {
+    let mut args = cmdline.to_vec();
+    args.extend(appliance_args(endpoints, agent));
+    args
+}
+
+/// What every deploy ramdisk is told about the appliance, however it booted: `siteboot.url=`
+/// (plain HTTP: files, reports), `siteboot.agent=` (the agent API's HTTPS base URL) and
+/// `siteboot.fingerprint=` (`sha256:<hex>` of the certificate served there, which it pins).
+fn appliance_args(endpoints: &Endpoints, agent: &AgentEndpoint) -> [Word; 3] {
+    [
+        Word::url(&format!("siteboot.url={}", endpoints.http_base())).expect("safe"),
+        Word::url(&format!("siteboot.agent={}", agent.base_url())).expect("safe"),
+        word(&format!("siteboot.fingerprint={}", agent.fingerprint)),
+    ]
 }
 
 /// The name iPXE gives an initrd (referenced by `initrd=` under UEFI): its file name, prefixed
@@ -314,6 +333,24 @@ mod tests {
         assert_eq!(cmdline.agent.to_string(), agent().base_url());
         assert_eq!(cmdline.fingerprint.to_string(), agent().fingerprint.to_string());
         assert_eq!(cmdline.token, None);
+    }
+
+    #[test]
+    fn media_command_lines_add_the_appliance_as_scripts_do() {
+        let ramdisk =
+            [Word::new("console=ttyS0").unwrap(), Word::new("siteboot.token=0a").unwrap()];
+        let line: Vec<String> = media_cmdline(&ramdisk, &endpoints(), &agent())
+            .iter()
+            .map(|w| w.as_str().to_owned())
+            .collect();
+        let line = line.join(" ");
+        assert_eq!(
+            line,
+            "console=ttyS0 siteboot.token=0a siteboot.url=http://10.0.0.1:8080 siteboot.agent=https://10.0.0.1:8443 siteboot.fingerprint=sha256:81acd762140fa692a142822d2fbe4dc6f54bcaa501f68ab37e5aeed0bafe4d99"
+        );
+        let cmdline = siteboot_agent::cmdline::Cmdline::parse(&line).unwrap();
+        assert_eq!(cmdline.agent.to_string(), agent().base_url());
+        assert_eq!(cmdline.token.map(|t| t.as_str().to_owned()).as_deref(), Some("0a"));
     }
 
     #[test]

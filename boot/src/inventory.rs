@@ -105,6 +105,27 @@ pub struct AgentRequest {
     pub body: bytes::Bytes,
 }
 
+/// A BMC's request for a host's boot media: `GET` or `HEAD` `/media/<key>.iso` on the HTTPS
+/// port, the URL the controller inserted as the host's virtual media ([`crate::media`]).
+#[derive(Clone)]
+pub struct MediaRequest {
+    /// The key in the URL: 64 lower-case hex digits, checked before the inventory is asked.
+    /// Whoever has it gets the ISO and the token on its command line: it is a secret, and
+    /// `Debug` leaves it out.
+    pub key: String,
+    /// Who asks: the BMC's address, not the host's.
+    pub remote: Ipv4Addr,
+}
+
+impl std::fmt::Debug for MediaRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MediaRequest")
+            .field("key", &"<redacted>")
+            .field("remote", &self.remote)
+            .finish()
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct AgentResponse {
     pub status: http::StatusCode,
@@ -203,6 +224,20 @@ pub trait Inventory: Send + Sync + 'static {
     /// none: the page then shows only the MACs the timeline saw.
     fn hosts(&self) -> Vec<HostSummary> {
         Vec::new()
+    }
+
+    /// The boot media `request.key` names: the deploy ramdisk's kernel command line, its own
+    /// words with `siteboot.token=` and `siteboot.operation=`. siteboot adds `siteboot.url=`,
+    /// `siteboot.agent=` and `siteboot.fingerprint=`, and writes the line into the ISO's
+    /// parameters region, so every word must hold only `A-Z a-z 0-9 . _ : / = , + @ % -` and
+    /// the whole line fit in 1024 bytes (else the request answers 500). `None` answers 404,
+    /// the same whatever the reason.
+    ///
+    /// A BMC reads the ISO in many ranges, each one a request (`HEAD` first, often): answer
+    /// from memory, and with the same words for a key every time, or the parts it read before
+    /// would not match. The default has no media (404).
+    fn media(&self, _request: MediaRequest) -> BoxFuture<'_, Option<Vec<Word>>> {
+        Box::pin(async { None })
     }
 
     /// Serves the deploy ramdisk's API under `/agent/`. The default has none (404).

@@ -16,6 +16,7 @@ pub mod http;
 pub mod inventory;
 pub mod leadership;
 mod mac;
+pub mod media;
 pub mod metrics;
 pub mod neighbors;
 mod plane;

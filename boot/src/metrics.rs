@@ -35,6 +35,8 @@ pub enum HttpRoute {
     IpxeBinary,
     Report,
     Agent,
+    /// The boot media (virtual media, HTTPS).
+    Media,
     Timeline,
     Health,
     Ready,
@@ -47,13 +49,14 @@ pub enum HttpRoute {
 }
 
 impl HttpRoute {
-    const ALL: [HttpRoute; 13] = [
+    const ALL: [HttpRoute; 14] = [
         HttpRoute::Script,
         HttpRoute::File,
         HttpRoute::Image,
         HttpRoute::IpxeBinary,
         HttpRoute::Report,
         HttpRoute::Agent,
+        HttpRoute::Media,
         HttpRoute::Timeline,
         HttpRoute::Health,
         HttpRoute::Ready,
@@ -71,6 +74,7 @@ impl HttpRoute {
             HttpRoute::IpxeBinary => "ipxe-binary",
             HttpRoute::Report => "report",
             HttpRoute::Agent => "agent",
+            HttpRoute::Media => "media",
             HttpRoute::Timeline => "timeline",
             HttpRoute::Health => "health",
             HttpRoute::Ready => "ready",
@@ -123,14 +127,17 @@ pub enum HttpRefusal {
     ReportRate,
     /// The agent API asked for over plain HTTP.
     AgentOverHttp,
+    /// The boot media asked for over plain HTTP.
+    MediaOverHttp,
 }
 
 impl HttpRefusal {
-    const ALL: [HttpRefusal; 4] = [
+    const ALL: [HttpRefusal; 5] = [
         HttpRefusal::ReservedSlot,
         HttpRefusal::ReportNotHolder,
         HttpRefusal::ReportRate,
         HttpRefusal::AgentOverHttp,
+        HttpRefusal::MediaOverHttp,
     ];
 
     fn as_str(self) -> &'static str {
@@ -139,6 +146,7 @@ impl HttpRefusal {
             HttpRefusal::ReportNotHolder => "report-not-holder",
             HttpRefusal::ReportRate => "report-rate",
             HttpRefusal::AgentOverHttp => "agent-over-http",
+            HttpRefusal::MediaOverHttp => "media-over-http",
         }
     }
 

@@ -13,9 +13,15 @@
 //! - `GET /healthz` (alive), `GET /readyz` (the inventory can answer), `GET /metrics`
 //! - `GET /` and `GET /status/...`: the status page and its event stream ([`status_page`]),
 //!   unless `http.status_page` is off
-//! - `/agent/...`: refused (403), with the HTTPS URL to use instead
+//! - `/agent/...` and `/media/...`: refused (403), with the HTTPS URL to use instead
 //!
-//! HTTPS routes (`http.https_port`, the certificate of [`crate::tls`]): `/agent/...` only.
+//! HTTPS routes (`http.https_port`, the certificate of [`crate::tls`]):
+//! - `/agent/...`: the deploy ramdisk's agent API ([`Inventory::agent`](crate::Inventory::agent))
+//! - `GET|HEAD /media/<key>.iso`: the boot media (the ramdisk's ISO, for a BMC's virtual
+//!   media) with the kernel command line of the operation `<key>` (64 lower-case hex digits)
+//!   names written into it ([`crate::media`], [`Inventory::media`](crate::Inventory::media));
+//!   a single byte range, no caching. Each request is logged at info level with the client's
+//!   address and the outcome, never the key or the command line.
 //!
 //! Every client is untrusted: connections on both ports are admitted per address from one pool
 //! with a reserve for boot scripts and iPXE binaries ([`crate::admission`]); a host the site
@@ -25,6 +31,7 @@
 //! headers, the agent body, and [`deadline::WriteDeadline`] for responses). On shutdown both listeners close at once and
 //! the requests in flight get the configured `drain_timeout` to finish.
 
+mod boot_media;
 mod deadline;
 mod sendfile;
 #[cfg(test)]
@@ -55,9 +62,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::admission::{Caps, CapsError, Slot, Slots, Standing, Ticket};
 use crate::backoff::Backoff;
-use crate::decision::ipxe_script;
+use crate::decision::{ipxe_script, media_cmdline};
 use crate::files::{FileError, FileRoot};
-use crate::inventory::{AgentRequest, BootRequest, Segment};
+use crate::inventory::{AgentRequest, BootRequest, MediaRequest, Segment};
+use crate::media::{BootMedia, MediaParams};
 use crate::metrics::{HttpRefusal, HttpRoute, Metrics};
 use crate::rate::{Rate, RateLimiter};
 use crate::timeline::Stage;
@@ -96,7 +104,8 @@ pub struct HttpSettings {
     /// firmware and iPXE fetch).
     pub port: u16,
     /// TCP port of the agent API, over HTTPS only: the deploy ramdisk gets
-    /// `siteboot.agent=https://<address>:<https_port>` on its command line.
+    /// `siteboot.agent=https://<address>:<https_port>` on its command line. The boot media
+    /// (`/media/<key>.iso`, for BMCs' virtual media) is served here too.
     pub https_port: u16,
     /// The agent API's certificate and key (PEM files, e.g. a mounted Kubernetes TLS Secret).
     /// Default: none, and siteboot generates a self-signed certificate on first start and keeps
@@ -217,6 +226,8 @@ pub struct HttpServer {
     stall_timeout: Duration,
     /// `None`: the page is turned off and its paths answer 404.
     status: Option<StatusPage>,
+    /// The boot ISO served at `/media/`, if there is one.
+    media: Option<Arc<BootMedia>>,
 }
 
 impl HttpServer {
@@ -244,6 +255,7 @@ impl HttpServer {
             body_timeout: settings.body_timeout,
             stall_timeout: settings.stall_timeout,
             status: None,
+            media: None,
         })
     }
 
@@ -256,6 +268,11 @@ impl HttpServer {
     /// Serves `page` at `GET /` and `/status/...`.
     pub fn with_status_page(self, page: StatusPage) -> Self {
         Self { status: Some(page), ..self }
+    }
+
+    /// Serves `media`, patched for each operation, at `/media/<key>.iso` on the HTTPS port.
+    pub fn with_boot_media(self, media: BootMedia) -> Self {
+        Self { media: Some(Arc::new(media)), ..self }
     }
 
     /// Accepts and serves connections on both ports until `shutdown` is cancelled; then closes
@@ -449,9 +466,15 @@ impl HttpServer {
                 let rest = (*rest).to_owned();
                 (HttpRoute::Agent, self.agent(req, rest, remote).await)
             }
+            (Port::Https, &Method::GET | &Method::HEAD, ["media", file]) => {
+                (HttpRoute::Media, self.media(file, &req, head, remote).await)
+            }
             (Port::Https, _, _) => (
                 HttpRoute::NotFound,
-                text(StatusCode::NOT_FOUND, "this port serves the agent API (/agent/) only\n"),
+                text(
+                    StatusCode::NOT_FOUND,
+                    "this port serves the agent API (/agent/) and boot media (/media/) only\n",
+                ),
             ),
             // Before any of the request is read: the client has already sent its token in
             // clear, but it gets nothing in clear back, and learns where to go.
@@ -463,6 +486,16 @@ impl HttpServer {
                     self.agent.base_url()
                 );
                 (HttpRoute::Agent, closing(text(StatusCode::FORBIDDEN, &message)))
+            }
+            // The key has crossed the segment in clear, but nothing else will.
+            (Port::Http, _, ["media", ..]) => {
+                self.plane.metrics.http_refused(HttpRefusal::MediaOverHttp);
+                tracing::info!(%remote, "refused the boot media over plain HTTP");
+                let message = format!(
+                    "boot media is served over HTTPS only: {}/media/\n",
+                    self.agent.base_url()
+                );
+                (HttpRoute::Media, text(StatusCode::FORBIDDEN, &message))
             }
             (Port::Http, &Method::GET, ["healthz"]) => {
                 (HttpRoute::Health, text(StatusCode::OK, "ok\n"))
@@ -498,6 +531,8 @@ impl HttpServer {
             (Port::Http, _, _) => (HttpRoute::NotFound, text(StatusCode::NOT_FOUND, "not found\n")),
         };
         self.plane.metrics.http_request(route);
+        // A media key is a secret: whoever has it gets a token.
+        let path = if segments[0] == "media" { "/media/<key>" } else { path.as_str() };
         tracing::debug!(%remote, ?port, %method, path, status = response.status().as_u16(), "HTTP request");
         response
     }
@@ -652,6 +687,71 @@ impl HttpServer {
         }
     }
 
+    /// `GET|HEAD /media/<file>` (HTTPS): the boot media for the key in `file`.
+    async fn media(
+        &self,
+        file: &str,
+        req: &Request<Incoming>,
+        head: bool,
+        remote: SocketAddr,
+    ) -> Response<Body> {
+        let method = if head { "HEAD" } else { "GET" };
+        let log = |status: StatusCode, outcome: &dyn std::fmt::Display| {
+            tracing::info!(%remote, method, status = status.as_u16(), %outcome, "boot media request");
+        };
+        let Some(media) = &self.media else {
+            log(StatusCode::NOT_FOUND, &"no boot media configured");
+            return text(StatusCode::NOT_FOUND, "no boot media here\n");
+        };
+        let Some(key) = file.strip_suffix(".iso").filter(|key| is_media_key(key)) else {
+            log(StatusCode::NOT_FOUND, &"not a media key");
+            return text(StatusCode::NOT_FOUND, "expected /media/<64 lower-case hex>.iso\n");
+        };
+        let Some(remote_ip) = ipv4(remote) else {
+            log(StatusCode::NOT_FOUND, &"not IPv4");
+            return text(StatusCode::NOT_FOUND, "boot media is served over IPv4\n");
+        };
+        let request = MediaRequest { key: key.to_owned(), remote: remote_ip };
+        let Some(cmdline) = self.plane.inventory.media(request).await else {
+            log(StatusCode::NOT_FOUND, &"no such media");
+            return text(StatusCode::NOT_FOUND, "no such media\n");
+        };
+        let cmdline = media_cmdline(&cmdline, &self.plane.endpoints, &self.agent);
+        let params = match MediaParams::new(&cmdline) {
+            Ok(params) => params,
+            Err(e) => {
+                // The error names a word by its place and the character only, never a word.
+                tracing::error!(%remote, error = %e, "cannot write a kernel command line into the boot media");
+                log(StatusCode::INTERNAL_SERVER_ERROR, &"command line does not fit the media");
+                return text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "cannot write this media's kernel command line\n",
+                );
+            }
+        };
+        if let Err(e) = media.check_unchanged() {
+            tracing::error!(%remote, error = %e, "cannot serve the boot media");
+            log(StatusCode::INTERNAL_SERVER_ERROR, &"the media file changed");
+            return text(StatusCode::INTERNAL_SERVER_ERROR, "cannot read the boot media\n");
+        }
+        let (response, range) = boot_media::respond(
+            media.clone(),
+            params,
+            req.headers(),
+            head,
+            self.plane.metrics.clone(),
+        );
+        let status = response.status();
+        match range {
+            RangeRequest::Full => log(status, &format_args!("whole ({} bytes)", media.file_len())),
+            RangeRequest::Partial { start, end } => {
+                log(status, &format_args!("bytes {start}-{end}"))
+            }
+            RangeRequest::Unsatisfiable => log(status, &"range not satisfiable"),
+        }
+        response
+    }
+
     async fn agent(
         &self,
         req: Request<Incoming>,
@@ -797,6 +897,11 @@ fn is_timeout(e: &hyper::Error) -> bool {
         source = s.source();
     }
     e.is_timeout()
+}
+
+/// A boot media key: exactly 64 lower-case hex digits.
+fn is_media_key(key: &str) -> bool {
+    key.len() == 64 && key.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 fn ipv4(remote: SocketAddr) -> Option<Ipv4Addr> {

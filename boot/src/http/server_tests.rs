@@ -1,16 +1,17 @@
 //! The server on loopback, end to end: which port serves what, readiness, the TLS handshake
-//! deadline, graceful shutdown, file bodies sent by sendfile, and the status page's stream.
+//! deadline, graceful shutdown, file bodies sent by sendfile, the status page's stream, and the
+//! boot media patched per request.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::Method;
 use siteboot_agent::{AgentClient, AgentUrl};
 
 use super::*;
-use crate::inventory::{AgentResponse, BootAction, BoxFuture, Inventory};
+use crate::inventory::{AgentResponse, BootAction, BoxFuture, Inventory, MediaRequest};
 use crate::leadership::Leadership;
 use crate::neighbors::Neighbors;
 use crate::timeline::Timeline;
@@ -28,10 +29,21 @@ const HOLDER: &str = "52:54:00:00:00:42";
 /// The operation id on the ramdisk command line [`TestInventory`] boots.
 const OPERATION: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
 
+/// The one key [`TestInventory`] has boot media for.
+const MEDIA_KEY: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+/// The token on that media's command line.
+const MEDIA_TOKEN: &str = "5ec7e7a5ec7e7a5ec7e7a5ec7e7a5ec7";
+/// The boot media's length, and where its parameters region is: across a boundary of the
+/// chunks it is read in.
+const MEDIA_LEN: usize = 1_200_000;
+const MEDIA_REGION: usize = 3 * 256 * 1024 - 500;
+
 /// Boots the ramdisk with a token and [`OPERATION`]; its agent API answers every request with
-/// "agent ok"; ready when told.
+/// "agent ok"; has boot media for [`MEDIA_KEY`] only, and counts how often it is asked for
+/// media; ready when told.
 struct TestInventory {
     ready: AtomicBool,
+    media_asked: AtomicUsize,
 }
 
 impl Inventory for TestInventory {
@@ -61,6 +73,30 @@ impl Inventory for TestInventory {
             AgentResponse::text(StatusCode::OK, format!("agent ok: {}", request.path))
         })
     }
+
+    fn media(&self, request: MediaRequest) -> BoxFuture<'_, Option<Vec<siteboot_ipxe::Word>>> {
+        self.media_asked.fetch_add(1, Ordering::Relaxed);
+        let words = (request.key == MEDIA_KEY).then(|| {
+            [
+                "console=ttyS0,115200",
+                format!("siteboot.token={MEDIA_TOKEN}").as_str(),
+                format!("siteboot.operation={OPERATION}").as_str(),
+            ]
+            .map(|w| siteboot_ipxe::Word::new(w).unwrap())
+            .to_vec()
+        });
+        Box::pin(async move { words })
+    }
+}
+
+/// The boot ISO as built: bytes that are neither spaces nor the marker, and the blank region
+/// at [`MEDIA_REGION`].
+fn media_iso() -> Vec<u8> {
+    let mut iso: Vec<u8> = (0..MEDIA_LEN as u32).map(|i| (i.wrapping_mul(7) % 31) as u8).collect();
+    let region = &mut iso[MEDIA_REGION..MEDIA_REGION + crate::media::REGION_LEN];
+    region.fill(b' ');
+    region[..crate::media::MARKER.len()].copy_from_slice(crate::media::MARKER);
+    iso
 }
 
 struct Running {
@@ -82,6 +118,14 @@ async fn start(settings: HttpSettings) -> Running {
 }
 
 async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
+    start_with(settings, drain, true).await
+}
+
+async fn start_without_media() -> Running {
+    start_with(HttpSettings::default(), DRAIN, false).await
+}
+
+async fn start_with(settings: HttpSettings, drain: Duration, media: bool) -> Running {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("undionly.kpxe"), b"bios").unwrap();
     std::fs::File::create(dir.path().join("big.img")).unwrap().set_len(DOWNLOAD_LEN).unwrap();
@@ -90,7 +134,9 @@ async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
     std::fs::create_dir_all(&images).unwrap();
     std::fs::write(images.join(IMAGE_HEX), b"image bytes").unwrap();
     std::fs::write(images.join("notes.txt"), b"not an image").unwrap();
-    let inventory = Arc::new(TestInventory { ready: AtomicBool::new(false) });
+    std::fs::write(dir.path().join("ramdisk.iso"), media_iso()).unwrap();
+    let inventory =
+        Arc::new(TestInventory { ready: AtomicBool::new(false), media_asked: AtomicUsize::new(0) });
     let timeline = Arc::new(Timeline::new());
     let plane = BootPlane {
         endpoints: Endpoints { address: Ipv4Addr::LOCALHOST, http_port: 0 },
@@ -120,12 +166,49 @@ async fn start_draining(settings: HttpSettings, drain: Duration) -> Running {
         let (_, leadership) = tokio::sync::watch::channel(Leadership::Always);
         server = server.with_status_page(StatusPage::new("test-site", leadership));
     }
+    if media {
+        let iso = crate::media::BootMedia::open(&dir.path().join("ramdisk.iso")).unwrap();
+        server = server.with_boot_media(iso);
+    }
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(server.run(listeners, shutdown.clone(), drain));
     Running { http, https, identity, inventory, timeline, shutdown, server, _dir: dir }
 }
 
 impl Running {
+    /// A TLS connection to the HTTPS port, pinned to its certificate as the ramdisk pins it.
+    async fn tls_connect(&self) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let pin = self.identity.fingerprint.to_string().parse().unwrap();
+        let verifier = siteboot_agent::pin::PinnedCertificate::new(pin, &provider);
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(self.https).await.unwrap();
+        let name = rustls::pki_types::ServerName::IpAddress(Ipv4Addr::LOCALHOST.into());
+        tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await.unwrap()
+    }
+
+    /// `method path` over HTTPS with `headers` (each ending in CRLF), on a new connection:
+    /// the status, the response head (lower-cased) and the body.
+    async fn https(&self, method: &str, path: &str, headers: &str) -> (u16, String, Vec<u8>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut tls = self.tls_connect().await;
+        let request =
+            format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}\r\n");
+        tls.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        // The body's length is checked against Content-Length: a missing close_notify is no error.
+        let _ = tokio::time::timeout(DEADLINE, tls.read_to_end(&mut answer)).await.unwrap();
+        let end = answer.windows(4).position(|w| w == b"\r\n\r\n").expect("a response head");
+        let head = String::from_utf8(answer[..end].to_vec()).unwrap().to_ascii_lowercase();
+        let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (status, head, answer[end + 4..].to_vec())
+    }
+
     fn agent_client(&self) -> AgentClient {
         let url = AgentUrl { address: *self.https.ip(), port: self.https.port() };
         let pin = self.identity.fingerprint.to_string().parse().unwrap();
@@ -285,22 +368,7 @@ async fn a_stalled_agent_body_over_https_is_answered_408() {
 
     let body_timeout = Duration::from_millis(300);
     let running = start(HttpSettings { body_timeout, ..Default::default() }).await;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let pin = running.identity.fingerprint.to_string().parse().unwrap();
-    let verifier = siteboot_agent::pin::PinnedCertificate::new(pin, &provider);
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
-        .dangerous()
-        .with_custom_certificate_verifier(verifier)
-        .with_no_client_auth();
-    let tcp = TcpStream::connect(running.https).unwrap();
-    tcp.set_nonblocking(true).unwrap();
-    let name = rustls::pki_types::ServerName::IpAddress(Ipv4Addr::LOCALHOST.into());
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(name, tokio::net::TcpStream::from_std(tcp).unwrap())
-        .await
-        .unwrap();
+    let mut tls = running.tls_connect().await;
     let started = tokio::time::Instant::now();
     tls.write_all(
         b"POST /agent/v1/inspection HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n{",
@@ -523,5 +591,147 @@ async fn published_steps_name_no_operation_and_no_image_digest() {
         assert!(!text.contains(OPERATION), "the operation id is published: {text}");
         assert!(!text.contains(IMAGE_HEX), "the image digest is published: {text}");
     }
+    running.shutdown.cancel();
+}
+
+/// A response header's value (the head is lower-cased).
+fn header_of<'h>(head: &'h str, name: &str) -> Option<&'h str> {
+    head.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':').map(str::trim))
+}
+
+/// What the test ISO is when served for [`MEDIA_KEY`]: its region holds the inventory's words
+/// and the appliance's, padded with spaces.
+fn patched_iso(running: &Running) -> Vec<u8> {
+    let line = format!(
+        "console=ttyS0,115200 siteboot.token={MEDIA_TOKEN} siteboot.operation={OPERATION} \
+         siteboot.url=http://127.0.0.1:0 siteboot.agent=https://127.0.0.1:{} \
+         siteboot.fingerprint={}",
+        running.https.port(),
+        running.identity.fingerprint
+    );
+    let mut iso = media_iso();
+    let region = &mut iso[MEDIA_REGION..MEDIA_REGION + crate::media::REGION_LEN];
+    region.fill(b' ');
+    region[..line.len()].copy_from_slice(line.as_bytes());
+    iso
+}
+
+#[tokio::test]
+async fn boot_media_is_the_iso_with_the_operation_command_line_written_in() {
+    let running = start(HttpSettings::default()).await;
+    let path = format!("/media/{MEDIA_KEY}.iso");
+    let (status, head, body) = running.https("GET", &path, "").await;
+    assert_eq!(status, 200, "{head}");
+    assert_eq!(header_of(&head, "content-length"), Some(MEDIA_LEN.to_string().as_str()));
+    assert_eq!(header_of(&head, "content-type"), Some("application/octet-stream"));
+    assert_eq!(header_of(&head, "cache-control"), Some("no-store"));
+    assert_eq!(header_of(&head, "accept-ranges"), Some("bytes"));
+    let expected = patched_iso(&running);
+    assert_eq!(body.len(), expected.len());
+    assert!(body == expected, "the served ISO differs from the ISO with its region written");
+
+    // What the ramdisk reads from that command line: the token, the agent and the pin.
+    let region = &body[MEDIA_REGION..MEDIA_REGION + crate::media::REGION_LEN];
+    let line = std::str::from_utf8(region).unwrap();
+    let cmdline = siteboot_agent::cmdline::Cmdline::parse(line).unwrap();
+    assert_eq!(cmdline.token.unwrap().as_str(), MEDIA_TOKEN);
+    assert_eq!(cmdline.operation.as_deref(), Some(OPERATION));
+    assert_eq!(cmdline.agent.port, running.https.port());
+    assert_eq!(cmdline.fingerprint.to_string(), running.identity.fingerprint.to_string());
+    assert!(line.ends_with("  ") && !line.contains("unset"), "{line:?}");
+
+    // HEAD: the same head, no body.
+    let (status, head_only, body) = running.https("HEAD", &path, "").await;
+    assert_eq!((status, body.len()), (200, 0));
+    assert_eq!(header_of(&head_only, "content-length"), Some(MEDIA_LEN.to_string().as_str()));
+    assert_eq!(running.inventory.media_asked.load(Ordering::Relaxed), 2);
+    running.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn boot_media_ranges_are_patched_where_they_cross_the_region() {
+    let running = start(HttpSettings::default()).await;
+    let path = format!("/media/{MEDIA_KEY}.iso");
+    let expected = patched_iso(&running);
+    let (a, b) = (MEDIA_REGION - 100, MEDIA_REGION + crate::media::REGION_LEN + 100);
+    let ranges = [
+        (format!("bytes={a}-{b}"), a, b),
+        // Starting inside the region, to the end of the file.
+        (format!("bytes={}-", MEDIA_REGION + 10), MEDIA_REGION + 10, MEDIA_LEN - 1),
+        // The last bytes: after the region, untouched.
+        ("bytes=-1000".to_owned(), MEDIA_LEN - 1000, MEDIA_LEN - 1),
+        // One byte, the region's last.
+        (format!("bytes={0}-{0}", b - 101), b - 101, b - 101),
+    ];
+    for (range, start, end) in ranges {
+        let (status, head, body) =
+            running.https("GET", &path, &format!("Range: {range}\r\n")).await;
+        assert_eq!(status, 206, "{range}: {head}");
+        let content_range = format!("bytes {start}-{end}/{MEDIA_LEN}");
+        assert_eq!(header_of(&head, "content-range"), Some(content_range.as_str()), "{range}");
+        assert!(body == expected[start..=end], "{range}: the bytes differ");
+    }
+    let (status, head, _) =
+        running.https("GET", &path, &format!("Range: bytes={MEDIA_LEN}-\r\n")).await;
+    assert_eq!(status, 416, "{head}");
+    assert_eq!(header_of(&head, "content-range"), Some(format!("bytes */{MEDIA_LEN}").as_str()));
+    running.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn boot_media_keys_are_checked_before_the_inventory_is_asked() {
+    let running = start(HttpSettings::default()).await;
+    let malformed = [
+        format!("/media/{}.iso", MEDIA_KEY.to_uppercase()),
+        format!("/media/{}.iso", &MEDIA_KEY[..63]),
+        format!("/media/{MEDIA_KEY}0.iso"),
+        format!("/media/{MEDIA_KEY}"),
+        format!("/media/{MEDIA_KEY}.img"),
+        format!("/media/x/{MEDIA_KEY}.iso"),
+        format!("/media/{}g.iso", &MEDIA_KEY[..63]),
+        "/media/".to_owned(),
+    ];
+    for path in malformed {
+        let (status, _, body) = running.https("GET", &path, "").await;
+        assert_eq!(status, 404, "{path}");
+        assert_eq!(String::from_utf8_lossy(&body), "expected /media/<64 lower-case hex>.iso\n");
+    }
+    assert_eq!(running.inventory.media_asked.load(Ordering::Relaxed), 0);
+
+    // A key of the right shape that the inventory has no media for.
+    let unknown = format!("/media/{}.iso", "0".repeat(64));
+    for method in ["GET", "HEAD"] {
+        let (status, _, body) = running.https(method, &unknown, "").await;
+        assert_eq!(status, 404, "{method}");
+        if method == "GET" {
+            assert_eq!(body, b"no such media\n");
+        }
+    }
+    assert_eq!(running.inventory.media_asked.load(Ordering::Relaxed), 2);
+    // Not a media method.
+    let (status, _, _) = running.https("POST", &format!("/media/{MEDIA_KEY}.iso"), "").await;
+    assert_eq!(status, 404);
+    assert_eq!(running.inventory.media_asked.load(Ordering::Relaxed), 2);
+    running.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn boot_media_over_plain_http_is_refused() {
+    let running = start(HttpSettings::default()).await;
+    let (http, url) = (running.http, format!("https://127.0.0.1:{}/media/", running.https.port()));
+    let path = format!("/media/{MEDIA_KEY}.iso");
+    let (status, body) = blocking(move || get(http, &path)).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains(&url) && body.contains("HTTPS only"), "{body}");
+    assert_eq!(running.inventory.media_asked.load(Ordering::Relaxed), 0);
+    running.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn without_boot_media_the_route_answers_404() {
+    let running = start_without_media().await;
+    let (status, _, body) = running.https("GET", &format!("/media/{MEDIA_KEY}.iso"), "").await;
+    assert_eq!((status, body.as_slice()), (404, &b"no boot media here\n"[..]));
+    assert_eq!(running.inventory.media_asked.load(Ordering::Relaxed), 0);
     running.shutdown.cancel();
 }

@@ -74,7 +74,7 @@ pub fn respond(
     let modified = UNIX_EPOCH + Duration::from_secs(meta.mtime().max(0) as u64);
 
     let header_str = |name| request_headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok());
-    let mut builder = Response::builder()
+    let builder = Response::builder()
         .header(header::ETAG, &etag)
         .header(header::LAST_MODIFIED, httpdate::fmt_http_date(modified))
         .header(header::ACCEPT_RANGES, "bytes");
@@ -90,29 +90,52 @@ pub fn respond(
         Some(v) if if_range_ok => parse_range(v, len),
         _ => RangeRequest::Full,
     };
-    let (status, start, count) = match range {
-        RangeRequest::Full => (StatusCode::OK, 0, len),
-        RangeRequest::Partial { start, end } => {
-            builder = builder.header(header::CONTENT_RANGE, format!("bytes {start}-{end}/{len}"));
-            (StatusCode::PARTIAL_CONTENT, start, end - start + 1)
-        }
-        RangeRequest::Unsatisfiable => {
-            return Ok(builder
-                .status(StatusCode::RANGE_NOT_SATISFIABLE)
-                .header(header::CONTENT_RANGE, format!("bytes */{len}"))
-                .body(full("range not satisfiable\n"))
-                .expect("valid response"));
-        }
+    let (builder, Selected { start, count }) = match select(range, len, builder) {
+        Ok(selected) => selected,
+        Err(unsatisfiable) => return Ok(*unsatisfiable),
     };
-    builder = builder
-        .status(status)
-        .header(header::CONTENT_LENGTH, count)
-        .header(header::CONTENT_TYPE, "application/octet-stream");
+    let builder = builder.header(header::CONTENT_TYPE, "application/octet-stream");
     if head {
         return Ok(builder.body(empty()).expect("valid response"));
     }
     let body = FileBody::new(file, start, count, chunks, metrics);
     Ok(builder.body(body.boxed()).expect("valid response"))
+}
+
+/// The bytes of a body that a response sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Selected {
+    pub start: u64,
+    pub count: u64,
+}
+
+/// What `range` selects of a `len`-byte body: `builder` with the status, `Content-Length` and,
+/// for a part, `Content-Range`, and the bytes to send; or the 416 answer.
+pub(super) fn select(
+    range: RangeRequest,
+    len: u64,
+    builder: http::response::Builder,
+) -> Result<(http::response::Builder, Selected), Box<Response<Body>>> {
+    let (builder, selected) = match range {
+        RangeRequest::Full => (builder.status(StatusCode::OK), Selected { start: 0, count: len }),
+        RangeRequest::Partial { start, end } => (
+            builder
+                .status(StatusCode::PARTIAL_CONTENT)
+                .header(header::CONTENT_RANGE, format!("bytes {start}-{end}/{len}")),
+            Selected { start, count: end - start + 1 },
+        ),
+        RangeRequest::Unsatisfiable => {
+            return Err(Box::new(
+                builder
+                    .status(StatusCode::RANGE_NOT_SATISFIABLE)
+                    .header(header::CONTENT_RANGE, format!("bytes */{len}"))
+                    .header(header::CONTENT_TYPE, "text/plain")
+                    .body(full("range not satisfiable\n"))
+                    .expect("valid response"),
+            ));
+        }
+    };
+    Ok((builder.header(header::CONTENT_LENGTH, selected.count), selected))
 }
 
 #[cfg(test)]
