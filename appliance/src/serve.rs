@@ -145,6 +145,10 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             ctx.token_max_age = k.token_max_age;
             ctx.ramdisk_silence_timeout = k.ramdisk_silence_timeout;
             ctx.min_wipe = k.min_wipe;
+            // BMCs fetch a host's virtual media from the agent API's listener.
+            ctx.media_base = media
+                .is_some()
+                .then(|| format!("https://{}:{}", config.address, config.http.https_port));
             ctx.images = Some(Arc::new(siteboot_controller::images::ImageService::new(
                 images.clone(),
                 endpoints.clone(),

@@ -742,7 +742,10 @@ mod tests {
         let from_media = Grant { address: None, via_bmc: true, ..grant };
         assert_eq!(check_token(Some(&token), Some(from_media), elsewhere), Ok(()));
         assert_eq!(refusal(Some(&hash), Some(from_media), elsewhere), Refusal::WrongToken);
-        assert_eq!(refusal(Some(&token), Some(Grant { fresh: false, ..from_media }), elsewhere), Refusal::Expired);
+        assert_eq!(
+            refusal(Some(&token), Some(Grant { fresh: false, ..from_media }), elsewhere),
+            Refusal::Expired
+        );
     }
 
     #[test]

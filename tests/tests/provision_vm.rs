@@ -37,7 +37,8 @@ use serde_json::{Value, json};
 use sha2::Digest;
 use siteboot_controller::conditions::BMC_READY;
 use siteboot_controller::crd::{
-    Bmc, BootMethod, BootMode, Host, HostSpec, HostState, OperationKind, RootDeviceHints, SITE_LABEL, condition,
+    Bmc, BootMethod, BootMode, Host, HostSpec, HostState, OperationKind, RootDeviceHints,
+    SITE_LABEL, condition,
 };
 use siteboot_controller::host::lifecycle::{FORCE_DELETE_ANNOTATION, RETRY_ANNOTATION};
 use siteboot_tests::appliance;
@@ -592,10 +593,8 @@ fn media_only(domain: &Domain, capture: &PacketCapture) -> Result<()> {
         "the ramdisk did not boot from the virtual media's GRUB"
     );
     ensure!(!console.contains("iPXE"), "the VM booted iPXE from the network");
-    let tokens: std::collections::BTreeSet<&str> = console
-        .split_whitespace()
-        .filter_map(|w| w.strip_prefix("siteboot.token="))
-        .collect();
+    let tokens: std::collections::BTreeSet<&str> =
+        console.split_whitespace().filter_map(|w| w.strip_prefix("siteboot.token=")).collect();
     ensure!(!tokens.is_empty(), "no siteboot.token= on the kernel command line");
     let captured = capture.bytes()?;
     ensure!(captured.len() > 10_000, "the capture holds {} bytes only", captured.len());

@@ -106,7 +106,11 @@ impl RedfishClient {
     }
 
     /// Makes the next boot, only that one, from `target`.
-    pub async fn boot_once(&self, target: BootTarget, mode: Option<BootMode>) -> Result<(), BmcError> {
+    pub async fn boot_once(
+        &self,
+        target: BootTarget,
+        mode: Option<BootMode>,
+    ) -> Result<(), BmcError> {
         let body = protocol::boot_once_body(target, mode);
         self.call(Method::PATCH, &self.address().system, Some(body), true).await.map(drop)
     }
@@ -119,7 +123,7 @@ impl RedfishClient {
             Some(MediaCollection::Here(path)) => path,
             Some(MediaCollection::Manager(manager)) => {
                 protocol::manager_virtual_media_path(&self.get(&manager).await?)
-                    .ok_or_else(|| BmcError::NoVirtualMedia("the BMC's manager has no VirtualMedia"))?
+                    .ok_or(BmcError::NoVirtualMedia("the BMC's manager has no VirtualMedia"))?
             }
             None => return Err(BmcError::NoVirtualMedia("the BMC offers none for the system")),
         };

@@ -21,8 +21,8 @@ use crate::conditions::BMC_READY;
 
 use crate::crd::capi::DELETE_FOR_MOVE_ANNOTATION;
 use crate::crd::{
-    BootMethod, Hardware, Host, HostState, HostStatus, Image, Installed, Operation, OperationKind, WipePolicy,
-    now, set_condition,
+    BootMethod, Hardware, Host, HostState, HostStatus, Image, Installed, Operation, OperationKind,
+    WipePolicy, now, set_condition,
 };
 
 /// Annotation an operator sets on a Quarantined host to try again from Registering.
@@ -669,6 +669,54 @@ mod tests {
                 .starts_with("BMCFailed: spec.bmc.address \"ipmi://x\": the scheme is not redfish"),
             "{reason}"
         );
+    }
+
+    #[test]
+    fn virtual_media_without_a_bmc_is_quarantined_and_with_one_is_frozen_into_each_operation() {
+        let mut h = host();
+        h.spec.boot_method = BootMethod::VirtualMedia;
+        step(&mut h);
+        assert_eq!(step(&mut h), Some(HostState::Quarantined));
+        let reason = h.status.unwrap().quarantine_reason.unwrap();
+        assert!(reason.starts_with("VirtualMediaNeedsBMC: "), "{reason}");
+
+        let mut h = with_bmc();
+        h.spec.boot_method = BootMethod::VirtualMedia;
+        step(&mut h);
+        record_bmc_check(&mut h, identity(&["52:54:00:00:00:01"]));
+        assert_eq!(step(&mut h), Some(HostState::Inspecting));
+        let op = h.status.as_ref().unwrap().operation.clone().unwrap();
+        assert!(op.virtual_media, "the operation boots from media");
+        // A Host editor who switches the method later changes no running operation.
+        h.spec.boot_method = BootMethod::Network;
+        assert!(h.status.as_ref().unwrap().operation.as_ref().unwrap().virtual_media);
+    }
+
+    #[test]
+    fn media_is_ejected_once_the_operation_that_inserted_it_ended() {
+        let mut h = with_bmc();
+        assert!(!media_to_eject(&h));
+        let status = h.status.get_or_insert_with(HostStatus::default);
+        status.media_inserted = true;
+        status.operation = Some(Operation {
+            kind: OperationKind::Provision,
+            id: "op".into(),
+            started: now(),
+            token_hash: None,
+            image: None,
+            token_address: None,
+            virtual_media: true,
+            token_issued: None,
+            bootstrap_delivered: false,
+            step: None,
+            last_heard: None,
+            bytes: None,
+        });
+        assert!(!media_to_eject(&h), "the ramdisk still works from it");
+        h.status.as_mut().unwrap().operation = None;
+        assert!(media_to_eject(&h));
+        h.status.as_mut().unwrap().media_inserted = false;
+        assert!(!media_to_eject(&h));
     }
 
     fn with_bmc() -> Host {

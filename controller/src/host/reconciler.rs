@@ -23,8 +23,8 @@ use crate::bmc::{self, BmcError};
 use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, check_paused};
 use crate::context::{Ctx, Error, Reconciled, host_key, patch_unchanged, update_host_status};
 use crate::crd::{Host, HostState, SITE_LABEL, now, set_condition};
-use crate::token;
 use crate::pools::MacStanding;
+use crate::token;
 
 /// How soon a reboot the BMC failed is tried again.
 const REBOOT_RETRY: Duration = Duration::from_secs(60);
@@ -373,7 +373,9 @@ async fn boot_ramdisk(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<(), Boo
 enum BootFailure {
     #[error(transparent)]
     Bmc(#[from] BmcError),
-    #[error("the host boots from virtual media, but this appliance serves none (kubernetes.ramdisk_media)")]
+    #[error(
+        "the host boots from virtual media, but this appliance serves none (kubernetes.ramdisk_media)"
+    )]
     NoMedia,
     #[error("cannot store the media's token: {0}")]
     Api(#[from] kube::Error),

@@ -194,8 +194,7 @@ pub struct VirtualMedia {
 /// Reads the virtual media device at `path`.
 pub fn virtual_media(path: &str, media: &Value) -> VirtualMedia {
     let types = media["MediaTypes"].as_array();
-    let takes_cd =
-        types.into_iter().flatten().any(|t| matches!(t.as_str(), Some("CD" | "DVD")));
+    let takes_cd = types.into_iter().flatten().any(|t| matches!(t.as_str(), Some("CD" | "DVD")));
     let action = |name: &str| {
         media["Actions"][format!("#VirtualMedia.{name}")]["target"]
             .as_str()
