@@ -61,6 +61,10 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     if let Some(media) = &media {
         tracing::info!(path = %media.path().display(), bytes = media.file_len(), region = media.region_offset(), "boot media");
     }
+    let identity =
+        ServerIdentity::load(config.http.tls.as_ref(), &config.state_dir, config.address)
+            .context("the agent API's TLS certificate (http.tls)")?;
+    tracing::info!(certificate = %identity.source.display(), fingerprint = %identity.fingerprint, "agent API certificate");
     let binaries = Arc::new(config.binaries);
     for platform in binaries.platforms() {
         tracing::info!(%platform, file = binaries.file_for(platform), dir = %binaries.dir().display(), "iPXE binary");
@@ -146,9 +150,11 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             ctx.ramdisk_silence_timeout = k.ramdisk_silence_timeout;
             ctx.min_wipe = k.min_wipe;
             // BMCs fetch a host's virtual media from the agent API's listener.
-            ctx.media_base = media
-                .is_some()
-                .then(|| format!("https://{}:{}", config.address, config.http.https_port));
+            if media.is_some() {
+                ctx.media_base =
+                    Some(format!("https://{}:{}", config.address, config.http.https_port));
+                ctx.media_certificate = Some(identity.certificate_pem.clone());
+            }
             ctx.images = Some(Arc::new(siteboot_controller::images::ImageService::new(
                 images.clone(),
                 endpoints.clone(),
@@ -175,10 +181,6 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         }
     };
 
-    let identity =
-        ServerIdentity::load(config.http.tls.as_ref(), &config.state_dir, config.address)
-            .context("the agent API's TLS certificate (http.tls)")?;
-    tracing::info!(certificate = %identity.source.display(), fingerprint = %identity.fingerprint, "agent API certificate");
     let http_addr = SocketAddrV4::new(config.address, config.http.port);
     let https_addr = SocketAddrV4::new(config.address, config.http.https_port);
     let address = config.address;

@@ -80,6 +80,9 @@ pub enum TlsError {
 pub struct ServerIdentity {
     pub config: Arc<ServerConfig>,
     pub fingerprint: Fingerprint,
+    /// The certificate chain as PEM (no key): what a BMC that checks the certificate of the
+    /// server its virtual media comes from is given to trust.
+    pub certificate_pem: String,
     /// Where the certificate came from, for the start-up log.
     pub source: PathBuf,
 }
@@ -156,10 +159,32 @@ impl ServerIdentity {
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(unusable)?
             .with_no_client_auth()
-            .with_single_cert(chain, key)
+            .with_single_cert(chain.clone(), key)
             .map_err(unusable)?;
-        Ok(Self { config: Arc::new(config), fingerprint, source: certificate_path.to_owned() })
+        let certificate_pem = certificates_pem(&chain);
+        Ok(Self {
+            config: Arc::new(config),
+            fingerprint,
+            certificate_pem,
+            source: certificate_path.to_owned(),
+        })
     }
+}
+
+/// `chain` as PEM `CERTIFICATE` blocks.
+fn certificates_pem(chain: &[CertificateDer<'_>]) -> String {
+    use base64::Engine;
+    let mut pem = String::new();
+    for certificate in chain {
+        let encoded = base64::engine::general_purpose::STANDARD.encode(certificate);
+        pem.push_str("-----BEGIN CERTIFICATE-----\n");
+        for line in encoded.as_bytes().chunks(64) {
+            pem.push_str(std::str::from_utf8(line).expect("base64 is ASCII"));
+            pem.push('\n');
+        }
+        pem.push_str("-----END CERTIFICATE-----\n");
+    }
+    pem
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -221,6 +246,12 @@ mod tests {
         let leaf = CertificateDer::pem_slice_iter(&pem).next().unwrap().unwrap();
         assert_eq!(first.fingerprint, Fingerprint::of(&leaf));
         assert!(first.fingerprint.to_string().starts_with("sha256:"));
+        // What a BMC is given: the certificate, never the key beside it in the file.
+        let given = first.certificate_pem.as_bytes();
+        let certificates: Vec<_> = CertificateDer::pem_slice_iter(given).collect();
+        assert_eq!(certificates.len(), 1);
+        assert_eq!(Fingerprint::of(certificates[0].as_ref().unwrap()), first.fingerprint);
+        assert!(!first.certificate_pem.contains("PRIVATE KEY"));
         assert_eq!(first.fingerprint.to_string().len(), 7 + 64);
     }
 
@@ -279,6 +310,10 @@ mod tests {
         };
         let identity = ServerIdentity::load(Some(&files), dir.path(), ADDRESS).unwrap();
         assert_eq!(identity.fingerprint, Fingerprint::of(cert.der()));
+        assert_eq!(
+            identity.certificate_pem.replace("\r\n", "\n"),
+            cert.pem().replace("\r\n", "\n")
+        );
         assert!(!dir.path().join(GENERATED_FILE).exists(), "generated one anyway");
 
         // Another certificate's key.

@@ -59,6 +59,9 @@ pub struct Ctx {
     /// API's listener, which serves `/media/<key>.iso`); `None`: this appliance serves no
     /// media (`kubernetes.ramdisk_media` unset).
     pub media_base: Option<String>,
+    /// The certificate (PEM) served at `media_base`: a BMC that can check its image server's
+    /// certificate is told to trust exactly this one.
+    pub media_certificate: Option<String>,
 }
 
 impl Ctx {
@@ -90,6 +93,7 @@ impl Ctx {
             images: None,
             workloads: Default::default(),
             media_base: None,
+            media_certificate: None,
         }
     }
 

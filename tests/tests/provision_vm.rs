@@ -35,6 +35,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use sha2::Digest;
+use siteboot_controller::bmc::{BoundCredentials, Credentials, RedfishClient};
 use siteboot_controller::conditions::BMC_READY;
 use siteboot_controller::crd::{
     Bmc, BootMethod, BootMode, Host, HostSpec, HostState, OperationKind, RootDeviceHints,
@@ -370,6 +371,16 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
 
     if let Some(capture) = &capture {
         media_only(&domain, capture)?;
+        // The emulator was made to check the appliance's certificate when it fetched the ISO
+        // (and fetched it: a mismatch would have failed the insertion).
+        let address = env.sushy.address(&domain);
+        let client = RedfishClient::new(BoundCredentials::trusted(
+            address.parse()?,
+            None,
+            Credentials::new(USER.0, USER.1)?,
+        ))?;
+        let (_, cd) = client.virtual_cd().await?;
+        ensure!(cd.verifies && cd.certificates.is_some(), "the BMC's CD: {cd:?}");
     }
 
     // Scaled to 0: released, wiped, Available again.

@@ -183,8 +183,14 @@ pub trait BmcDriver: Send + Sync {
     /// Boots the host from the network now (once): an operation needs the ramdisk.
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>>;
     /// Inserts the ISO at `url` as the host's virtual CD and boots it now (once): an operation
-    /// whose ramdisk comes in virtual media.
-    fn boot_from_media<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<(), BmcError>>;
+    /// whose ramdisk comes in virtual media. With `certificate` (PEM: the server of `url`), a
+    /// BMC that can check its image server trusts exactly that certificate. Returns whether
+    /// the BMC checks the certificate of the server it fetches the ISO from.
+    fn boot_from_media<'a>(
+        &'a self,
+        url: &'a str,
+        certificate: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<bool, BmcError>>;
     /// Ejects the virtual CD (nothing if it holds nothing).
     fn eject_media(&self) -> BoxFuture<'_, Result<(), BmcError>>;
     /// Power-cycles the host (powers it on if it is off).
@@ -208,7 +214,11 @@ impl BmcDriver for SelfBooting {
         Box::pin(async { Ok(()) })
     }
 
-    fn boot_from_media<'a>(&'a self, _url: &'a str) -> BoxFuture<'a, Result<(), BmcError>> {
+    fn boot_from_media<'a>(
+        &'a self,
+        _url: &'a str,
+        _certificate: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<bool, BmcError>> {
         Box::pin(async { Err(BmcError::NoVirtualMedia("the host has no spec.bmc")) })
     }
 

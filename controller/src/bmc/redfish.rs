@@ -138,14 +138,46 @@ impl RedfishClient {
     }
 
     /// Inserts the image at `url` into the virtual CD (ejecting what it holds first: many BMCs
-    /// refuse to insert into a full drive).
-    pub async fn insert_cd(&self, url: &str) -> Result<(), BmcError> {
-        let (_, cd) = self.virtual_cd().await?;
+    /// refuse to insert into a full drive). With `certificate` (PEM), a BMC that can check
+    /// its image server's certificate is made to trust exactly that one first; returns
+    /// whether it checks.
+    pub async fn insert_cd(&self, url: &str, certificate: Option<&str>) -> Result<bool, BmcError> {
+        let (path, cd) = self.virtual_cd().await?;
+        let checks = match (certificate, &cd.certificates) {
+            (Some(pem), Some(certificates)) => {
+                self.trust_only(certificates, pem).await?;
+                if !cd.verifies {
+                    let body = protocol::verify_certificate_body();
+                    self.call(Method::PATCH, &path, Some(body), true).await?;
+                }
+                true
+            }
+            _ => cd.verifies,
+        };
         if cd.inserted {
             self.call(Method::POST, &cd.eject, Some(serde_json::json!({})), false).await?;
         }
         let body = protocol::insert_media_body(url);
-        self.call(Method::POST, &cd.insert, Some(body), false).await.map(drop)
+        self.call(Method::POST, &cd.insert, Some(body), false).await?;
+        Ok(checks)
+    }
+
+    /// Makes `pem` the one certificate in the collection at `certificates`.
+    async fn trust_only(&self, certificates: &str, pem: &str) -> Result<(), BmcError> {
+        let members = protocol::members(&self.get(certificates).await?).map_err(protocol_error)?;
+        let mut held = false;
+        for member in members {
+            if protocol::holds_certificate(&self.get(&member).await?, pem) {
+                held = true;
+            } else {
+                self.call(Method::DELETE, &member, None, true).await?;
+            }
+        }
+        if !held {
+            let body = protocol::certificate_body(pem);
+            self.call(Method::POST, certificates, Some(body), false).await?;
+        }
+        Ok(())
     }
 
     /// Ejects the virtual CD, if it holds anything.
@@ -545,11 +577,16 @@ impl BmcDriver for Redfish {
         })
     }
 
-    fn boot_from_media<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<(), BmcError>> {
+    fn boot_from_media<'a>(
+        &'a self,
+        url: &'a str,
+        certificate: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<bool, BmcError>> {
         Box::pin(async move {
-            self.client.insert_cd(url).await?;
+            let checks = self.client.insert_cd(url, certificate).await?;
             self.client.boot_once(BootTarget::Cd, self.boot_mode).await?;
-            self.restart().await
+            self.restart().await?;
+            Ok(checks)
         })
     }
 

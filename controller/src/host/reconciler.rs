@@ -365,7 +365,14 @@ async fn boot_ramdisk(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<(), Boo
         return Ok(());
     }
     tracing::info!(host = %host_key(host), operation = %op.id, "inserting the ramdisk's virtual media");
-    Ok(driver.boot_from_media(&format!("{base}/media/{key}.iso")).await?)
+    let url = format!("{base}/media/{key}.iso");
+    let checks = driver.boot_from_media(&url, ctx.media_certificate.as_deref()).await?;
+    if !checks {
+        let note = "the BMC does not check the appliance's certificate when it fetches the virtual media: whoever can answer for the appliance's address on the BMC's network can swap the ramdisk";
+        tracing::warn!(host = %host_key(host), "{note}");
+        ctx.event(host, true, "MediaServerUnchecked", note.to_owned()).await;
+    }
+    Ok(())
 }
 
 /// Why a host could not be booted into its ramdisk.

@@ -189,6 +189,11 @@ pub struct VirtualMedia {
     /// The `VirtualMedia.InsertMedia` and `VirtualMedia.EjectMedia` action targets.
     pub insert: String,
     pub eject: String,
+    /// The certificates it trusts for HTTPS image servers, where the BMC can check them
+    /// (`Certificates`, with `VerifyCertificate`: VirtualMedia 1.4 and later).
+    pub certificates: Option<String>,
+    /// Whether it checks the image server's certificate now.
+    pub verifies: bool,
 }
 
 /// Reads the virtual media device at `path`.
@@ -201,12 +206,31 @@ pub fn virtual_media(path: &str, media: &Value) -> VirtualMedia {
             .filter(|t| t.starts_with('/'))
             .map_or_else(|| format!("{path}/Actions/VirtualMedia.{name}"), str::to_owned)
     };
+    let verify = &media["VerifyCertificate"];
     VirtualMedia {
         takes_cd,
         inserted: media["Inserted"].as_bool().unwrap_or(false),
         insert: action("InsertMedia"),
         eject: action("EjectMedia"),
+        certificates: odata_id(&media["Certificates"]).filter(|_| verify.is_boolean()),
+        verifies: verify.as_bool() == Some(true),
     }
+}
+
+/// The POST to a `Certificates` collection that adds `pem`.
+pub fn certificate_body(pem: &str) -> Value {
+    json!({ "CertificateString": pem, "CertificateType": "PEM" })
+}
+
+/// Whether the certificate resource `certificate` holds `pem` (line ends aside).
+pub fn holds_certificate(certificate: &Value, pem: &str) -> bool {
+    let normal = |s: &str| s.replace("\r\n", "\n").trim().to_owned();
+    certificate["CertificateString"].as_str().is_some_and(|s| normal(s) == normal(pem))
+}
+
+/// The PATCH of a virtual media device that makes it check the image server's certificate.
+pub fn verify_certificate_body() -> Value {
+    json!({ "VerifyCertificate": true })
 }
 
 /// The `VirtualMedia.InsertMedia` body: the image at `url`, read-only, inserted now.
@@ -375,8 +399,21 @@ mod tests {
                 inserted: true,
                 insert: "/x/Insert".into(),
                 eject: format!("{path}/Actions/VirtualMedia.EjectMedia"),
+                certificates: None,
+                verifies: false,
             }
         );
+        let checking = json!({"MediaTypes": ["CD"], "VerifyCertificate": false,
+            "Certificates": {"@odata.id": "/vm/Cd/Certificates"}});
+        let checking = virtual_media(path, &checking);
+        assert_eq!(
+            (checking.certificates.as_deref(), checking.verifies),
+            (Some("/vm/Cd/Certificates"), false)
+        );
+        let pem = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+        assert!(holds_certificate(&json!({"CertificateString": pem.replace('\n', "\r\n")}), pem));
+        assert!(!holds_certificate(&json!({"CertificateString": "other"}), pem));
+        assert_eq!(certificate_body(pem)["CertificateType"], "PEM");
         let floppy = virtual_media(path, &json!({"MediaTypes": ["Floppy", "USBStick"]}));
         assert!(!floppy.takes_cd && !floppy.inserted);
     }
