@@ -35,7 +35,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use sha2::Digest;
-use siteboot_controller::bmc::{BoundCredentials, Credentials, RedfishClient};
 use siteboot_controller::conditions::BMC_READY;
 use siteboot_controller::crd::{
     Bmc, BootMethod, BootMode, Host, HostSpec, HostState, OperationKind, RootDeviceHints,
@@ -278,12 +277,13 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     let machine = Machine { firmware: s.firmware, disks_mib: s.disks_mib };
     let domain = env.libvirt.define_with(s.name, s.mac, appliance::BRIDGE, &machine)?;
     let media = s.boot_method == BootMethod::VirtualMedia;
-    // All the VM's packets on the segment but the image's bulk (large segments from the HTTP
-    // port): where a token in clear would be.
-    let capture = media
+    // All the VM's packets on the segment but the image's bulk (full-size segments from the
+    // HTTP port): where a token in clear would be. The BIOS VM's network boots are the
+    // control: the capture must see their tokens.
+    let capture = (media || s.name == "bios")
         .then(|| {
             let filter = format!(
-                "ether host {} and not (tcp src port {} and greater 1000)",
+                "ether host {} and not (tcp src port {} and greater 1400)",
                 s.mac,
                 appliance::HTTP_PORT
             );
@@ -369,18 +369,22 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
         ensure!(sha256_file(&domain.disks[*i])? == *digest, "disk {i}, ruled out, was written");
     }
 
-    if let Some(capture) = &capture {
-        media_only(&domain, capture)?;
-        // The emulator was made to check the appliance's certificate when it fetched the ISO
-        // (and fetched it: a mismatch would have failed the insertion).
-        let address = env.sushy.address(&domain);
-        let client = RedfishClient::new(BoundCredentials::trusted(
-            address.parse()?,
-            None,
-            Credentials::new(USER.0, USER.1)?,
-        ))?;
-        let (_, cd) = client.virtual_cd().await?;
-        ensure!(cd.verifies && cd.certificates.is_some(), "the BMC's CD: {cd:?}");
+    match &capture {
+        Some(capture) if media => {
+            media_only(&domain, capture)?;
+            // The emulator was made to check the appliance's certificate when it fetched the
+            // ISO (and fetched it: a mismatch would have failed the insertion).
+            let cd = emulator(env, &domain, "/VirtualMedia/Cd")?;
+            ensure!(cd["VerifyCertificate"] == true, "the BMC's CD does not check: {cd}");
+            let trusted = emulator(env, &domain, "/VirtualMedia/Cd/Certificates")?;
+            let members = trusted["Members"].as_array().map_or(0, Vec::len);
+            ensure!(members == 1, "the BMC's CD trusts {members} certificates: {trusted}");
+        }
+        Some(capture) => {
+            let seen = tokens(&domain.console()).into_iter().any(|t| captured(capture, t));
+            ensure!(seen, "the control: no token of a network boot is in the capture");
+        }
+        None => {}
     }
 
     // Scaled to 0: released, wiped, Available again.
@@ -396,7 +400,7 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     for disk in &domain.disks {
         no_signature(disk)?;
     }
-    if let Some(capture) = &capture {
+    if let Some(capture) = capture.as_ref().filter(|_| media) {
         media_only(&domain, capture)?;
         // The media ejected, the wiped host is powered off: no stale ramdisk left running.
         wait_domain(env.libvirt, &domain, "shut off").await?;
@@ -604,16 +608,43 @@ fn media_only(domain: &Domain, capture: &PacketCapture) -> Result<()> {
         "the ramdisk did not boot from the virtual media's GRUB"
     );
     ensure!(!console.contains("iPXE"), "the VM booted iPXE from the network");
-    let tokens: std::collections::BTreeSet<&str> =
-        console.split_whitespace().filter_map(|w| w.strip_prefix("siteboot.token=")).collect();
+    let tokens = tokens(&console);
     ensure!(!tokens.is_empty(), "no siteboot.token= on the kernel command line");
-    let captured = capture.bytes()?;
-    ensure!(captured.len() > 10_000, "the capture holds {} bytes only", captured.len());
+    let size = capture.bytes()?.len();
+    ensure!(size > 10_000, "the capture holds {size} bytes only");
     for token in tokens {
-        let seen = captured.windows(token.len()).any(|w| w == token.as_bytes());
-        ensure!(!seen, "a token the VM booted with crossed the segment in clear");
+        ensure!(
+            !captured(capture, token),
+            "a token the VM booted with crossed the segment in clear"
+        );
     }
     Ok(())
+}
+
+/// The tokens on the kernel command lines a console shows.
+fn tokens(console: &str) -> std::collections::BTreeSet<&str> {
+    console.split_whitespace().filter_map(|w| w.strip_prefix("siteboot.token=")).collect()
+}
+
+/// Whether `token` is in the capture's bytes.
+fn captured(capture: &PacketCapture, token: &str) -> bool {
+    let bytes = capture.bytes().unwrap_or_default();
+    bytes.windows(token.len()).any(|w| w == token.as_bytes())
+}
+
+/// What the emulator says at `path` under `domain`'s system, read where it listens (the lab's
+/// namespace).
+fn emulator(env: &Env<'_>, domain: &Domain, path: &str) -> Result<Value> {
+    let system = env.sushy.address(domain).replacen("redfish+http://", "http://", 1);
+    let out = siteboot_tests::netns::output(env.lab.lab.command("curl").args([
+        "-sf",
+        "--max-time",
+        "20",
+        "-u",
+        &format!("{}:{}", USER.0, USER.1),
+        &format!("{system}{path}"),
+    ]))?;
+    Ok(serde_json::from_str(&out)?)
 }
 
 /// `error` with the domain's console (the lab prints them all only when the test panics).
