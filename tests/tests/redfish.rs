@@ -2,11 +2,14 @@
 //! libvirt/QEMU (TCG) VMs on a test namespace's bridge (see `siteboot_tests::redfish`). A
 //! powered-off VM whose disk is empty is powered on with a one-time network boot, PXE-boots the
 //! test ramdisk from the standalone appliance and calls back; identity, power, credentials,
-//! certificate pinning and retries are checked against the same emulator.
+//! certificate pinning, retries and virtual media's certificate check are checked against the
+//! same emulator.
 //!
 //! Failures panic while the lab is alive, so the VM console and daemon logs get printed.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
@@ -285,4 +288,126 @@ async fn wait_host(hosts: &Api<Host>, what: &str, done: impl Fn(&Host) -> bool) 
     })
     .await
     .unwrap()
+}
+
+/// Issue 22 item 4 at the BMC: whoever answers for the appliance's address on the BMC's
+/// network could serve the virtual media. Without a certificate to trust (as before), the
+/// emulator takes an impostor's ISO; with the appliance's certificate installed, it refuses the
+/// impostor and takes the appliance's.
+#[test]
+fn virtual_media_is_taken_only_from_the_server_whose_certificate_siteboot_installed() {
+    let ns = appliance::lab_network("redfish-media").unwrap();
+    let libvirt = Libvirt::start(&ns).unwrap();
+    let domain =
+        libvirt.define("siteboot-redfish-media", "52:54:00:00:03:05", appliance::BRIDGE).unwrap();
+    let sushy = Sushy::start(SushyOptions { user: USER, tls: None, netns: None }).unwrap();
+    let rt = runtime();
+    let driver = Redfish::new(client(&sushy.address(&domain), USER.1, None));
+    let appliance = IsoServer::start(b"the appliance's ISO");
+    let impostor = IsoServer::start(b"an impostor's ISO");
+    let inserted = || {
+        let (_, cd) = rt.block_on(driver.client().virtual_cd()).unwrap();
+        cd.inserted
+    };
+
+    // Before: no certificate to trust, and the emulator, like most BMCs, checks none.
+    let checks = rt.block_on(driver.client().insert_cd(&impostor.url, None)).unwrap();
+    assert!(!checks && inserted(), "the impostor's ISO was not taken without a certificate");
+    rt.block_on(driver.client().eject_cd()).unwrap();
+    assert!(!inserted());
+
+    // The appliance's certificate installed: the impostor is refused, nothing is inserted.
+    let error = rt
+        .block_on(driver.client().insert_cd(&impostor.url, Some(&appliance.certificate)))
+        .unwrap_err();
+    assert!(!inserted(), "the impostor's ISO was inserted: {error}");
+    let checks =
+        rt.block_on(driver.client().insert_cd(&appliance.url, Some(&appliance.certificate)));
+    assert!(checks.unwrap() && inserted(), "the appliance's ISO was not taken");
+    assert_eq!(
+        appliance.served(),
+        1,
+        "the appliance's ISO was fetched {} times",
+        appliance.served()
+    );
+}
+
+/// An HTTPS server on 127.0.0.1 with a certificate of its own, serving `body` at any path.
+struct IsoServer {
+    url: String,
+    /// Its certificate, PEM.
+    certificate: String,
+    served: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl IsoServer {
+    fn start(body: &'static [u8]) -> Self {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let key = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.der().clone()], key)
+            .unwrap();
+        let config = Arc::new(config);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let url = format!("https://{}/media/test.iso", listener.local_addr().unwrap());
+        let (served, stop) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+        let (count, stopped) = (served.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                let Ok((stream, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                };
+                stream.set_nonblocking(false).unwrap();
+                stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let connection = rustls::ServerConnection::new(config.clone()).unwrap();
+                let mut tls = rustls::StreamOwned::new(connection, stream);
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                // A refused handshake ends here, in an error: nothing is served.
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match std::io::Read::read(&mut tls, &mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                if !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    continue;
+                }
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let sent = std::io::Write::write_all(&mut tls, head.as_bytes())
+                    .and_then(|()| std::io::Write::write_all(&mut tls, body))
+                    .and_then(|()| std::io::Write::flush(&mut tls));
+                if sent.is_ok() {
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+                tls.conn.send_close_notify();
+                let _ = std::io::Write::flush(&mut tls);
+            }
+        });
+        Self { url, certificate: cert.pem(), served, stop }
+    }
+
+    fn served(&self) -> usize {
+        self.served.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for IsoServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
