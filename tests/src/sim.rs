@@ -163,6 +163,12 @@ impl SimHost {
         self.shared.reboot.store(true, Ordering::Release);
     }
 
+    /// Takes the host off the segment (its link down), or puts it back: a machine between
+    /// two boots answers nothing, not even ARP. Its address stays configured.
+    pub fn set_link(&self, up: bool) -> Result<()> {
+        self.host.ns.ip(&["link", "set", ClientHost::IFACE, if up { "up" } else { "down" }])
+    }
+
     /// Makes imaging and wiping take `time` (so a test can crash siteboot in the middle).
     pub fn set_work_time(&self, time: Duration) {
         self.shared.work_ms.store(time.as_millis() as u64, Ordering::Release);

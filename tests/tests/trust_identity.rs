@@ -311,6 +311,53 @@ async fn a_forged_lease_with_an_arp_entry_planted_for_the_victim_gives_no_identi
     assert_eq!((status, data.as_str()), (200, SECRET));
 }
 
+/// The moment secrets leave (item 1, at release): the victim's token was minted genuinely, to
+/// the victim's address, and read off a segment that floods (`ageing_time 0`). While the victim
+/// is away (between its script and its first agent call, say), the intruder takes the victim's
+/// address, answers no ARP, keeps the appliance's ARP entry naming the victim (gratuitous ARPs
+/// from its own Ethernet address) while it asks, and names itself again to read the answer.
+/// The lease and the entry both name the victim; only the appliance's ARP probe as the data
+/// leaves, which nobody answers as the victim, refuses it. The control: the victim, back,
+/// boots again and gets its data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_token_sniffed_and_used_from_the_victim_s_address_while_it_is_away_gets_no_data() {
+    let lab = provisioning_lab().await;
+    let intruder = Intruder::join(&lab).await;
+    lab.lab.ip(&["link", "set", appliance::BRIDGE, "type", "bridge", "ageing_time", "0"]).unwrap();
+    let victim = lab.sims().remove(0);
+    let sniffer = Sniffer::start(&intruder.host, mac_bytes(victim.mac()));
+    let (victim, victim_token) = provisioning_victim(&lab).await;
+    let flooded = sniffer.stop();
+    let sniffed =
+        flooded.iter().any(|f| contains(f, format!("siteboot.token={victim_token}").as_bytes()));
+    assert!(
+        sniffed,
+        "the victim's token did not reach the intruder: the test did not make the attack it means to"
+    );
+
+    let name = host_of(&lab, &victim).await;
+    let host = lab.hosts().get(&name).await.unwrap();
+    let address: Ipv4Addr = host
+        .status
+        .iter()
+        .flat_map(|s| &s.addresses)
+        .find(|a| a.kind == "InternalIP")
+        .and_then(|a| a.address.parse().ok())
+        .expect("the victim's address on its Host");
+    victim.set_link(false).unwrap();
+    let impostor = intruder.impersonate(address);
+    let planted = Spoil::NamingTheVictim(mac_bytes(victim.mac()));
+    let refusal = impostor.assert_gets_nothing_without_arp(&lab, planted, &victim, &victim_token);
+    assert!(refusal.contains("not confirmed"), "refused for another reason: {refusal:?}");
+
+    impostor.host.ns.ip(&["addr", "flush", "dev", ClientHost::IFACE]).unwrap();
+    victim.set_link(true).unwrap();
+    victim.reboot();
+    let token = wait_token(&victim, Some(&victim_token)).await;
+    let (status, data) = victim.http("GET", "/agent/v1/bootstrap", Some(&token), None).unwrap();
+    assert_eq!((status, data.as_str()), (200, SECRET));
+}
+
 /// A Kubernetes-mode lab with one manual simulated host and a Cluster whose bootstrap data is
 /// [`SECRET`].
 async fn provisioning_lab() -> ProviderLab {
@@ -361,6 +408,14 @@ struct Intruder {
 }
 
 impl Intruder {
+    /// The same machine at `address` instead of its own (another's, taken while it is away).
+    fn impersonate(self, address: Ipv4Addr) -> Self {
+        let iface = ClientHost::IFACE;
+        self.host.ns.ip(&["addr", "flush", "dev", iface]).unwrap();
+        self.host.ns.ip(&["addr", "add", &format!("{address}/24"), "dev", iface]).unwrap();
+        Self { address, ..self }
+    }
+
     async fn join(lab: &ProviderLab) -> Self {
         let mut object = Host::new("intruder", HostSpec::new(INTRUDER_MAC));
         object.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), SITE.to_owned())]));
@@ -423,7 +478,7 @@ impl Intruder {
         how: Spoil,
         victim: &SimHost,
         victim_token: &str,
-    ) {
+    ) -> String {
         let http: std::net::SocketAddr =
             self.base_url.trim_start_matches("http://").trim_end_matches('/').parse().unwrap();
         let mut stream =
@@ -472,6 +527,7 @@ impl Intruder {
             self.address
         );
         assert!(!data.contains("abcdef.0123456789abcdef"), "the join secret leaked");
+        data.to_owned()
     }
 
     /// Leaves the appliance's ARP entry for the intruder's address naming no one.
