@@ -169,6 +169,16 @@ impl SimHost {
         self.host.ns.ip(&["link", "set", ClientHost::IFACE, if up { "up" } else { "down" }])
     }
 
+    /// The IPv4 address its NIC has now (its lease), if any.
+    pub fn address(&self) -> Option<std::net::Ipv4Addr> {
+        let mut ip = self.host.ns.command("ip");
+        let shown =
+            crate::netns::output(ip.args(["-4", "-o", "addr", "show", "dev", ClientHost::IFACE]));
+        let shown = shown.ok()?;
+        let inet = shown.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
+        inet.split('/').next()?.parse().ok()
+    }
+
     /// Makes imaging and wiping take `time` (so a test can crash siteboot in the middle).
     pub fn set_work_time(&self, time: Duration) {
         self.shared.work_ms.store(time.as_millis() as u64, Ordering::Release);

@@ -335,15 +335,7 @@ async fn a_token_sniffed_and_used_from_the_victim_s_address_while_it_is_away_get
         "the victim's token did not reach the intruder: the test did not make the attack it means to"
     );
 
-    let name = host_of(&lab, &victim).await;
-    let host = lab.hosts().get(&name).await.unwrap();
-    let address: Ipv4Addr = host
-        .status
-        .iter()
-        .flat_map(|s| &s.addresses)
-        .find(|a| a.kind == "InternalIP")
-        .and_then(|a| a.address.parse().ok())
-        .expect("the victim's address on its Host");
+    let address = victim.address().expect("the victim's leased address");
     victim.set_link(false).unwrap();
     let impostor = intruder.impersonate(address);
     let planted = Spoil::NamingTheVictim(mac_bytes(victim.mac()));
