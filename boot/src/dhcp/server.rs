@@ -152,7 +152,7 @@ impl DhcpServer {
         self.ctx.metrics.dhcp_dropped.fetch_add(1, Ordering::Relaxed);
         self.ctx.metrics.dhcp_relayed_dropped(why);
         let log =
-            self.refused_relays.lock().expect("refused relays lock").refused(giaddr, *from.ip());
+            self.refused_relays.lock().expect("refused relays lock").refused((giaddr, *from.ip()));
         const COUNTED: &str =
             "logged once per relay and source; siteboot_dhcp_relayed_dropped_total counts them all";
         match (log, why) {
