@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use siteboot_boot::MacAddr;
 use siteboot_boot::admission::CapsError;
+use siteboot_boot::dhcp::relay_agent::RelayPin;
 use siteboot_boot::dhcp::settings::{FieldError, NetworkPlan, Settings as DhcpSettings};
 use siteboot_boot::files::check_relative;
 use siteboot_boot::http::HttpSettings;
@@ -300,6 +301,13 @@ pub struct HostFile {
     /// The host's Redfish BMC: each `siteboot host inspect|provision|deprovision` boots it
     /// once from the network (powering it on or restarting it). Unset: power-cycle it by hand.
     pub bmc: Option<BmcFile>,
+    /// For a host behind a DHCP relay: the relay agent information (option 82) the relay puts
+    /// in its messages, `circuit_id` (its port), `remote_id` (the relay or switch) or both.
+    /// A relayed message for this MAC is answered only when it carries each one given, byte
+    /// for byte, and a relayed lease is its identity (`dhcp.trust_relayed_leases`) only when
+    /// granted so. Each is text (printable ASCII, `eth1/0/12`) or `hex:` and two hex digits
+    /// per byte (`hex:000c29a1b2c3`). Unset: any port of a trusted relay.
+    pub relay_agent: Option<RelayPin>,
 }
 
 /// A host's BMC, as Kubernetes mode's `spec.bmc`, with the credentials in a file.
@@ -573,6 +581,7 @@ impl Config {
                 provisioning,
                 wipe: host.wipe,
                 bmc: host.bmc.as_ref().map(|b| bmc(b, &format!("{at}.bmc"))).transpose()?,
+                relay_pin: host.relay_agent.clone(),
             };
             if hosts.insert(host.mac, listed).is_some() {
                 return Err(FieldError::new(
@@ -1080,6 +1089,38 @@ unknown_hosts:
             &GOOD.replace("    cmdline: console=ttyS0 quiet", "    cmdline: console=ttyS0 ${evil}"),
         );
         assert!(e.message.contains("'$'"), "{e}");
+    }
+
+    /// `hosts[].relay_agent` is read into the pin the DHCP server checks, or refused naming
+    /// the field.
+    #[test]
+    fn relay_agent_pins_are_read_per_host() {
+        use siteboot_boot::inventory::Inventory;
+        let with = |pin: &str| {
+            GOOD.replace(
+                "    profile: linux\n",
+                &format!("    profile: linux\n    relay_agent: {pin}\n"),
+            )
+        };
+        let (_dir, text) =
+            with_ipxe(&with("{circuit_id: eth1/0/12, remote_id: 'hex:000c29a1b2c3'}"));
+        let config = Config::parse(&text).unwrap();
+        let pin = config.inventory.relay_pin("52:54:00:12:34:56".parse().unwrap()).unwrap();
+        assert_eq!(pin.to_string(), "circuit-id eth1/0/12, remote-id hex:000c29a1b2c3");
+        assert_eq!(config.inventory.relay_pin("52:54:00:12:34:57".parse().unwrap()), None);
+        let (_dir, text) = with_ipxe(GOOD);
+        let unpinned = Config::parse(&text).unwrap();
+        assert_eq!(unpinned.inventory.relay_pin("52:54:00:12:34:56".parse().unwrap()), None);
+        for (pin, field, says) in [
+            ("{}", "hosts[0].relay_agent", "circuit_id, remote_id or both"),
+            ("{circuit_id: ''}", "hosts[0].relay_agent.circuit_id", "empty"),
+            ("{remote_id: 'hex:0c2'}", "hosts[0].relay_agent.remote_id", "two hex digits"),
+            ("{circuit: eth1}", "hosts[0].relay_agent.circuit", "unknown field `circuit`"),
+            ("eth1/0/12", "hosts[0].relay_agent", ""),
+        ] {
+            let e = error_of(&with(pin));
+            assert_eq!((e.field.as_str(), e.message.contains(says)), (field, true), "{pin}: {e}");
+        }
     }
 
     #[test]

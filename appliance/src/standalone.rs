@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use serde_json::json;
+use siteboot_boot::dhcp::relay_agent::RelayPin;
 use siteboot_boot::dhcp::settings::Reservation;
 use siteboot_boot::inventory::{
     AgentRequest, AgentResponse, BootRequest, BoxFuture, ByteProgress, HostSummary, Inventory,
@@ -55,6 +56,8 @@ pub struct ListedHost {
     pub wipe: WipePolicy,
     /// Its BMC, if siteboot may power-cycle it.
     pub bmc: Option<HostBmc>,
+    /// The relay agent information its relayed DHCP messages must carry (`relay_agent`).
+    pub relay_pin: Option<RelayPin>,
 }
 
 /// A host's image and bootstrap data.
@@ -677,6 +680,10 @@ impl Inventory for StaticInventory {
         self.hosts.contains_key(&mac)
     }
 
+    fn relay_pin(&self, mac: MacAddr) -> Option<RelayPin> {
+        self.hosts.get(&mac)?.relay_pin.clone()
+    }
+
     fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
         Box::pin(self.action(request))
     }
@@ -740,6 +747,7 @@ mod tests {
             provisioning: None,
             wipe: WipePolicy::Quick,
             bmc: None,
+            relay_pin: None,
         };
         let mut inventory = StaticInventory::new(HashMap::from([(mac(), host)]), None);
         let ramdisk = LinuxBoot {

@@ -10,6 +10,7 @@ use siteboot_ipxe::Word;
 
 use crate::MacAddr;
 use crate::arp_probe::Unconfirmed;
+use crate::dhcp::relay_agent::RelayPin;
 
 /// What a host's iPXE is told to do when it fetches its script.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -206,6 +207,16 @@ pub trait Inventory: Send + Sync + 'static {
     /// [`boots`]: Self::boots
     fn knows(&self, mac: MacAddr) -> bool {
         self.boots(mac)
+    }
+
+    /// The relay agent information (option 82) `mac`'s relayed messages must carry: its
+    /// host's pin (standalone `hosts[].relay_agent`, a Host's `spec.relayAgent`). A relayed
+    /// DHCP message for a pinned MAC is answered only when its relay says what the pin names,
+    /// and a relayed lease is identity only when it was granted so. `None`, the default: not
+    /// pinned. Called on the DHCP path and for each request from a relayed address, so it must
+    /// answer from memory.
+    fn relay_pin(&self, _mac: MacAddr) -> Option<RelayPin> {
+        None
     }
 
     /// Whether this inventory can answer yet: `Err(why)` until it has read what it serves

@@ -50,8 +50,12 @@ pub struct Settings {
     /// Full mode: whether a lease ACKed through a trusted relay is, by itself, its client's
     /// identity (a ramdisk token, bootstrap data). Weaker than on-link identity, where an ARP
     /// entry must name the lessee: a machine behind the same relay that forges the lessee's
-    /// MAC takes its lease, and with it its token. Off, the default: relayed clients get
-    /// addresses and boot files, but no identity.
+    /// MAC takes its lease, and with it its token, unless the host is pinned to the relay
+    /// agent information of its port ([`Inventory::relay_pin`]): then only a lease granted
+    /// through a relay that said what the pin names counts. Off, the default: relayed clients
+    /// get addresses and boot files, but no identity.
+    ///
+    /// [`Inventory::relay_pin`]: crate::inventory::Inventory::relay_pin
     pub trust_relayed_leases: bool,
 }
 
