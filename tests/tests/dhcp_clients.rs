@@ -25,9 +25,16 @@ const RELAY_GIADDR: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 240);
 const RELAY_SOURCE: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 241);
 const UNTRUSTED_RELAYS: &str = r#"siteboot_dhcp_relayed_dropped_total{reason="untrusted-relay"}"#;
 const FORGED_SOURCES: &str = r#"siteboot_dhcp_relayed_dropped_total{reason="unexpected-source"}"#;
+const PIN_MISMATCHES: &str =
+    r#"siteboot_dhcp_relayed_dropped_total{reason="relay-agent-mismatch"}"#;
 
 /// siteboot in full mode on a fresh lab network, with a 10 minute lease and one reservation.
 fn siteboot(tag: &str) -> (Netns, Appliance) {
+    siteboot_with(tag, |_| {})
+}
+
+/// [`siteboot`], its config changed by `adjust` first.
+fn siteboot_with(tag: &str, adjust: impl FnOnce(&mut serde_json::Value)) -> (Netns, Appliance) {
     let ns = appliance::lab_network(tag).unwrap();
     let mut config = appliance::lab_config("full");
     config["dhcp"]["lease_time"] = json!("10m");
@@ -38,6 +45,7 @@ fn siteboot(tag: &str) -> (Netns, Appliance) {
         RELAY.to_string(),
         { "giaddr": RELAY_GIADDR.to_string(), "sources": [RELAY_SOURCE.to_string()] },
     ]);
+    adjust(&mut config);
     let siteboot = Appliance::start(&ns, config).unwrap();
     (ns, siteboot)
 }
@@ -224,6 +232,58 @@ fn relayed_messages_are_answered_only_from_the_trusted_relay_s_source() {
         Some(&relay::RelayInfo::AgentCircuitId(b"eth1/7".to_vec())),
         "option 82 not echoed: {offer:?}"
     );
+}
+
+/// Option 82 holding one circuit-id sub-option: what a relay adds for a client on `port`.
+fn circuit_id(port: &[u8]) -> Vec<u8> {
+    [&[1, u8::try_from(port.len()).unwrap()][..], port].concat()
+}
+
+/// A host is pinned to port `eth1/0/12` of the trusted relay. A machine on another port of that
+/// relay (`eth1/0/13`, which the relay says in option 82) forges the host's MAC: on the code
+/// before the fix it got the host's OFFER (option 82 was only echoed), and so did a DISCOVER
+/// the relay passed on with no option 82. Now neither is answered; each is counted, the MAC is
+/// logged once, and the host is answered through its own port. A MAC with no pin is answered
+/// through any port, as before.
+#[test]
+fn a_pinned_host_is_answered_only_through_its_relay_port() {
+    const PINNED: &str = "52:54:00:00:02:50";
+    let (ns, siteboot) = siteboot_with("relaypin", |config| {
+        config["hosts"] = json!([{
+            "mac": PINNED,
+            "profile": appliance::LAB_PROFILE,
+            "relay_agent": { "circuit_id": "eth1/0/12" },
+        }]);
+    });
+    let server = appliance::ADDRESS.parse().unwrap();
+    let relay_host = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:51").unwrap();
+    let relay =
+        ForgedRelay::open(&relay_host.ns, ClientHost::IFACE, RELAY_SOURCE, RELAY_GIADDR, server)
+            .unwrap();
+    let other_port = circuit_id(b"eth1/0/13");
+    // The pinned port's name as a remote-id, not a circuit-id.
+    let remote_id = [&[2, 9][..], b"eth1/0/12"].concat();
+    for _ in 0..3 {
+        let offer = relay.discover(PINNED, Some(&other_port)).unwrap();
+        assert!(offer.is_none(), "answered the pinned MAC through another port: {offer:?}");
+        let offer = relay.discover(PINNED, None).unwrap();
+        assert!(offer.is_none(), "answered the pinned MAC relayed with no option 82: {offer:?}");
+        let offer = relay.discover(PINNED, Some(&remote_id)).unwrap();
+        assert!(offer.is_none(), "answered the pinned MAC for a remote-id: {offer:?}");
+    }
+    let metrics = siteboot.metrics().unwrap();
+    assert_eq!(metrics.get(PIN_MISMATCHES), 9.0, "each dropped DISCOVER counted");
+    let log = siteboot.log();
+    assert_eq!(log.matches("the host is pinned to").count(), 1, "logged once per MAC: {log}");
+    assert!(log.contains("circuit-id eth1/0/13"), "the log says what the relay said: {log}");
+
+    let unpinned = relay.discover("52:54:00:00:02:52", Some(&other_port)).unwrap();
+    assert!(unpinned.is_some_and(|o| in_pool(o.yiaddr())), "a MAC with no pin, any port");
+    let own_port = [circuit_id(b"eth1/0/12"), remote_id].concat();
+    let offer = relay.discover(PINNED, Some(&own_port)).unwrap();
+    let offer = offer.expect("no OFFER through the pinned port");
+    assert!(in_pool(offer.yiaddr()), "{offer:?}");
+    assert_eq!(siteboot.metrics().unwrap().get(PIN_MISMATCHES), 9.0);
 }
 
 /// Checks the client helpers themselves against dnsmasq (no siteboot): if this fails, the
