@@ -84,21 +84,6 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     } else {
         None
     };
-    // Who holds a client address: our leases when we hand them out, else the ARP table.
-    let arp = KernelArp::new(interface).context("opening a socket for ARP look-ups")?;
-    let neighbors = match config.dhcp.mode {
-        DhcpMode::Full => Neighbors::from_leases(leases.clone(), arp),
-        DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(arp),
-    };
-    // Confirms an on-link holder where a token is minted or secrets leave. Without it siteboot
-    // still boots hosts, but mints no token for them: it fails closed, and says why.
-    let neighbors = Arc::new(match PacketProbe::new(interface, config.address) {
-        Ok(probe) => neighbors.probing(probe),
-        Err(error) => {
-            tracing::error!(%interface, %error, "cannot open a packet socket for ARP probes (it needs CAP_NET_RAW): no on-link host gets a ramdisk token or bootstrap data");
-            neighbors
-        }
-    });
     // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader, and shares its
     // leases with the site's other replicas through a checkpoint.
     let initial = if kube.is_some() { Leadership::Follower } else { Leadership::Always };
@@ -180,6 +165,23 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             (inventory, format!("Hosts of site {}", kube.site), kube.site)
         }
     };
+
+    // Who holds a client address: our leases when we hand them out (a relayed one only as the
+    // inventory's relay agent pins allow), else the ARP table.
+    let arp = KernelArp::new(interface).context("opening a socket for ARP look-ups")?;
+    let neighbors = match config.dhcp.mode {
+        DhcpMode::Full => Neighbors::from_leases(leases.clone(), inventory.clone(), arp),
+        DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(arp),
+    };
+    // Confirms an on-link holder where a token is minted or secrets leave. Without it siteboot
+    // still boots hosts, but mints no token for them: it fails closed, and says why.
+    let neighbors = Arc::new(match PacketProbe::new(interface, config.address) {
+        Ok(probe) => neighbors.probing(probe),
+        Err(error) => {
+            tracing::error!(%interface, %error, "cannot open a packet socket for ARP probes (it needs CAP_NET_RAW): no on-link host gets a ramdisk token or bootstrap data");
+            neighbors
+        }
+    });
 
     let http_addr = SocketAddrV4::new(config.address, config.http.port);
     let https_addr = SocketAddrV4::new(config.address, config.http.https_port);

@@ -98,15 +98,22 @@ pub enum RelayRefusal {
     /// Its `giaddr` is a trusted relay's, but it came from an address that relay does not
     /// send from.
     UnexpectedSource,
+    /// Its MAC's host is pinned to relay agent information (option 82) the relay did not say.
+    RelayAgentMismatch,
 }
 
 impl RelayRefusal {
-    const ALL: [RelayRefusal; 2] = [RelayRefusal::UntrustedRelay, RelayRefusal::UnexpectedSource];
+    const ALL: [RelayRefusal; 3] = [
+        RelayRefusal::UntrustedRelay,
+        RelayRefusal::UnexpectedSource,
+        RelayRefusal::RelayAgentMismatch,
+    ];
 
     fn as_str(self) -> &'static str {
         match self {
             RelayRefusal::UntrustedRelay => "untrusted-relay",
             RelayRefusal::UnexpectedSource => "unexpected-source",
+            RelayRefusal::RelayAgentMismatch => "relay-agent-mismatch",
         }
     }
 
@@ -377,7 +384,7 @@ impl Metrics {
             &mut out,
             "siteboot_dhcp_relayed_dropped_total",
             "counter",
-            "Relayed DHCP messages dropped: their giaddr is not in dhcp.trusted_relays, or they came from an address that relay does not send from.",
+            "Relayed DHCP messages dropped: their giaddr is not in dhcp.trusted_relays, they came from an address that relay does not send from, or their MAC's host is pinned to relay agent information (option 82) the relay did not say.",
         );
         for why in RelayRefusal::ALL {
             let _ = writeln!(

@@ -9,7 +9,9 @@
 //!   attacker can put the table in any of those states). A relayed client (an address of a
 //!   relay's subnet) is off-link and has no entry: the lease alone counts, unless an entry
 //!   contradicts it, and only where the operator opted in (`dhcp.trust_relayed_leases`:
-//!   a machine behind the same relay can forge the lessee's MAC);
+//!   a machine behind the same relay can forge the lessee's MAC), and for a host pinned to
+//!   its relay port ([`Inventory::relay_pin`]) only a lease granted through a relay that said
+//!   what the pin names;
 //! - when another server hands them out (proxy mode, DHCP off), a complete ARP entry alone;
 //! - never a DHCP packet's `chaddr` by itself, whatever the port.
 //!
@@ -18,13 +20,13 @@
 //! probe as well ([`crate::arp_probe`]).
 
 use std::net::Ipv4Addr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::MacAddr;
 use crate::arp_probe::{self, ArpProbe, Unconfirmed};
-use crate::dhcp::leases::{SharedLeases, UnixTime, unix_now};
-use crate::inventory::{BoxFuture, Confirm};
+use crate::dhcp::leases::{Lease, SharedLeases, UnixTime, unix_now};
+use crate::inventory::{BoxFuture, Confirm, Inventory};
 use crate::rate::{Rate, RateLimiter};
 
 /// One warning per address a minute about a lease its ARP entry does not back: the segment
@@ -123,6 +125,8 @@ fn entry_mac(flags: u32, hardware: [u8; 6]) -> Option<MacAddr> {
 pub struct Neighbors {
     /// The lease table when siteboot hands out the addresses; `None` when another server does.
     leases: Option<SharedLeases>,
+    /// With the leases: the hosts' relay agent pins, which a relayed lease must match.
+    pins: Option<Arc<dyn Inventory>>,
     arp: Box<dyn ArpTable>,
     /// How [`confirm`](Self::confirm) asks the segment; without one, nothing on-link is confirmed.
     probe: Option<Box<dyn ArpProbe>>,
@@ -130,14 +134,25 @@ pub struct Neighbors {
 }
 
 impl Neighbors {
-    /// Full mode: the leases siteboot ACKs, checked against `arp`.
-    pub fn from_leases(leases: SharedLeases, arp: impl ArpTable + 'static) -> Self {
-        Self { leases: Some(leases), arp: Box::new(arp), probe: None, warnings: warnings() }
+    /// Full mode: the leases siteboot ACKs, checked against `arp`, and relayed ones against
+    /// the `inventory`'s [relay pins](Inventory::relay_pin).
+    pub fn from_leases(
+        leases: SharedLeases,
+        inventory: Arc<dyn Inventory>,
+        arp: impl ArpTable + 'static,
+    ) -> Self {
+        Self {
+            leases: Some(leases),
+            pins: Some(inventory),
+            arp: Box::new(arp),
+            probe: None,
+            warnings: warnings(),
+        }
     }
 
     /// Proxy mode and DHCP off: the addresses are another server's, only `arp` knows.
     pub fn from_arp(arp: impl ArpTable + 'static) -> Self {
-        Self { leases: None, arp: Box::new(arp), probe: None, warnings: warnings() }
+        Self { leases: None, pins: None, arp: Box::new(arp), probe: None, warnings: warnings() }
     }
 
     /// Confirms holders with `probe`.
@@ -205,7 +220,11 @@ impl Neighbors {
                     Some(lease) if lease.expires > now && table.plan().on_link(addr) => {
                         Leased::OnLink(lease.mac)
                     }
-                    Some(lease) if lease.expires > now && table.plan().trust_relayed_leases => {
+                    Some(lease)
+                        if lease.expires > now
+                            && table.plan().trust_relayed_leases
+                            && self.pin_admits(lease) =>
+                    {
                         Leased::Relayed(lease.mac)
                     }
                     Some(lease) if lease.expires > now => Leased::RelayedNotTrusted(lease.mac),
@@ -221,7 +240,7 @@ impl Neighbors {
                 tracing::warn!(%addr, %lessee, arp = %seen, "the ARP table contradicts the lease (a forged MAC?); no identity for this address");
             }
             (None, Leased::RelayedNotTrusted(lessee), _) => {
-                tracing::debug!(%addr, %lessee, "a relayed lease is no identity without dhcp.trust_relayed_leases");
+                tracing::debug!(%addr, %lessee, "a relayed lease is no identity: dhcp.trust_relayed_leases is off, or its host's relay agent pin does not admit it");
             }
             (None, Leased::OnLink(lessee), None) => {
                 tracing::warn!(%addr, %lessee, "no complete ARP entry for an on-link lease (missing, incomplete, failed or all zeros); no identity for this address");
@@ -233,6 +252,22 @@ impl Neighbors {
 }
 
 impl Neighbors {
+    /// Whether a relayed `lease` was granted through a relay that said what its host's pin
+    /// names now (the DHCP server's rule, [`RelayPin::admits`]); true for a host with no pin.
+    /// A lease granted before the host was pinned, or pinned to another port, is not.
+    ///
+    /// [`RelayPin::admits`]: crate::dhcp::relay_agent::RelayPin::admits
+    fn pin_admits(&self, lease: &Lease) -> bool {
+        let Some(pin) = self.pins.as_ref().and_then(|pins| pins.relay_pin(lease.mac)) else {
+            return true;
+        };
+        let admits = pin.admits(&lease.relay_agent);
+        if !admits && self.may_warn(lease.addr) {
+            tracing::warn!(addr = %lease.addr, lessee = %lease.mac, %pin, granted = %lease.relay_agent, "a relayed lease granted with other relay agent information than its host's pin names (granted before the pin was set or changed?) is no identity; the host's next relayed REQUEST through its pinned port renews it");
+        }
+        admits
+    }
+
     /// Whether a warning about `addr` may be logged now (see [`WARNING_RATE`]).
     fn may_warn(&self, addr: Ipv4Addr) -> bool {
         self.warnings.lock().expect("warning limiter lock").allow(addr, Instant::now())
@@ -258,9 +293,11 @@ enum Leased {
     No,
     /// Leased to a MAC, in the served subnet.
     OnLink(MacAddr),
-    /// Leased to a MAC, in a relay's subnet, and relayed leases are identity.
+    /// Leased to a MAC, in a relay's subnet, and identity: relayed leases are trusted, and the
+    /// host's relay agent pin, if it has one, admits this one.
     Relayed(MacAddr),
-    /// Leased to a MAC, in a relay's subnet, and relayed leases are not identity.
+    /// Leased to a MAC, in a relay's subnet, and not identity: relayed leases are not trusted,
+    /// or the host's relay agent pin does not admit this one.
     RelayedNotTrusted(MacAddr),
 }
 
@@ -295,9 +332,35 @@ mod tests {
     use super::*;
     use crate::arp_probe::ArpClaim;
     use crate::dhcp::leases::{Lease, LeaseTable};
+    use crate::dhcp::relay_agent::RelayPin;
     use crate::dhcp::settings::{NetworkPlan, Settings, SubnetSettings, TrustedRelay};
+    use crate::inventory::{BootAction, BootRequest};
 
     const NOW: UnixTime = 2_000_000;
+
+    /// The hosts' relay agent pins, by MAC; boots nothing.
+    struct Pins(Vec<(MacAddr, RelayPin)>);
+
+    impl Inventory for Pins {
+        fn boots(&self, _: MacAddr) -> bool {
+            false
+        }
+        fn boot_action(&self, _: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
+            Box::pin(async { None })
+        }
+        fn relay_pin(&self, mac: MacAddr) -> Option<RelayPin> {
+            self.0.iter().find(|(m, _)| *m == mac).map(|(_, pin)| pin.clone())
+        }
+    }
+
+    fn no_pins() -> Arc<dyn Inventory> {
+        Arc::new(Pins(vec![]))
+    }
+
+    /// `mac` pinned to the relay port `circuit_id`.
+    fn pinned(mac: MacAddr, circuit_id: &str) -> Arc<dyn Inventory> {
+        Arc::new(Pins(vec![(mac, RelayPin::new(Some(circuit_id.parse().unwrap()), None).unwrap())]))
+    }
 
     fn ip(s: &str) -> Ipv4Addr {
         s.parse().unwrap()
@@ -311,7 +374,7 @@ mod tests {
     /// warning is logged once a minute per address, never once per question.
     #[test]
     fn an_unbacked_lease_is_warned_about_once_per_address() {
-        let n = Neighbors::from_leases(leases(), vec![]);
+        let n = Neighbors::from_leases(leases(), no_pins(), vec![]);
         assert!(n.may_warn(ip("10.0.0.100")));
         assert!((0..100).all(|_| !n.may_warn(ip("10.0.0.100"))), "one warning a minute");
         assert!(n.may_warn(ip("10.0.0.101")), "addresses are counted apart");
@@ -355,25 +418,33 @@ mod tests {
         };
         let plan = NetworkPlan::new(&settings, ip("10.0.0.1"), "dhcp").unwrap();
         let mut table = LeaseTable::new(Arc::new(plan));
-        table.bind(Lease { addr: ip("10.0.0.101"), mac: mac(2), expires: NOW, hostname: None });
+        table.bind(Lease {
+            addr: ip("10.0.0.101"),
+            mac: mac(2),
+            expires: NOW,
+            hostname: None,
+            relay_agent: Default::default(),
+        });
         table.bind(Lease {
             addr: ip("10.0.0.100"),
             mac: mac(1),
             expires: NOW + 60,
             hostname: None,
+            relay_agent: Default::default(),
         });
         table.bind(Lease {
             addr: ip("10.0.5.100"),
             mac: mac(4),
             expires: NOW + 60,
             hostname: None,
+            relay_agent: Default::default(),
         });
         Arc::new(Mutex::new(table))
     }
 
     #[test]
     fn full_mode_a_lease_and_an_agreeing_arp_entry() {
-        let n = Neighbors::from_leases(leases(), vec![(ip("10.0.0.100"), mac(1))]);
+        let n = Neighbors::from_leases(leases(), no_pins(), vec![(ip("10.0.0.100"), mac(1))]);
         assert_eq!(
             n.holder_at(ip("10.0.0.100"), NOW),
             Some(Holder { mac: mac(1), evidence: Evidence::LeaseAndArp })
@@ -382,7 +453,7 @@ mod tests {
 
     #[test]
     fn leased_addresses_are_current_leases_only() {
-        let n = Neighbors::from_leases(leases(), vec![]);
+        let n = Neighbors::from_leases(leases(), no_pins(), vec![]);
         assert_eq!(n.leased_address_at(mac(1), NOW), Some(ip("10.0.0.100")));
         assert_eq!(n.leased_address_at(mac(2), NOW), None, "the lease ended");
         assert_eq!(n.leased_address_at(mac(3), NOW), None, "never leased");
@@ -392,7 +463,7 @@ mod tests {
 
     #[test]
     fn full_mode_an_arp_entry_that_contradicts_the_lease_gives_no_identity() {
-        let n = Neighbors::from_leases(leases(), vec![(ip("10.0.0.100"), mac(9))]);
+        let n = Neighbors::from_leases(leases(), no_pins(), vec![(ip("10.0.0.100"), mac(9))]);
         assert_eq!(n.holder_at(ip("10.0.0.100"), NOW), None);
     }
 
@@ -401,7 +472,7 @@ mod tests {
     /// MAC, or ARP never answered). No entry names the lessee: no identity.
     #[test]
     fn full_mode_an_on_link_lease_needs_a_complete_arp_entry() {
-        let n = Neighbors::from_leases(leases(), vec![]);
+        let n = Neighbors::from_leases(leases(), no_pins(), vec![]);
         assert_eq!(n.holder_at(ip("10.0.0.100"), NOW), None);
     }
 
@@ -409,11 +480,13 @@ mod tests {
     /// lease. Unless the operator opted in, that lease is no identity.
     #[test]
     fn full_mode_a_relayed_lease_is_no_identity_unless_trusted() {
-        let n = Neighbors::from_leases(leases_with(false), vec![]);
+        let n = Neighbors::from_leases(leases_with(false), no_pins(), vec![]);
         assert_eq!(n.holder_at(ip("10.0.5.100"), NOW), None);
-        let agreeing = Neighbors::from_leases(leases_with(false), vec![(ip("10.0.5.100"), mac(4))]);
+        let agreeing =
+            Neighbors::from_leases(leases_with(false), no_pins(), vec![(ip("10.0.5.100"), mac(4))]);
         assert_eq!(agreeing.holder_at(ip("10.0.5.100"), NOW), None, "no ARP entry off-link");
-        let on_link = Neighbors::from_leases(leases_with(false), vec![(ip("10.0.0.100"), mac(1))]);
+        let on_link =
+            Neighbors::from_leases(leases_with(false), no_pins(), vec![(ip("10.0.0.100"), mac(1))]);
         assert_eq!(
             on_link.holder_at(ip("10.0.0.100"), NOW),
             Some(Holder { mac: mac(1), evidence: Evidence::LeaseAndArp }),
@@ -423,13 +496,62 @@ mod tests {
 
     #[test]
     fn full_mode_a_trusted_relayed_lease_alone_is_enough() {
-        let n = Neighbors::from_leases(leases(), vec![]);
+        let n = Neighbors::from_leases(leases(), no_pins(), vec![]);
         assert_eq!(
             n.holder_at(ip("10.0.5.100"), NOW),
             Some(Holder { mac: mac(4), evidence: Evidence::Lease })
         );
-        let contradicted = Neighbors::from_leases(leases(), vec![(ip("10.0.5.100"), mac(9))]);
+        let contradicted =
+            Neighbors::from_leases(leases(), no_pins(), vec![(ip("10.0.5.100"), mac(9))]);
         assert_eq!(contradicted.holder_at(ip("10.0.5.100"), NOW), None);
+    }
+
+    /// Issue 22, item 2: a relayed lease of a host pinned to its relay port counts only when
+    /// it was granted through a relay that said what the pin names (the DHCP server keeps what
+    /// the relay said in the lease). mac(4)'s lease in [`leases`] predates any pin.
+    #[test]
+    fn full_mode_a_pinned_host_s_relayed_lease_counts_only_if_granted_through_its_port() {
+        let relayed = ip("10.0.5.100");
+        let identity = Some(Holder { mac: mac(4), evidence: Evidence::Lease });
+        let unpinned = Neighbors::from_leases(leases(), no_pins(), vec![]);
+        assert_eq!(unpinned.holder_at(relayed, NOW), identity, "no pin: as before");
+        let before_the_pin = Neighbors::from_leases(leases(), pinned(mac(4), "eth1/0/12"), vec![]);
+        assert_eq!(before_the_pin.holder_at(relayed, NOW), None, "granted before the pin");
+
+        let granted = |trust: bool, port: &str| {
+            let leases = leases_with(trust);
+            let pin = RelayPin::new(Some(port.parse().unwrap()), None).unwrap();
+            leases.lock().unwrap().bind(Lease {
+                addr: relayed,
+                mac: mac(4),
+                expires: NOW + 60,
+                hostname: None,
+                relay_agent: pin.as_info(),
+            });
+            leases
+        };
+        let through_its_port =
+            Neighbors::from_leases(granted(true, "eth1/0/12"), pinned(mac(4), "eth1/0/12"), vec![]);
+        assert_eq!(through_its_port.holder_at(relayed, NOW), identity);
+        let pinned_elsewhere_since =
+            Neighbors::from_leases(granted(true, "eth1/0/12"), pinned(mac(4), "eth1/0/13"), vec![]);
+        assert_eq!(pinned_elsewhere_since.holder_at(relayed, NOW), None, "the pin changed");
+        let untrusted = Neighbors::from_leases(
+            granted(false, "eth1/0/12"),
+            pinned(mac(4), "eth1/0/12"),
+            vec![],
+        );
+        assert_eq!(untrusted.holder_at(relayed, NOW), None, "still opt-in");
+        // On-link identity is the ARP table's, pin or not.
+        let on_link = Neighbors::from_leases(
+            leases(),
+            pinned(mac(1), "eth1/0/12"),
+            vec![(ip("10.0.0.100"), mac(1))],
+        );
+        assert_eq!(
+            on_link.holder_at(ip("10.0.0.100"), NOW),
+            Some(Holder { mac: mac(1), evidence: Evidence::LeaseAndArp })
+        );
     }
 
     /// Evidence in, identity or refusal out: every lease kind against every kernel entry.
@@ -493,7 +615,8 @@ mod tests {
         let answered = Some(vec![claim(mac(1), mac(1))]);
         let planted = Some(vec![claim(mac(9), mac(1))]);
         let on_link = |seen| {
-            Neighbors::from_leases(leases(), vec![(ip("10.0.0.100"), mac(1))]).probing(Sees(seen))
+            Neighbors::from_leases(leases(), no_pins(), vec![(ip("10.0.0.100"), mac(1))])
+                .probing(Sees(seen))
         };
         let at = |n: Neighbors, addr, who| async move { n.confirm_at(ip(addr), who, NOW).await };
         assert_eq!(
@@ -507,9 +630,10 @@ mod tests {
             Err(Unconfirmed::NoAnswer)
         );
         assert_eq!(at(on_link(None), "10.0.0.100", mac(2)).await, Err(Unconfirmed::NotHolder));
-        let unprobed = Neighbors::from_leases(leases(), vec![(ip("10.0.0.100"), mac(1))]);
+        let unprobed =
+            Neighbors::from_leases(leases(), no_pins(), vec![(ip("10.0.0.100"), mac(1))]);
         assert_eq!(at(unprobed, "10.0.0.100", mac(1)).await, Err(Unconfirmed::NoProbe));
-        let relayed = Neighbors::from_leases(leases(), vec![]).probing(Sees(None));
+        let relayed = Neighbors::from_leases(leases(), no_pins(), vec![]).probing(Sees(None));
         assert_eq!(at(relayed, "10.0.5.100", mac(4)).await, Ok(Evidence::Lease));
         let proxy = Neighbors::from_arp(vec![(ip("10.0.0.150"), mac(1))]);
         assert_eq!(
@@ -521,7 +645,7 @@ mod tests {
     #[test]
     fn full_mode_no_lease_no_identity_whatever_the_arp_table_says() {
         let arp = vec![(ip("10.0.0.101"), mac(2)), (ip("10.0.0.102"), mac(3))];
-        let n = Neighbors::from_leases(leases(), arp);
+        let n = Neighbors::from_leases(leases(), no_pins(), arp);
         assert_eq!(n.holder_at(ip("10.0.0.101"), NOW), None, "the lease ended");
         assert_eq!(n.holder_at(ip("10.0.0.102"), NOW), None, "never leased");
         assert_eq!(n.holder_at(ip("10.0.0.100"), NOW + 60), None, "expired");

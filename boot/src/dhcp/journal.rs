@@ -262,6 +262,7 @@ mod tests {
             mac: crate::MacAddr::new([2, 0, 0, 0, 0, n]),
             expires: 1000 + u64::from(n),
             hostname: None,
+            relay_agent: Default::default(),
         })
     }
 

@@ -18,6 +18,7 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
+use super::relay_agent::RelayAgentInfo;
 use super::settings::NetworkPlan;
 use crate::MacAddr;
 
@@ -43,6 +44,13 @@ pub struct Lease {
     pub expires: UnixTime,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,
+    /// Granted through a relay to a pinned host (`Inventory::relay_pin`): what the relay said,
+    /// of the sub-options pinned then; empty otherwise. Only the operator's values, never more
+    /// of what a relay sent. A relayed lease of a pinned host is identity only while the pin
+    /// admits this ([`RelayPin::admits`](super::relay_agent::RelayPin::admits)): not a lease
+    /// granted before the host was pinned, or pinned elsewhere.
+    #[serde(default, skip_serializing_if = "RelayAgentInfo::is_empty")]
+    pub relay_agent: RelayAgentInfo,
 }
 
 /// A change to the durable lease state: what the journal stores.
@@ -478,7 +486,7 @@ mod tests {
     fn lease(t: &mut LeaseTable, m: MacAddr, expires: UnixTime) -> Ipv4Addr {
         let addr = t.choose(m, 0, None, NOW).expect("an address");
         t.offer(m, addr, NOW + 30);
-        t.bind(Lease { addr, mac: m, expires, hostname: None });
+        t.bind(Lease { addr, mac: m, expires, hostname: None, relay_agent: Default::default() });
         addr
     }
 
@@ -486,7 +494,13 @@ mod tests {
     fn merging_keeps_the_longer_lease_of_an_address_and_of_a_mac() {
         let mut t = table("10.0.0.10-10.0.0.12", vec![]);
         let a = lease(&mut t, mac(1), NOW + 100);
-        let other = |addr, m, expires| Lease { addr, mac: m, expires, hostname: None };
+        let other = |addr, m, expires| Lease {
+            addr,
+            mac: m,
+            expires,
+            hostname: None,
+            relay_agent: Default::default(),
+        };
         // Another replica gave the same address to another MAC, for less time: ours stands.
         assert_eq!(t.merge(&other(a, mac(2), NOW + 50)), None);
         assert_eq!(t.lease(a).unwrap().mac, mac(1));
@@ -512,7 +526,13 @@ mod tests {
         // From when this replica led: its renewal of mac 1 outlasts the checkpoint's copy.
         let a = lease(&mut standby, mac(1), NOW + 200);
         let (b, c) = (ip("10.0.0.15"), ip("10.0.0.16"));
-        let at = |addr, m, expires| Lease { addr, mac: m, expires, hostname: None };
+        let at = |addr, m, expires| Lease {
+            addr,
+            mac: m,
+            expires,
+            hostname: None,
+            relay_agent: Default::default(),
+        };
         let first = [at(a, mac(1), NOW + 100), at(b, mac(2), NOW + 100)];
         assert_eq!(standby.merge_all(&first), vec![LeaseRecord::Lease(first[1].clone())]);
         assert_eq!(standby.lease(a).unwrap().expires, NOW + 200, "the longer local lease stays");
@@ -628,7 +648,13 @@ mod tests {
         assert_eq!((declined, t.quarantined(0)), (2, 2), "half of 5, rounded down");
         let a = ip("10.0.0.20");
         t.offer(mac(9), a, NOW + 30);
-        t.bind(Lease { addr: a, mac: mac(9), expires: NOW + 3600, hostname: None });
+        t.bind(Lease {
+            addr: a,
+            mac: mac(9),
+            expires: NOW + 3600,
+            hostname: None,
+            relay_agent: Default::default(),
+        });
         assert_eq!(t.decline(mac(9), a, NOW + 600), Err(DeclineRefused::Reserved));
         // A quarantine that ends makes room for another; a lease bound over a quarantined
         // address (replayed from another replica) ends its quarantine too.
@@ -636,7 +662,13 @@ mod tests {
         assert_eq!(t.quarantined(0), 0);
         t.apply(&LeaseRecord::Declined { addr: ip("10.0.0.10"), until: NOW + 1200 });
         assert_eq!(t.quarantined(0), 1);
-        t.bind(Lease { addr: ip("10.0.0.10"), mac: mac(1), expires: NOW + 3600, hostname: None });
+        t.bind(Lease {
+            addr: ip("10.0.0.10"),
+            mac: mac(1),
+            expires: NOW + 3600,
+            hostname: None,
+            relay_agent: Default::default(),
+        });
         assert_eq!(t.quarantined(0), 0);
         assert_eq!(t.records().len(), 5, "five leases (the reservation's too), no quarantine");
     }
@@ -645,7 +677,13 @@ mod tests {
     fn a_mac_moving_address_frees_the_old_one() {
         let mut t = table("10.0.0.10-10.0.0.11", vec![]);
         let a = lease(&mut t, mac(1), NOW + 3600);
-        t.bind(Lease { addr: ip("10.0.0.11"), mac: mac(1), expires: NOW + 3600, hostname: None });
+        t.bind(Lease {
+            addr: ip("10.0.0.11"),
+            mac: mac(1),
+            expires: NOW + 3600,
+            hostname: None,
+            relay_agent: Default::default(),
+        });
         assert!(t.lease(a).is_none());
         assert_eq!(t.free_count(0), 1);
         assert_eq!(t.active(NOW), 1);
@@ -657,7 +695,13 @@ mod tests {
         let mut journal = Vec::new();
         for n in 1..=5 {
             let addr = t.choose(mac(n), 0, None, NOW).unwrap();
-            journal.push(t.bind(Lease { addr, mac: mac(n), expires: NOW + 100, hostname: None }));
+            journal.push(t.bind(Lease {
+                addr,
+                mac: mac(n),
+                expires: NOW + 100,
+                hostname: None,
+                relay_agent: Default::default(),
+            }));
         }
         journal.push(t.release(mac(2), ip("10.0.0.11"), NOW).unwrap());
         journal.push(t.decline(mac(3), ip("10.0.0.12"), NOW + 600).unwrap());

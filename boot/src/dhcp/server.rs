@@ -15,7 +15,8 @@ use siteboot_ipxe::IpxeBinaries;
 
 use super::budget::{DECLINES_PER_CLIENT, DeclineBudget};
 use super::leases::{DeclineRefused, Lease, LeaseRecord, LeaseTable, SharedLeases, UnixTime};
-use super::relay::{RefusalLog, RefusedRelays};
+use super::relay::{RefusalLog, RefusedPins, RefusedRelays};
+use super::relay_agent::{RelayAgentInfo, RelayPin};
 use super::settings::SubnetPlan;
 use crate::client::{BootClient, HTTP_CLIENT, PXE_CLIENT};
 use crate::decision::{self, Answer, BootOffer, DhcpMode};
@@ -77,6 +78,8 @@ pub struct DhcpServer {
     declines: Mutex<DeclineBudget>,
     /// Locked for refused relayed messages only (taken after `leases`).
     refused_relays: Mutex<RefusedRelays>,
+    /// Locked for relayed messages refused by their host's pin only (taken after `leases`).
+    refused_pins: Mutex<RefusedPins>,
 }
 
 impl DhcpServer {
@@ -86,6 +89,7 @@ impl DhcpServer {
             leases,
             declines: Mutex::new(DeclineBudget::new()),
             refused_relays: Mutex::new(RefusedRelays::new()),
+            refused_pins: Mutex::new(RefusedPins::new()),
         }
     }
 
@@ -123,6 +127,20 @@ impl DhcpServer {
             self.refuse_relayed(msg.giaddr(), from, why);
             return Outcome::default();
         }
+        // A pinned host's relayed messages are answered only when their relay says where they
+        // came in as the pin does; a lease granted so keeps it (`Lease::relay_agent`).
+        let mut relay_agent = RelayAgentInfo::default();
+        if !msg.giaddr().is_unspecified()
+            && let Some(pin) = self.ctx.inventory.relay_pin(client.mac)
+        {
+            let said = relay_agent_information.as_deref().map(RelayAgentInfo::parse);
+            let said = said.unwrap_or_default();
+            if !pin.admits(&said) {
+                self.refuse_unpinned(client.mac, msg.giaddr(), from, &pin, &said);
+                return Outcome::default();
+            }
+            relay_agent = pin.as_info();
+        }
         self.ctx.metrics.dhcp_received(msg_type);
         table.sweep(now);
         let mut outcome = match (self.ctx.mode, port) {
@@ -130,7 +148,7 @@ impl DhcpServer {
             (_, Port::Pxe) => self.boot_server(&msg, &client, from),
             (DhcpMode::Proxy, Port::Dhcp) => self.proxy(&msg, &client),
             (DhcpMode::Full, Port::Dhcp) => {
-                self.full(&mut table, &msg, msg_type, &client, from, now)
+                self.full(&mut table, &msg, msg_type, &client, from, &relay_agent, now)
             }
         };
         if let Some(reply) = &mut outcome.reply {
@@ -165,7 +183,32 @@ impl DhcpServer {
             (RefusalLog::LastLogged, _) => {
                 tracing::warn!(%giaddr, %from, "dropping relayed messages from more relays than are logged: no more are logged; siteboot_dhcp_relayed_dropped_total counts them");
             }
-            (RefusalLog::Quiet, _) => {}
+            // Not the relay's refusal but a host's: logged per MAC by `refuse_unpinned`.
+            (RefusalLog::First, RelayRefusal::RelayAgentMismatch) | (RefusalLog::Quiet, _) => {}
+        }
+    }
+
+    /// Counts a relayed message for a pinned MAC whose relay said something else than the pin
+    /// names (or nothing), and logs the first for each MAC, with both: either a machine on
+    /// another port of the relay forges the host's MAC, or the pin is wrong.
+    fn refuse_unpinned(
+        &self,
+        mac: MacAddr,
+        giaddr: Ipv4Addr,
+        from: SocketAddrV4,
+        pin: &RelayPin,
+        said: &RelayAgentInfo,
+    ) {
+        self.ctx.metrics.dhcp_dropped.fetch_add(1, Ordering::Relaxed);
+        self.ctx.metrics.dhcp_relayed_dropped(RelayRefusal::RelayAgentMismatch);
+        match self.refused_pins.lock().expect("refused pins lock").refused(mac) {
+            RefusalLog::First => {
+                tracing::warn!(%mac, %giaddr, %from, relay_agent = %said, %pin, "dropping relayed messages for {mac}: its relay {giaddr} said {said}, and the host is pinned to {pin} (a machine on another port of the relay forging its MAC, or a pin to correct?) (logged once per MAC; siteboot_dhcp_relayed_dropped_total counts them all)");
+            }
+            RefusalLog::LastLogged => {
+                tracing::warn!(%mac, "dropping relayed messages for more pinned MACs than are logged: no more are logged; siteboot_dhcp_relayed_dropped_total counts them");
+            }
+            RefusalLog::Quiet => {}
         }
     }
 
@@ -180,6 +223,7 @@ impl DhcpServer {
 
     // ----- full mode -----
 
+    #[allow(clippy::too_many_arguments)]
     fn full(
         &self,
         table: &mut LeaseTable,
@@ -187,6 +231,7 @@ impl DhcpServer {
         msg_type: MessageType,
         client: &BootClient,
         from: SocketAddrV4,
+        relay_agent: &RelayAgentInfo,
         now: UnixTime,
     ) -> Outcome {
         let mac = client.mac;
@@ -201,7 +246,7 @@ impl DhcpServer {
         };
         match msg_type {
             MessageType::Discover => self.discover(table, msg, client, subnet, now),
-            MessageType::Request => self.request(table, msg, client, subnet, now),
+            MessageType::Request => self.request(table, msg, client, subnet, relay_agent, now),
             MessageType::Decline => self.decline(table, msg, mac, now),
             MessageType::Release => self.release(table, msg, mac, from, now),
             MessageType::Inform => self.inform(table, msg, client, subnet),
@@ -233,12 +278,15 @@ impl DhcpServer {
         Outcome { reply: Some(reply), record: None }
     }
 
+    /// `relay_agent`: for a pinned host's relayed message, what its relay said of the pinned
+    /// sub-options, kept in the lease (it is identity only while the host's pin admits it).
     fn request(
         &self,
         table: &mut LeaseTable,
         msg: &Message,
         client: &BootClient,
         subnet: usize,
+        relay_agent: &RelayAgentInfo,
         now: UnixTime,
     ) -> Outcome {
         let mac = client.mac;
@@ -277,7 +325,9 @@ impl DhcpServer {
         }
         let lease_secs = plan.lease_time.as_secs();
         let hostname = table.plan().reservation_for(mac).and_then(|r| r.hostname.clone());
-        let record = table.bind(Lease { addr, mac, expires: now + lease_secs, hostname });
+        let relay_agent = relay_agent.clone();
+        let record =
+            table.bind(Lease { addr, mac, expires: now + lease_secs, hostname, relay_agent });
         let answer = self.answer(client);
         let reply = self.lease_reply(table, msg, MessageType::Ack, addr, subnet, client, &answer);
         self.record(
@@ -767,6 +817,7 @@ fn describe_answer(a: &Answer) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dhcp::relay_agent::RelayPin;
     use crate::dhcp::settings::{NetworkPlan, Reservation, Settings, SubnetSettings, TrustedRelay};
     use crate::inventory::{BootAction, BootRequest, BoxFuture, LocalBoot};
     use crate::neighbors::Neighbors;
@@ -814,6 +865,16 @@ mod tests {
 
     /// [`harness_with`], with `pool` as the local subnet's pool.
     fn harness_with_pool(mode: DhcpMode, pool: &str, adjust: impl FnOnce(&mut Context)) -> Harness {
+        harness_from(mode, pool, false, adjust)
+    }
+
+    /// [`harness_with_pool`], with relayed leases identity or not (`trust_relayed_leases`).
+    fn harness_from(
+        mode: DhcpMode,
+        pool: &str,
+        trust_relayed_leases: bool,
+        adjust: impl FnOnce(&mut Context),
+    ) -> Harness {
         let ipxe = tempfile::tempdir().unwrap();
         std::fs::write(ipxe.path().join("undionly.kpxe"), b"x").unwrap();
         std::fs::write(ipxe.path().join("snponly.efi"), b"x").unwrap();
@@ -829,6 +890,7 @@ mod tests {
                 hostname: Some("node-r".into()),
             }],
             trusted_relays: vec![TrustedRelay::at(ip("10.0.5.1"))],
+            trust_relayed_leases,
             ..Settings::default()
         };
         let plan = NetworkPlan::new(&settings, SERVER, "dhcp").unwrap();
@@ -870,7 +932,10 @@ mod tests {
         /// Who holds what, as TFTP and HTTP see it, with these complete ARP entries.
         fn neighbors(&self, arp: Vec<(Ipv4Addr, MacAddr)>) -> Neighbors {
             match self.server.ctx.mode {
-                DhcpMode::Full => Neighbors::from_leases(self.leases.clone(), arp),
+                DhcpMode::Full => {
+                    let inventory = self.server.ctx.inventory.clone();
+                    Neighbors::from_leases(self.leases.clone(), inventory, arp)
+                }
                 DhcpMode::Proxy | DhcpMode::Off => Neighbors::from_arp(arp),
             }
         }
@@ -1227,6 +1292,132 @@ mod tests {
         let mut bytes = encode(&request(mac(1), MessageType::Discover, vec![]));
         append_option(&mut bytes, RELAY_AGENT_INFORMATION, &long);
         assert_eq!(echoed(&bytes), Some(long));
+    }
+
+    /// [`TestInventory`], with mac(1) pinned to port `eth1/0/12` of its relay.
+    struct PinnedInventory;
+    impl Inventory for PinnedInventory {
+        fn boots(&self, m: MacAddr) -> bool {
+            TestInventory.boots(m)
+        }
+        fn boot_action(&self, _: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
+            Box::pin(async { Some(BootAction::LocalDisk(LocalBoot::Exit)) })
+        }
+        fn relay_pin(&self, m: MacAddr) -> Option<RelayPin> {
+            (m == mac(1)).then(|| RelayPin::new(Some("eth1/0/12".parse().unwrap()), None).unwrap())
+        }
+    }
+
+    /// `msg` relayed by the trusted relay 10.0.5.1, with `info` as option 82 if any.
+    fn relayed(mut msg: Message, info: Option<&[u8]>) -> Vec<u8> {
+        msg.set_giaddr(ip("10.0.5.1"));
+        let mut bytes = encode(&msg);
+        if let Some(info) = info {
+            append_option(&mut bytes, RELAY_AGENT_INFORMATION, info);
+        }
+        bytes
+    }
+
+    /// Option 82 with one circuit-id sub-option, `port`.
+    fn circuit_id(port: &[u8]) -> Vec<u8> {
+        [&[1, port.len() as u8][..], port].concat()
+    }
+
+    fn pin_mismatches(h: &Harness) -> String {
+        let text = h.server.ctx.metrics.render(&Timeline::new());
+        let series = "siteboot_dhcp_relayed_dropped_total{reason=\"relay-agent-mismatch\"} ";
+        text.lines().find_map(|l| l.strip_prefix(series)).unwrap().to_owned()
+    }
+
+    /// Issue 22, item 2: a machine on another port of the trusted relay forges a pinned host's
+    /// MAC. The relay says where each message came in (option 82): the pinned MAC is answered
+    /// only through its own port, in either mode; other MACs, and the pinned MAC sent directly
+    /// (a client's own option 82 says nothing), as before.
+    #[test]
+    fn relayed_messages_for_a_pinned_host_are_answered_only_through_its_port() {
+        let relay = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
+        let (own, other) = (circuit_id(b"eth1/0/12"), circuit_id(b"eth1/0/13"));
+        let remote_id = [&[2, 9][..], b"eth1/0/12"].concat();
+        let discover = |m| request(m, MessageType::Discover, pxe_opts(0));
+        for mode in [DhcpMode::Full, DhcpMode::Proxy] {
+            let h = harness_with(mode, |ctx| ctx.inventory = Arc::new(PinnedInventory));
+            let send = |bytes: &[u8], from| h.server.handle(bytes, from, Port::Dhcp, NOW).reply;
+            for info in [Some(&other[..]), None, Some(&remote_id[..]), Some(&[1, 40, 0][..])] {
+                let reply = send(&relayed(discover(mac(1)), info), relay);
+                assert!(reply.is_none(), "{mode:?}: answered through {info:?}");
+            }
+            assert_eq!(pin_mismatches(&h), "4", "{mode:?}: each counted");
+            // Logged once for the MAC.
+            let mut refused = h.server.refused_pins.lock().unwrap();
+            assert_eq!(refused.refused(mac(1)), RefusalLog::Quiet, "{mode:?}");
+            drop(refused);
+            let own_and_more = [&own[..], &[9, 2, 0, 1], &remote_id].concat();
+            let offer = send(&relayed(discover(mac(1)), Some(&own_and_more)), relay);
+            let offer = offer.unwrap_or_else(|| panic!("{mode:?}: not answered through its port"));
+            assert_eq!(keep_read_options(&offer.bytes).unwrap().1, Some(own_and_more), "echoed");
+            assert!(send(&relayed(discover(mac(2)), Some(&other)), relay).is_some(), "no pin");
+            assert!(send(&encode(&discover(mac(1))), CLIENT).is_some(), "{mode:?}: direct");
+            let mut forged = encode(&discover(mac(1)));
+            append_option(&mut forged, RELAY_AGENT_INFORMATION, &other);
+            assert!(send(&forged, CLIENT).is_some(), "{mode:?}: direct, with its own option 82");
+            assert_eq!(pin_mismatches(&h), "4", "{mode:?}");
+        }
+    }
+
+    /// Full mode, relayed leases trusted: the pinned host's lease, granted through its port,
+    /// keeps what the pin names and is its identity; a REQUEST forging its MAC from another
+    /// port neither takes nor renews it.
+    #[test]
+    fn a_pinned_host_s_lease_is_granted_only_through_its_port_and_keeps_it() {
+        let h = harness_from(DhcpMode::Full, "10.0.0.100-10.0.0.102", true, |ctx| {
+            ctx.inventory = Arc::new(PinnedInventory)
+        });
+        let relay = SocketAddrV4::new(ip("10.0.5.1"), SERVER_PORT);
+        let (own, other) = (circuit_id(b"eth1/0/12"), circuit_id(b"eth1/0/13"));
+        let send = |msg: Message, info: &[u8]| {
+            let outcome = h.server.handle(&relayed(msg, Some(info)), relay, Port::Dhcp, NOW);
+            let reply =
+                outcome.reply.map(|r| Message::decode(&mut Decoder::new(&r.bytes)).unwrap());
+            (reply, outcome.record)
+        };
+        let ask = |addr| {
+            let opts =
+                vec![DhcpOption::ServerIdentifier(SERVER), DhcpOption::RequestedIpAddress(addr)];
+            request(mac(1), MessageType::Request, opts)
+        };
+        let addr = ip("10.0.5.100");
+        assert_eq!(send(ask(addr), &other), (None, None), "a REQUEST through another port");
+        let (ack, record) = send(ask(addr), &[&own[..], &[2, 2, b's', b'w']].concat());
+        assert_eq!(ack.unwrap().opts().msg_type(), Some(MessageType::Ack));
+        let Some(LeaseRecord::Lease(lease)) = record else { panic!("no lease: {record:?}") };
+        let pin = PinnedInventory.relay_pin(mac(1)).unwrap();
+        assert_eq!(lease.relay_agent, pin.as_info(), "the pinned sub-option, nothing more");
+        let identity = Some(crate::neighbors::Holder {
+            mac: mac(1),
+            evidence: crate::neighbors::Evidence::Lease,
+        });
+        assert_eq!(h.neighbors(vec![]).holder_at(addr, NOW), identity);
+        // The forger's renewal through its own port changes nothing.
+        let mut renew = request(mac(1), MessageType::Request, vec![]);
+        renew.set_ciaddr(addr);
+        assert_eq!(send(renew, &other), (None, None));
+        assert_eq!(h.neighbors(vec![]).holder_at(addr, NOW), identity);
+        // A MAC with no pin: its relayed lease keeps nothing, and is identity as before.
+        let (_, record) = send(
+            request(
+                mac(2),
+                MessageType::Request,
+                vec![
+                    DhcpOption::ServerIdentifier(SERVER),
+                    DhcpOption::RequestedIpAddress(ip("10.0.5.101")),
+                ],
+            ),
+            &other,
+        );
+        let Some(LeaseRecord::Lease(lease)) = record else { panic!("no lease: {record:?}") };
+        assert!(lease.relay_agent.is_empty());
+        let holder = h.neighbors(vec![]).holder_at(ip("10.0.5.101"), NOW);
+        assert_eq!(holder.map(|h| h.mac), Some(mac(2)));
     }
 
     fn pxe_opts(arch: u16) -> Vec<DhcpOption> {
