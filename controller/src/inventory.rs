@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use siteboot_boot::MacAddr;
+use siteboot_boot::dhcp::relay_agent::RelayPin;
 use siteboot_boot::inventory::{
     AgentRequest, AgentResponse, BootAction, BootRequest, BoxFuture, ByteProgress, Claim,
     HostSummary, Inventory, LocalBoot, MediaRequest, OperationSummary,
@@ -205,6 +206,11 @@ impl Inventory for KubeInventory {
 
     fn knows(&self, mac: MacAddr) -> bool {
         self.ctx.hosts.get(mac).is_some()
+    }
+
+    /// The owning Host's `spec.relayAgent`, read when the Host was.
+    fn relay_pin(&self, mac: MacAddr) -> Option<RelayPin> {
+        Some(self.ctx.hosts.get(mac)?.spec.relay_agent.as_ref()?.pin())
     }
 
     fn boot_action(&self, request: BootRequest) -> BoxFuture<'_, Option<BootAction>> {

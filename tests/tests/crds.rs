@@ -46,6 +46,22 @@ async fn crd_validation_refuses_bad_objects_and_conditions_merge() {
     refused(create(&hosts, host("bad-mac", "52:54:00:ZZ:00:01")).await, "bootMACAddress");
     refused(create(&hosts, host("upper", "52:54:00:AB:00:01")).await, "bootMACAddress");
     create(&hosts, host("h1", "52:54:00:00:00:01")).await.unwrap();
+    // spec.relayAgent: each value text (printable ASCII) or hex: and byte pairs; one at least.
+    let pinned = |name: &str, mac: &str, relay_agent: serde_json::Value| {
+        let mut host = host(name, mac);
+        host["spec"]["relayAgent"] = relay_agent;
+        host
+    };
+    for (name, relay_agent, why) in [
+        ("pin-hex", json!({ "circuitID": "hex:zz" }), "circuitID"),
+        ("pin-ctl", json!({ "remoteID": "eth1\n" }), "remoteID"),
+        ("pin-long", json!({ "circuitID": "x".repeat(256) }), "circuitID"),
+        ("pin-none", json!({}), "relayAgent"),
+    ] {
+        refused(create(&hosts, pinned(name, "52:54:00:00:00:11", relay_agent)).await, why);
+    }
+    let relay_agent = json!({ "circuitID": "eth1/0/12", "remoteID": "hex:000c29a1b2c3" });
+    create(&hosts, pinned("pinned", "52:54:00:00:00:12", relay_agent)).await.unwrap();
     let change_mac = json!({ "spec": { "bootMACAddress": "52:54:00:00:00:02" } });
     match hosts.patch("h1", &PatchParams::default(), &Patch::Merge(change_mac)).await {
         Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("immutable") => {}

@@ -6,6 +6,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use siteboot_boot::dhcp::relay_agent::{AgentId, AgentIdError, RelayPin};
 
 use super::common::{Conditions, Image, MachineAddress};
 
@@ -68,6 +69,91 @@ pub struct HostSpec {
     /// in clear, and no network boot is needed (docs/security.md).
     #[serde(default, skip_serializing_if = "BootMethod::is_network")]
     pub boot_method: BootMethod,
+    /// For a host behind a DHCP relay: the relay agent information (DHCP option 82) its relay
+    /// adds for it, `circuitID` (its port), `remoteID` (the relay or switch) or both. A relayed
+    /// DHCP message for `bootMACAddress` is answered only when it carries each one given, byte
+    /// for byte: a machine on another port of the relay that forges this MAC gets nothing (it is
+    /// counted in `siteboot_dhcp_relayed_dropped_total{reason="relay-agent-mismatch"}`, and
+    /// logged once per MAC with what its relay said, written as here). With the appliance's
+    /// `dhcp.trust_relayed_leases`, a relayed lease is the host's identity (its ramdisk token,
+    /// bootstrap data) only when it was granted through a relay that said so. Only as good as
+    /// the relay: it must replace or drop the option 82 clients send. Absent: any port of a
+    /// trusted relay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay_agent: Option<RelayAgent>,
+}
+
+/// What a host's relay must say about it (`spec.relayAgent`): at least one of the two.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[schemars(extend("minProperties" = 1))]
+pub struct RelayAgent {
+    /// Option 82's circuit-id (sub-option 1): the port of the relay the host is on, as the
+    /// relay names it. Text when it is printable ASCII (`eth1/0/12`); otherwise `hex:` and two
+    /// hex digits per byte (`hex:0001000c`), as is text that starts with `hex:`. 1 to 255 bytes.
+    #[serde(rename = "circuitID", default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = RELAY_AGENT_ID_PATTERN))]
+    pub circuit_id: Option<RelayAgentId>,
+    /// Option 82's remote-id (sub-option 2): the relay or switch itself, often its MAC address
+    /// as 6 bytes (`hex:000c29a1b2c3`). Written as `circuitID` is.
+    #[serde(rename = "remoteID", default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = RELAY_AGENT_ID_PATTERN))]
+    pub remote_id: Option<RelayAgentId>,
+}
+
+/// What [`AgentId`] reads: `hex:` and 1 to 255 pairs of hex digits, or 1 to 255 printable ASCII
+/// characters that do not start with `hex:` (RE2 has no look-ahead, so spelt out: text whose
+/// first four characters are not `hex:`).
+pub const RELAY_AGENT_ID_PATTERN: &str = concat!(
+    "^(hex:([0-9a-fA-F]{2}){1,255}",
+    "|[ -gi-~][ -~]{0,254}",
+    "|h([ -df-~][ -~]{0,253})?",
+    "|he([ -wy-~][ -~]{0,252})?",
+    "|hex([ -9;-~][ -~]{0,251})?)$",
+);
+
+/// A `circuitID` or `remoteID`: as written, and read once, when the Host is. Reading never
+/// fails (a Host that could not be read would stop the watch of every Host); the schema's
+/// pattern refuses what [`AgentId`] does not read, and a value that got past it anyway pins
+/// nothing a relay can match.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(from = "String", into = "String")]
+pub struct RelayAgentId {
+    written: String,
+    parsed: Result<AgentId, AgentIdError>,
+}
+
+impl From<String> for RelayAgentId {
+    fn from(written: String) -> Self {
+        Self { parsed: written.parse(), written }
+    }
+}
+
+impl From<RelayAgentId> for String {
+    fn from(id: RelayAgentId) -> Self {
+        id.written
+    }
+}
+
+impl RelayAgentId {
+    pub fn parsed(&self) -> Result<&AgentId, AgentIdError> {
+        self.parsed.as_ref().map_err(|e| *e)
+    }
+}
+
+impl RelayAgent {
+    /// The pin the DHCP server checks. One that cannot be read (a value the schema should
+    /// have refused, or neither field) is a pin nothing matches: the host's relayed messages
+    /// go unanswered rather than through any port.
+    pub fn pin(&self) -> RelayPin {
+        let parsed =
+            |id: &Option<RelayAgentId>| id.as_ref().map(|id| id.parsed().cloned()).transpose();
+        match (parsed(&self.circuit_id), parsed(&self.remote_id)) {
+            (Ok(circuit_id), Ok(remote_id)) => {
+                RelayPin::new(circuit_id, remote_id).unwrap_or_else(|_| RelayPin::unmatchable())
+            }
+            _ => RelayPin::unmatchable(),
+        }
+    }
 }
 
 /// How a host boots into the deploy ramdisk (`spec.bootMethod`).
@@ -123,6 +209,7 @@ impl HostSpec {
             wipe: None,
             root_device_hints: None,
             boot_method: BootMethod::Network,
+            relay_agent: None,
         }
     }
 }
@@ -400,4 +487,91 @@ pub struct HostStatus {
     pub media_inserted: bool,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Conditions,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// What the apiserver lets through (the schema's pattern) is what the controller reads.
+    #[test]
+    fn the_relay_agent_pattern_is_what_agent_ids_read() {
+        let pattern = regex::Regex::new(RELAY_AGENT_ID_PATTERN).unwrap();
+        let x = |n: usize| "x".repeat(n);
+        let samples = [
+            "eth1/0/12".to_owned(),
+            "Gi1/0/3:100".into(),
+            " ".into(),
+            "~".into(),
+            "h".into(),
+            "he".into(),
+            "hex".into(),
+            "hexa".into(),
+            "hex;".into(),
+            "Hex:zz".into(),
+            "hex:".into(),
+            "hex:0".into(),
+            "hex:0a".into(),
+            "hex:0A0b".into(),
+            "hex:zz".into(),
+            "hex:0a\n".into(),
+            "hex::0a".into(),
+            "".into(),
+            "a\n".into(),
+            "tab\t".into(),
+            "caf\u{e9}".into(),
+            x(255),
+            x(256),
+            format!("h{}", x(254)),
+            format!("h{}", x(255)),
+            format!("he{}", x(253)),
+            format!("he{}", x(254)),
+            format!("hex{}", x(252)),
+            format!("hex{}", x(253)),
+            format!("hex:{}", "ab".repeat(255)),
+            format!("hex:{}", "ab".repeat(256)),
+        ];
+        for sample in samples {
+            let read = sample.parse::<AgentId>().is_ok();
+            assert_eq!(pattern.is_match(&sample), read, "{sample:?}");
+        }
+    }
+
+    fn spec(relay_agent: serde_json::Value) -> HostSpec {
+        let spec = json!({ "bootMACAddress": "52:54:00:00:00:01", "relayAgent": relay_agent });
+        serde_json::from_value(spec).unwrap()
+    }
+
+    #[test]
+    fn a_host_s_relay_agent_is_read_once_into_its_pin() {
+        let host = spec(json!({ "circuitID": "eth1/0/12", "remoteID": "hex:000C29" }));
+        let pin = host.relay_agent.as_ref().unwrap().pin();
+        assert_eq!(pin.to_string(), "circuit-id eth1/0/12, remote-id hex:000c29");
+        // Written back as it was written.
+        let written = serde_json::to_value(&host).unwrap();
+        assert_eq!(
+            written["relayAgent"],
+            json!({ "circuitID": "eth1/0/12", "remoteID": "hex:000C29" })
+        );
+        let host = spec(json!({ "remoteID": "sw-7" }));
+        assert_eq!(host.relay_agent.unwrap().pin().to_string(), "remote-id sw-7");
+        assert_eq!(spec(serde_json::Value::Null).relay_agent, None);
+    }
+
+    /// A value the schema should have refused is still read (a Host that fails to deserialize
+    /// would stop the watch of every Host), and pins nothing a relay can match.
+    #[test]
+    fn an_unreadable_relay_agent_pins_nothing() {
+        for bad in [
+            json!({ "circuitID": "hex:zz" }),
+            json!({ "circuitID": "eth1", "remoteID": "" }),
+            json!({}),
+        ] {
+            let host = spec(bad.clone());
+            let pin = host.relay_agent.as_ref().unwrap().pin();
+            assert_eq!(pin, RelayPin::unmatchable(), "{bad}");
+            assert_eq!(serde_json::to_value(&host).unwrap()["relayAgent"], bad, "kept as written");
+        }
+    }
 }
