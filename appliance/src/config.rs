@@ -170,7 +170,7 @@ fn default_ramdisk_silence_timeout() -> std::time::Duration {
 }
 
 fn default_lease_namespace() -> String {
-    "siteboot-system".to_owned()
+    siteboot_controller::context::DEFAULT_NAMESPACE.to_owned()
 }
 
 fn default_true() -> bool {

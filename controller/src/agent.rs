@@ -14,7 +14,6 @@ use std::fmt;
 use std::sync::Arc;
 
 use http::{Method, StatusCode};
-use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, ResourceExt};
 use serde::Deserialize;
 use serde_json::json;
@@ -28,6 +27,7 @@ use crate::crd::{
     ByteCount, Hardware, Host, HostState, Image, MachineAddress, Operation, OperationKind,
     RootDeviceHints, SitebootMachine, WipePolicy, now,
 };
+use crate::handoff::{self, Staged};
 use crate::host::lifecycle::{self, completed, older_than, wipe};
 use crate::images::Readiness;
 use crate::machine::plan::provider_id;
@@ -313,7 +313,7 @@ async fn hand_out(
             return Err(refusal.into());
         }
     };
-    let image = bound.sbm.spec.image;
+    let image = bound.spec.image;
     let name = host.metadata.name.as_deref().unwrap_or_default();
     let written = update_host_status(
         &ctx.hosts_api(&host.namespace().unwrap_or_default()),
@@ -328,7 +328,7 @@ async fn hand_out(
             if current_op.image.is_some() {
                 return Ok(None);
             }
-            lifecycle::hand_out(&mut status, &image, bound.sbm.spec.wipe);
+            lifecycle::hand_out(&mut status, &image, bound.spec.wipe);
             Ok(Some(status))
         },
     )
@@ -583,32 +583,26 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
         ctx.event(&host, true, "BootstrapDataReplayed", note).await;
         return Err(Refusal::Replayed.into());
     }
-    let secret = match bootstrap_secret(ctx, &host).await? {
-        Ok(secret) => secret,
+    let bound = match binding(ctx, &host).await? {
+        Ok(bound) => bound,
         Err(refusal) => {
             let note = format!("bootstrap data refused: {refusal}");
             ctx.event(&host, true, "BootstrapDataRefused", note).await;
             return Err(refusal.into());
         }
     };
-    let Some(secret) = secret else {
+    // The controller hands the data over in the appliance's namespace: the boot plane reads no
+    // Secret of the tenant's (see `handoff`).
+    let expected = Staged { host: host_key(&host), operation: op.id.clone() };
+    let machine_uid = bound.metadata.uid.unwrap_or_default();
+    let Some(data) = handoff::read(&ctx.client, &ctx.namespace, &machine_uid, &expected).await?
+    else {
+        tracing::info!(host = %host_key(&host), operation = %op.id, "bootstrap data not handed over yet");
         return Ok(AgentResponse::text(
             StatusCode::SERVICE_UNAVAILABLE,
             "bootstrap data not ready\n",
         ));
     };
-    let data = secret.data.unwrap_or_default();
-    let Some(value) = data.get("value") else {
-        tracing::error!(host = %host_key(&host), secret = %secret.metadata.name.unwrap_or_default(), "bootstrap Secret has no key `value`");
-        return Ok(AgentResponse::text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "bootstrap data not ready\n",
-        ));
-    };
-    let format = data
-        .get("format")
-        .map(|f| String::from_utf8_lossy(&f.0).into_owned())
-        .unwrap_or_else(|| "cloud-config".into());
     // A token from virtual media is the evidence itself; the segment can add nothing to it.
     if !op.virtual_media
         && let Err(refusal) = confirm_holder(req).await
@@ -630,17 +624,13 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
         Ok(Some(status))
     })
     .await??;
-    tracing::info!(host = %host_key(&host), operation = %op.id, %format, "bootstrap data delivered");
-    let content_type = if format == "ignition" {
+    tracing::info!(host = %host_key(&host), operation = %op.id, format = %data.format, "bootstrap data delivered");
+    let content_type = if data.format == "ignition" {
         "application/vnd.coreos.ignition+json"
     } else {
         "text/cloud-config"
     };
-    Ok(AgentResponse {
-        status: StatusCode::OK,
-        content_type,
-        body: bytes::Bytes::from(value.0.clone()),
-    })
+    Ok(AgentResponse { status: StatusCode::OK, content_type, body: bytes::Bytes::from(data.value) })
 }
 
 /// Whether the segment confirms, now, that the request's address is its MAC's: asked as secrets
@@ -650,16 +640,10 @@ pub async fn confirm_holder(req: &AgentRequest) -> Result<(), Refusal> {
     req.segment.confirm(req.remote, mac).await.map_err(Refusal::Unconfirmed)
 }
 
-/// The SitebootMachine and Machine a Host is bound to.
-struct Bound {
-    sbm: SitebootMachine,
-    machine: Machine,
-}
-
 /// What `host` is bound to, found from the binding alone: the Host's `consumerRef` names a
 /// SitebootMachine with the same uid whose `spec.hostRef` names this Host, owned by a Machine
 /// that still exists with the uid it names. Nothing a Host says can point elsewhere.
-async fn binding(ctx: &Ctx, host: &Host) -> Result<Result<Bound, Refusal>, kube::Error> {
+async fn binding(ctx: &Ctx, host: &Host) -> Result<Result<SitebootMachine, Refusal>, kube::Error> {
     let not_bound = |why: &str| Ok(Err(Refusal::NotBound(why.to_owned())));
     let Some(consumer) = &host.spec.consumer_ref else { return not_bound("no consumerRef") };
     if consumer.kind != "SitebootMachine" {
@@ -689,25 +673,7 @@ async fn binding(ctx: &Ctx, host: &Host) -> Result<Result<Bound, Refusal>, kube:
     if machine.metadata.uid.as_deref() != Some(owner.uid.as_str()) {
         return not_bound("its owner Machine was replaced");
     }
-    Ok(Ok(Bound { sbm, machine }))
-}
-
-/// The bootstrap data Secret of the machine `host` is bound to ([`binding`]): its Machine's
-/// `spec.bootstrap.dataSecretName`, read in the Machine's namespace. `Ok(None)`: the Secret
-/// does not exist yet.
-async fn bootstrap_secret(
-    ctx: &Ctx,
-    host: &Host,
-) -> Result<Result<Option<Secret>, Refusal>, kube::Error> {
-    let bound = match binding(ctx, host).await? {
-        Ok(bound) => bound,
-        Err(refusal) => return Ok(Err(refusal)),
-    };
-    let Some(name) = bound.machine.spec.bootstrap.data_secret_name else {
-        return Ok(Ok(None));
-    };
-    let namespace = bound.machine.metadata.namespace.unwrap_or_default();
-    Api::<Secret>::namespaced(ctx.client.clone(), &namespace).get_opt(&name).await.map(Ok)
+    Ok(Ok(sbm))
 }
 
 #[cfg(test)]

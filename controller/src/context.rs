@@ -19,6 +19,9 @@ use crate::crd::{Host, HostStatus, WipePolicy};
 use crate::machine::plan::Policy as MachinePolicy;
 use crate::throttle::Throttle;
 
+/// The appliance's namespace unless configured (`kubernetes.lease_namespace`).
+pub const DEFAULT_NAMESPACE: &str = "siteboot-system";
+
 /// How long a ramdisk token stays valid after it is issued, unless configured
 /// (`kubernetes.token_max_age`).
 pub const TOKEN_MAX_AGE: Duration = Duration::from_secs(2 * 3600);
@@ -34,6 +37,9 @@ pub struct Ctx {
     pub site: String,
     /// This appliance, for leases, events and the Site status.
     pub identity: String,
+    /// The appliance's own namespace (`kubernetes.lease_namespace`): its leader Leases, the
+    /// DHCP checkpoint and the bootstrap data handed to the boot plane ([`crate::handoff`]).
+    pub namespace: String,
     pub hosts: Arc<HostIndex>,
     /// The deploy ramdisk's kernel, initrds and command line.
     pub ramdisk: LinuxBoot,
@@ -83,6 +89,7 @@ impl Ctx {
             },
             site,
             identity,
+            namespace: DEFAULT_NAMESPACE.to_owned(),
             hosts,
             ramdisk,
             token_max_age: TOKEN_MAX_AGE,

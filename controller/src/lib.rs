@@ -12,6 +12,7 @@ pub mod conditions;
 pub mod context;
 pub mod crd;
 pub mod dhcp_checkpoint;
+pub mod handoff;
 pub mod host;
 pub mod images;
 pub mod inventory;

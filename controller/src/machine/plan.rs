@@ -20,9 +20,10 @@ use kube::ResourceExt;
 use crate::conditions::{NODE_HAS_PROVIDER_ID, READY, Reason, check_paused};
 use crate::crd::capi::{Cluster, DELETE_FOR_MOVE_ANNOTATION, Machine};
 use crate::crd::{
-    Host, HostRef, HostState, Initialization, MachineAddress, Provisioning, SITE_LABEL,
-    SitebootMachine, SitebootMachineStatus, condition, set_condition,
+    Host, HostRef, HostState, Initialization, MachineAddress, OperationKind, Provisioning,
+    SITE_LABEL, SitebootMachine, SitebootMachineStatus, condition, set_condition,
 };
+use crate::handoff::Staged;
 use crate::pools::HostPools;
 use crate::selection;
 
@@ -66,6 +67,8 @@ pub struct Observed<'a> {
     /// The workload cluster's Nodes, read once the bound host is Provisioned and while the
     /// Machine has no nodeRef (see [`wants_nodes`]); `Err` says why they could not be read.
     pub nodes: Option<Result<&'a [Node], String>>,
+    /// What is staged of the machine's bootstrap data for the boot plane ([`crate::handoff`]).
+    pub staged: Option<&'a Staged>,
     /// Seconds since the Unix epoch.
     pub now: u64,
 }
@@ -112,10 +115,19 @@ pub enum Step<'a> {
     },
     /// Let go of `spec.provisioning`: the host wipes itself.
     CancelProvisioning(&'a Host),
+    /// Copy the Machine's bootstrap Secret (`secret`, in the machine's namespace) to the boot
+    /// plane for the host's operation ([`crate::handoff`]).
+    StageBootstrapData {
+        secret: String,
+        staged: Staged,
+    },
+    /// Delete what is staged for the boot plane: delivered, or no longer wanted.
+    UnstageBootstrapData,
     RemoveFinalizer,
 }
 
 pub use crate::context::Requeue;
+use crate::context::host_key;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan<'a> {
@@ -213,6 +225,10 @@ fn decide<'a>(seen: &Observed<'a>, policy: &Policy, report: &mut Report) -> (Ste
     if check_paused(seen.cluster, sbm, &mut report.status.conditions) {
         return (Step::None, Requeue::OnChange);
     }
+    // Staged data nobody waits for goes first, whatever else happens to the machine.
+    if seen.staged.is_some() && awaited_data(seen).is_none() {
+        return (Step::UnstageBootstrapData, Requeue::Now);
+    }
     if sbm.metadata.deletion_timestamp.is_some() {
         return delete(seen, report);
     }
@@ -276,8 +292,29 @@ fn decide<'a>(seen: &Observed<'a>, policy: &Policy, report: &mut Report) -> (Ste
     }
 }
 
-/// The machine has its host: have it provisioned, then report it.
+/// The bootstrap data the boot plane waits for: the bound host's provisioning operation, until
+/// its data was delivered.
+fn awaited_data(seen: &Observed<'_>) -> Option<Staged> {
+    let host = seen.bound.filter(|h| consumed_by(h, seen.machine))?;
+    let op = host.status.as_ref()?.operation.as_ref()?;
+    (op.kind == OperationKind::Provision && !op.bootstrap_delivered)
+        .then(|| Staged { host: host_key(host), operation: op.id.clone() })
+}
+
+/// The machine has its host: have it provisioned, hand its data to the boot plane when its
+/// provisioning waits for it, and report it.
 fn bound<'a>(seen: &Observed<'a>, host: &'a Host, report: &mut Report) -> (Step<'a>, Requeue) {
+    let (step, requeue) = bound_host(seen, host, report);
+    let secret = seen.owner.and_then(|m| m.spec.bootstrap.data_secret_name.clone());
+    match (step, awaited_data(seen), secret) {
+        (Step::None, Some(awaited), Some(secret)) if seen.staged != Some(&awaited) => {
+            (Step::StageBootstrapData { secret, staged: awaited }, Requeue::Now)
+        }
+        (step, _, _) => (step, requeue),
+    }
+}
+
+fn bound_host<'a>(seen: &Observed<'a>, host: &'a Host, report: &mut Report) -> (Step<'a>, Requeue) {
     let desired = Provisioning { image: seen.machine.spec.image.clone() };
     if host.spec.provisioning.as_ref() != Some(&desired) {
         report.ready(false, Reason::Provisioning, "asked the Host to install the image");
@@ -631,7 +668,7 @@ mod tests {
     use crate::conditions::PAUSED;
     use crate::crd::capi::{ClusterInitialization, ClusterStatus, PAUSED_ANNOTATION};
     use crate::crd::{
-        ConsumerRef, Hardware, HostSelector, HostSpec, HostStatus, Image, Installed,
+        ConsumerRef, Hardware, HostSelector, HostSpec, HostStatus, Image, Installed, Operation,
         SitebootMachineSpec, SystemInfo, now,
     };
     use crate::pools::Tenants;
@@ -742,12 +779,14 @@ mod tests {
         cluster: Option<Cluster>,
         hosts: Vec<Arc<Host>>,
         nodes: Option<Result<Vec<Node>, String>>,
+        staged: Option<Staged>,
     }
 
     impl World {
         fn new(sbm: SitebootMachine, hosts: Vec<Host>) -> Self {
             let hosts = hosts.into_iter().map(Arc::new).collect();
-            World { sbm, machine: Some(machine()), cluster: Some(cluster()), hosts, nodes: None }
+            let (machine, cluster) = (Some(machine()), Some(cluster()));
+            World { sbm, machine, cluster, hosts, nodes: None, staged: None }
         }
 
         fn plan(&self) -> Plan<'_> {
@@ -765,6 +804,7 @@ mod tests {
                 bound,
                 hosts: &self.hosts,
                 nodes: self.nodes.as_ref().map(|n| n.as_deref().map_err(Clone::clone)),
+                staged: self.staged.as_ref(),
                 now: NOW,
             };
             plan(&seen, &policy())
@@ -1098,6 +1138,66 @@ mod tests {
         // Bound, and another Host names the machine too: that one is given back first.
         let w = World::new(m.clone(), vec![h, claimed_for(available(2), &m)]);
         assert!(matches!(&w.plan().step, Step::Release { host, .. } if host.name_any() == "h2"));
+    }
+
+    #[test]
+    fn bootstrap_data_is_staged_for_the_boot_plane_only_while_its_provisioning_waits_for_it() {
+        let m = bound_to(sbm(), "h1");
+        let mut h = claimed_for(available(1), &m);
+        h.spec.provisioning = Some(Provisioning { image: image() });
+        let status = h.status.as_mut().unwrap();
+        status.state = Some(HostState::Provisioning);
+        status.operation = Some(Operation {
+            kind: OperationKind::Provision,
+            id: "op-2".into(),
+            started: now(),
+            token_hash: None,
+            token_address: None,
+            token_issued: None,
+            virtual_media: false,
+            image: None,
+            bootstrap_delivered: false,
+            step: None,
+            bytes: None,
+            last_heard: None,
+        });
+        let for_op = |id: &str| Staged { host: "ns/h1".into(), operation: id.into() };
+        let mut w = World::new(m.clone(), vec![h.clone()]);
+        let p = w.plan();
+        assert_eq!(
+            (p.step, p.requeue),
+            (
+                Step::StageBootstrapData {
+                    secret: "machine-bootstrap".into(),
+                    staged: for_op("op-2")
+                },
+                Requeue::Now
+            )
+        );
+        assert_eq!(ready(&w.plan()).1, Reason::Provisioning.to_string());
+        // Staged for this operation: nothing more. Staged for an earlier one: staged again.
+        w.staged = Some(for_op("op-2"));
+        assert_eq!(w.plan().step, Step::None);
+        w.staged = Some(for_op("op-1"));
+        assert!(matches!(w.plan().step, Step::StageBootstrapData { .. }));
+        // Delivered: the copy goes.
+        h.status.as_mut().unwrap().operation.as_mut().unwrap().bootstrap_delivered = true;
+        let mut w = World::new(m.clone(), vec![h.clone()]);
+        assert_eq!(w.plan().step, Step::None, "nothing staged, nothing to do");
+        w.staged = Some(for_op("op-2"));
+        assert_eq!(w.plan().step, Step::UnstageBootstrapData);
+        // Not while a wipe runs, nor for a host that no longer names the machine.
+        let mut wiping = h.clone();
+        let op = wiping.status.as_mut().unwrap().operation.as_mut().unwrap();
+        (op.kind, op.bootstrap_delivered) = (OperationKind::Deprovision, false);
+        let mut w = World::new(m.clone(), vec![wiping]);
+        w.staged = Some(for_op("op-2"));
+        assert_eq!(w.plan().step, Step::UnstageBootstrapData);
+        let mut taken = h.clone();
+        taken.spec.consumer_ref = None;
+        let mut w = World::new(m.clone(), vec![taken]);
+        w.staged = Some(for_op("op-2"));
+        assert_eq!(w.plan().step, Step::UnstageBootstrapData);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Secret};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -21,11 +21,14 @@ use super::plan::{
 use crate::conditions::{READY, Reason};
 use crate::context::{Ctx, Error, Reconciled, gone, patch_unchanged};
 use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine, set_condition};
+use crate::handoff::{self, BootstrapData};
 use crate::owners::{self, OwnedBy, Owners};
 use crate::workload::Workload;
 
 /// After losing a compare-and-swap: long enough for the watch to bring the winner's write.
 const LOST_RACE_RETRY: Duration = Duration::from_secs(1);
+/// When what a step needs is not there yet (a bootstrap Secret the Machine names).
+const NOT_YET_RETRY: Duration = Duration::from_secs(5);
 
 pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
     let client = ctx.client.clone();
@@ -131,6 +134,10 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx, owners: &Owners) -> Result<Actio
         Some(Err(why)) => Some(Err(why.clone())),
         None => None,
     };
+    let staged = match sbm.uid() {
+        Some(uid) => handoff::staged(&ctx.client, &ctx.namespace, &uid).await?,
+        None => None,
+    };
     let seen = Observed {
         machine: sbm,
         owner: owner.as_deref(),
@@ -138,6 +145,7 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx, owners: &Owners) -> Result<Actio
         bound: bound.as_ref(),
         hosts: &hosts,
         nodes: nodes.as_ref().map(|n| n.as_ref().map(|n| n.as_slice()).map_err(Clone::clone)),
+        staged: staged.as_ref(),
         now: unix_now(),
     };
     let Plan { step, status, requeue } = plan::plan(&seen, &ctx.machine_policy);
@@ -151,6 +159,7 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx, owners: &Owners) -> Result<Actio
     let requeue = match perform(sbm, ctx, &api, workload, step).await? {
         Done::Yes => requeue,
         Done::LostRace => Requeue::After(LOST_RACE_RETRY),
+        Done::NotYet => Requeue::After(NOT_YET_RETRY),
     };
     if sbm.status.as_ref() != Some(&status) && !gone(&api, sbm).await? {
         let patch = json!({ "status": status });
@@ -177,6 +186,8 @@ enum Done {
     Yes,
     /// A compare-and-swap found the object changed since it was read.
     LostRace,
+    /// What the step needs does not exist yet.
+    NotYet,
 }
 
 fn done<K>(written: Option<K>) -> Done {
@@ -306,6 +317,24 @@ async fn perform(
         Step::CancelProvisioning(host) => {
             let patch = json!({ "spec": { "provisioning": null } });
             done(patch_unchanged(&hosts_api(host), host, patch).await?)
+        }
+        Step::StageBootstrapData { secret, staged } => {
+            let uid = sbm.uid().unwrap_or_default();
+            let tenant =
+                Api::<Secret>::namespaced(ctx.client.clone(), &sbm.namespace().unwrap_or_default());
+            let data = tenant.get_opt(&secret).await?;
+            let Some(data) = data.as_ref().and_then(BootstrapData::of) else {
+                tracing::info!(machine = %key(sbm), secret, "the bootstrap Secret has no data yet");
+                return Ok(Done::NotYet);
+            };
+            handoff::stage(&ctx.client, &ctx.namespace, &uid, &staged, &data).await?;
+            tracing::info!(machine = %key(sbm), host = staged.host, operation = staged.operation, "bootstrap data handed to the boot plane");
+            Done::Yes
+        }
+        Step::UnstageBootstrapData => {
+            handoff::unstage(&ctx.client, &ctx.namespace, &sbm.uid().unwrap_or_default()).await?;
+            tracing::debug!(machine = %key(sbm), "staged bootstrap data deleted");
+            Done::Yes
         }
         Step::SetProviderId(provider_id) => {
             let patch = json!({ "spec": { "providerID": provider_id } });
