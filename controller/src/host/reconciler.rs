@@ -313,13 +313,10 @@ async fn reboot_host(
 ) -> Result<Action, Error> {
     let result = match reboot {
         Reboot::NoBmc => Err("the host has no spec.bmc: power-cycle it by hand".to_owned()),
-        Reboot::IntoRamdisk | Reboot::PowerCycle => {
-            let done = match bmc::driver_for(host, &ctx.client).await {
-                Ok(_) if reboot == Reboot::IntoRamdisk => boot_ramdisk(host, ctx, api).await,
-                Ok(driver) => driver.restart().await.map_err(BootFailure::from),
-                Err(e) => Err(e.into()),
-            };
-            done.map_err(|e| e.to_string())
+        Reboot::IntoRamdisk => boot_ramdisk(host, ctx, api).await.map_err(|e| e.to_string()),
+        Reboot::PowerCycle => {
+            let done = async { bmc::driver_for(host, &ctx.client).await?.restart().await };
+            done.await.map_err(|e: BmcError| e.to_string())
         }
     };
     let retry_later = reboot != Reboot::NoBmc && result.is_err();
