@@ -59,6 +59,12 @@ enum Command {
         /// This replica's name in the leader Lease and Events. Default: <hostname>-<pid>.
         #[arg(long, env = "POD_NAME")]
         identity: Option<String>,
+        /// Kubernetes mode: what this process runs. `all`: everything in one process.
+        /// `boot-plane` and `controller` split it in two processes with two ServiceAccounts, so
+        /// that the process on the untrusted segment cannot read Secrets in tenants'
+        /// namespaces (deploy/kubernetes/appliance.yaml runs them so).
+        #[arg(long, value_enum, default_value_t = serve::Role::All)]
+        role: serve::Role,
     },
     /// Print the CRDs (with the admission policy that keeps templates immutable) and RBAC as
     /// YAML, or write everything under deploy/ into a directory.
@@ -271,7 +277,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Serve { config, kubeconfig, site, identity } => {
+        Command::Serve { config, kubeconfig, site, identity, role } => {
             let config = match Config::load(&config) {
                 Ok(c) => c,
                 Err(e) => {
@@ -282,7 +288,16 @@ fn main() -> ExitCode {
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
             let run = async {
                 let kube = kube_mode(&config, kubeconfig, site, identity).await?;
-                serve::serve(config, kube).await
+                match (role, kube) {
+                    (serve::Role::Controller, Some(kube)) => {
+                        serve::serve_controller(config, kube).await
+                    }
+                    (serve::Role::All, kube) => serve::serve(config, kube, role).await,
+                    (_, None) => anyhow::bail!(
+                        "--role {role:?} splits Kubernetes mode: give the config a kubernetes: section or --site"
+                    ),
+                    (serve::Role::BootPlane, kube) => serve::serve(config, kube, role).await,
+                }
             };
             match runtime.block_on(run) {
                 Ok(()) => ExitCode::SUCCESS,

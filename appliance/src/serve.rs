@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 use siteboot_controller::dhcp_checkpoint::ConfigMapCheckpoint;
 
-use crate::config::Config;
+use crate::config::{Config, KubernetesConfig};
 
 const TFTP_PORT: u16 = 69;
 
@@ -45,7 +45,99 @@ pub struct KubeMode {
     pub identity: String,
 }
 
-pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
+/// What a process of the appliance runs in Kubernetes mode. Split, the boot plane (which faces
+/// the untrusted segment) runs with no right to read Secrets in tenants' namespaces, and the
+/// controller, which has them, answers nothing on the segment (docs/security.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// The boot plane and the controller in one process.
+    All,
+    /// DHCP, TFTP, HTTP and the agent API: the Host cache, no reconcilers.
+    BootPlane,
+    /// The reconcilers (Hosts, BMCs, the Cluster API providers): no sockets.
+    Controller,
+}
+
+/// The context the Kubernetes side runs with, from the config. Fails unless the config has a
+/// `kubernetes:` section and the CRDs are installed.
+async fn context(
+    kubernetes: Option<&KubernetesConfig>,
+    kube: KubeMode,
+    role: Role,
+) -> Result<siteboot_controller::context::Ctx> {
+    let KubeMode { client, site, identity } = kube;
+    let k = kubernetes.context(
+        "Kubernetes mode needs a kubernetes: section in the config (kubernetes.ramdisk_profile)",
+    )?;
+    siteboot_controller::run::check_crds(&client, role != Role::BootPlane).await?;
+    let mut ctx = siteboot_controller::context::Ctx::new(
+        client,
+        site,
+        identity,
+        siteboot_controller::cache::HostIndex::new(k.host_pools.clone()),
+        k.ramdisk.clone(),
+    );
+    ctx.namespace = k.lease_namespace.clone();
+    ctx.token_max_age = k.token_max_age;
+    ctx.ramdisk_silence_timeout = k.ramdisk_silence_timeout;
+    ctx.min_wipe = k.min_wipe;
+    Ok(ctx)
+}
+
+/// Where BMCs fetch virtual media: the agent API's listener.
+fn media_base(address: std::net::Ipv4Addr, https_port: u16) -> String {
+    format!("https://{address}:{https_port}")
+}
+
+/// `siteboot serve --role controller`: the reconcilers of the site, with no socket on the
+/// segment, until SIGTERM or SIGINT. Virtual media needs the boot plane's certificate
+/// (`http.tls`), which the controller tells BMCs to trust.
+pub async fn serve_controller(config: Config, kube: KubeMode) -> Result<()> {
+    let site = kube.site.clone();
+    let mut ctx = context(config.kubernetes.as_ref(), kube, Role::Controller).await?;
+    let k = config.kubernetes.as_ref().expect("checked by context");
+    if k.ramdisk_media.is_some() {
+        let tls = config.http.tls.as_ref().context("kubernetes.ramdisk_media with --role controller needs http.tls: the boot plane's certificate, which BMCs are told to trust")?;
+        let pem = std::fs::read_to_string(&tls.certificate)
+            .with_context(|| format!("reading {}", tls.certificate.display()))?;
+        ctx.media_base = Some(media_base(config.address, config.http.https_port));
+        ctx.media_certificate = Some(pem);
+    }
+    let options = siteboot_controller::run::Options {
+        lease_namespace: k.lease_namespace.clone(),
+        lease_name: siteboot_controller::run::controller_lease_name(&site),
+        leader_election: k.leader_election,
+        reconcilers: true,
+        heartbeat: false,
+        addresses: Vec::new(),
+    };
+    let (leadership, _) = tokio::sync::watch::channel(Leadership::Follower);
+    let release = CancellationToken::new();
+    let run = siteboot_controller::run::run(
+        Arc::new(ctx),
+        Arc::new(Timeline::new()),
+        options,
+        leadership,
+        release.clone(),
+    );
+    let controller = tokio::spawn(run);
+    tracing::info!(%site, "siteboot controller running (no boot plane in this process)");
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
+    }
+    release.cancel();
+    if tokio::time::timeout(STEP_DEADLINE, controller).await.is_err() {
+        tracing::warn!("the controller did not stop in time");
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Serves the boot plane; in Kubernetes mode also, with [`Role::All`], the controller.
+pub async fn serve(config: Config, kube: Option<KubeMode>, role: Role) -> Result<()> {
     let interface = &config.interface;
     if !std::path::Path::new("/sys/class/net").join(interface).exists() {
         bail!("interface {interface:?} does not exist on this machine (see `ip link`)");
@@ -122,22 +214,12 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             (inventory, known, site)
         }
         Some(kube) => {
-            let k = config.kubernetes.as_ref().context("Kubernetes mode needs a kubernetes: section in the config (kubernetes.ramdisk_profile)")?;
-            siteboot_controller::run::check_crds(&kube.client).await?;
-            let mut ctx = siteboot_controller::context::Ctx::new(
-                kube.client,
-                kube.site.clone(),
-                kube.identity,
-                siteboot_controller::cache::HostIndex::new(k.host_pools.clone()),
-                k.ramdisk.clone(),
-            );
-            ctx.token_max_age = k.token_max_age;
-            ctx.ramdisk_silence_timeout = k.ramdisk_silence_timeout;
-            ctx.min_wipe = k.min_wipe;
+            let site = kube.site.clone();
+            let mut ctx = context(config.kubernetes.as_ref(), kube, role).await?;
+            let k = config.kubernetes.as_ref().expect("checked by context");
             // BMCs fetch a host's virtual media from the agent API's listener.
             if media.is_some() {
-                ctx.media_base =
-                    Some(format!("https://{}:{}", config.address, config.http.https_port));
+                ctx.media_base = Some(media_base(config.address, config.http.https_port));
                 ctx.media_certificate = Some(identity.certificate_pem.clone());
             }
             ctx.images = Some(Arc::new(siteboot_controller::images::ImageService::new(
@@ -147,7 +229,10 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             let ctx = Arc::new(ctx);
             let options = siteboot_controller::run::Options {
                 lease_namespace: k.lease_namespace.clone(),
+                lease_name: siteboot_controller::run::lease_name(&site),
                 leader_election: k.leader_election,
+                reconcilers: role == Role::All,
+                heartbeat: true,
                 addresses: vec![config.address.to_string()],
             };
             let inventory =
@@ -155,14 +240,14 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             checkpoint = Some(Arc::new(ConfigMapCheckpoint::new(
                 ctx.client.clone(),
                 &k.lease_namespace,
-                &kube.site,
+                &site,
             )));
             let timeline = timeline.clone();
             let release = release.clone();
             controller = Some(tokio::spawn(async move {
                 siteboot_controller::run::run(ctx, timeline, options, leadership_tx, release).await
             }));
-            (inventory, format!("Hosts of site {}", kube.site), kube.site)
+            (inventory, format!("Hosts of site {site}"), site)
         }
     };
 

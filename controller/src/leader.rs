@@ -66,10 +66,10 @@ pub struct LeaderElection {
 }
 
 impl LeaderElection {
-    pub fn new(client: Client, namespace: &str, site: &str, identity: &str) -> Self {
+    pub fn new(client: Client, namespace: &str, name: &str, identity: &str) -> Self {
         Self {
             api: Api::namespaced(client, namespace),
-            name: format!("siteboot-{site}"),
+            name: name.to_owned(),
             identity: identity.to_owned(),
             timing: Timing::default(),
             observed: None,

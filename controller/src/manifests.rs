@@ -189,8 +189,13 @@ pub enum SecretAccess {
     Cluster,
 }
 
-/// The RBAC of the appliance (`siteboot` ServiceAccount in `namespace`), and the ClusterRole
-/// aggregated to the Cluster API core manager.
+/// The ServiceAccount of the boot plane when it runs apart (`serve --role boot-plane`).
+pub const BOOT_PLANE_ACCOUNT: &str = "siteboot-boot-plane";
+
+/// The RBAC of the appliance in `namespace`: the `siteboot` ServiceAccount (the controller, or
+/// the whole appliance in one process), the `siteboot-boot-plane` ServiceAccount (the boot
+/// plane apart: no Secret of any other namespace), and the ClusterRole aggregated to the Cluster
+/// API core manager.
 pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
     let manager_rules = json!([
         { "apiGroups": ["siteboot.dev"], "resources": ["hosts", "sites"],
@@ -230,21 +235,16 @@ pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
         }
         SecretAccess::Namespaces(namespaces) => namespaces.clone(),
     };
-    let subject = json!([{ "kind": "ServiceAccount", "name": "siteboot", "namespace": namespace }]);
     let secret_roles = secret_namespaces.iter().flat_map(|ns| {
-        [
-            json!({
-                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-                "metadata": { "name": "siteboot-bootstrap-data", "namespace": ns },
-                "rules": [secrets_rule.clone()],
-            }),
-            json!({
-                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-                "metadata": { "name": "siteboot-bootstrap-data", "namespace": ns },
-                "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "siteboot-bootstrap-data" },
-                "subjects": subject.clone(),
-            }),
-        ]
+        let mut role = namespaced_role(
+            ns,
+            "siteboot-bootstrap-data",
+            "siteboot",
+            json!([secrets_rule.clone()]),
+        );
+        // The ServiceAccount lives in the appliance's namespace, whichever namespace grants.
+        role[1]["subjects"][0]["namespace"] = json!(namespace);
+        role
     });
     let mut objects = vec![
         json!({
@@ -260,25 +260,6 @@ pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
             "metadata": { "name": "siteboot-manager" },
             "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "siteboot-manager" },
-            "subjects": [{ "kind": "ServiceAccount", "name": "siteboot", "namespace": namespace }],
-        }),
-        // Leader election (one Lease per site, watched so a standby takes over the moment it
-        // is released) and the site's DHCP lease checkpoint (a ConfigMap), in the appliance's
-        // namespace only.
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": { "name": "siteboot-leader-election", "namespace": namespace },
-            "rules": [
-                { "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                  "verbs": ["get", "list", "watch", "create", "update"] },
-                { "apiGroups": [""], "resources": ["configmaps"],
-                  "verbs": ["get", "create", "patch"] },
-            ],
-        }),
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": { "name": "siteboot-leader-election", "namespace": namespace },
-            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "siteboot-leader-election" },
             "subjects": [{ "kind": "ServiceAccount", "name": "siteboot", "namespace": namespace }],
         }),
         // The Cluster API core manager sets owner references and reads/writes our
@@ -309,7 +290,89 @@ pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
             }],
         }),
     ];
+    // Leader election (one Lease per site, watched so a standby takes over the moment it is
+    // released), the site's DHCP lease checkpoint (a ConfigMap) and the bootstrap data handed
+    // to the boot plane, in the appliance's namespace only.
+    objects.extend(namespaced_role(
+        namespace,
+        "siteboot-leader-election",
+        "siteboot",
+        json!([
+            { "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+              "verbs": ["get", "list", "watch", "create", "update"] },
+            { "apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"] },
+            // Bootstrap data handed to the boot plane (`handoff`).
+            { "apiGroups": [""], "resources": ["secrets"],
+              "verbs": ["get", "create", "patch", "delete"] },
+        ]),
+    ));
     objects.extend(secret_roles);
+    objects.extend(boot_plane_rbac(namespace));
+    objects
+}
+
+/// A Role in `namespace` and its RoleBinding to `account` there.
+fn namespaced_role(namespace: &str, name: &str, account: &str, rules: Value) -> [Value; 2] {
+    [
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": { "name": name, "namespace": namespace },
+            "rules": rules,
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": { "name": name, "namespace": namespace },
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name },
+            "subjects": [{ "kind": "ServiceAccount", "name": account, "namespace": namespace }],
+        }),
+    ]
+}
+
+/// The boot plane's ServiceAccount and rights: what the segment-facing process needs (Hosts and
+/// their status, the bindings it checks, Events, its Lease and DHCP checkpoint, the Site's
+/// heartbeat) and, of Secrets, only `get` in the appliance's own namespace, where the
+/// controller hands it bootstrap data ([`crate::handoff`]).
+fn boot_plane_rbac(namespace: &str) -> Vec<Value> {
+    let mut objects = vec![
+        json!({
+            "apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": { "name": BOOT_PLANE_ACCOUNT, "namespace": namespace },
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": { "name": BOOT_PLANE_ACCOUNT },
+            "rules": [
+                { "apiGroups": ["siteboot.dev"], "resources": ["hosts"],
+                  "verbs": ["get", "list", "watch"] },
+                { "apiGroups": ["siteboot.dev"], "resources": ["hosts/status", "sites/status"],
+                  "verbs": ["get", "update", "patch"] },
+                { "apiGroups": ["siteboot.dev"], "resources": ["sites"],
+                  "verbs": ["get", "list", "watch", "create"] },
+                { "apiGroups": ["infrastructure.cluster.x-k8s.io"],
+                  "resources": ["sitebootmachines"], "verbs": ["get"] },
+                { "apiGroups": ["cluster.x-k8s.io"], "resources": ["machines"], "verbs": ["get"] },
+                { "apiGroups": ["", "events.k8s.io"], "resources": ["events"],
+                  "verbs": ["create", "patch"] },
+            ],
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": { "name": BOOT_PLANE_ACCOUNT },
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": BOOT_PLANE_ACCOUNT },
+            "subjects": [{ "kind": "ServiceAccount", "name": BOOT_PLANE_ACCOUNT, "namespace": namespace }],
+        }),
+    ];
+    objects.extend(namespaced_role(
+        namespace,
+        BOOT_PLANE_ACCOUNT,
+        BOOT_PLANE_ACCOUNT,
+        json!([
+            { "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+              "verbs": ["get", "list", "watch", "create", "update"] },
+            { "apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"] },
+            { "apiGroups": [""], "resources": ["secrets"], "verbs": ["get"] },
+        ]),
+    ));
     objects
 }
 
@@ -403,7 +466,16 @@ impl ApplianceSite {
 /// operator creates (see `deploy/kubernetes/appliance.yaml`).
 pub fn appliance(s: &ApplianceSite) -> Vec<Value> {
     let name = format!("siteboot-{}", s.site);
-    let labels = json!({ "app.kubernetes.io/name": "siteboot", "siteboot.dev/site": s.site });
+    let component = |component: &str| {
+        json!({
+            "app.kubernetes.io/name": "siteboot",
+            "app.kubernetes.io/component": component,
+            "siteboot.dev/site": s.site,
+        })
+    };
+    let labels = component("boot-plane");
+    let config_labels =
+        json!({ "app.kubernetes.io/name": "siteboot", "siteboot.dev/site": s.site });
     let config = format!(
         "\
 interface: {interface}
@@ -462,88 +534,147 @@ kubernetes:
             "timeoutSeconds": 5,
         })
     };
+    // No Secret of any other namespace: the controller hands it bootstrap data in this one.
+    // The grace period: drain_timeout (10s) plus DHCP's last batch and the Lease's release.
+    let mut boot_plane = site_deployment(
+        s,
+        &name,
+        &labels,
+        (BOOT_PLANE_ACCOUNT, 25),
+        json!({
+            "containers": [{
+                "name": "siteboot",
+                "image": s.image,
+                "args": ["serve", "--config", "/etc/siteboot/siteboot.yaml", "--role", "boot-plane"],
+                "env": [{ "name": "POD_NAME",
+                          "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } }],
+                "securityContext": {
+                    "readOnlyRootFilesystem": true,
+                    "capabilities": { "drop": ["ALL"], "add": ["NET_BIND_SERVICE", "NET_RAW"] },
+                },
+                "ports": [
+                    { "name": "dhcp", "containerPort": 67, "protocol": "UDP" },
+                    { "name": "pxe", "containerPort": 4011, "protocol": "UDP" },
+                    { "name": "tftp", "containerPort": 69, "protocol": "UDP" },
+                    { "name": "http", "containerPort": 8080, "protocol": "TCP" },
+                    { "name": "agent", "containerPort": 8443, "protocol": "TCP" },
+                ],
+                // Ready once the Host cache has synced; alive while it answers at all.
+                "readinessProbe": probe("readyz"),
+                "livenessProbe": probe("healthz"),
+                "volumeMounts": [
+                    { "name": "config", "mountPath": "/etc/siteboot" },
+                    { "name": "agent-tls", "mountPath": "/etc/siteboot/tls", "readOnly": true },
+                    { "name": "state", "mountPath": "/var/lib/siteboot" },
+                ],
+            }],
+            "volumes": [
+                { "name": "config", "configMap": { "name": name } },
+                { "name": "agent-tls",
+                  "secret": { "secretName": format!("{name}-agent-tls"), "defaultMode": 0o440 } },
+                // Per Pod: the leases come back from the site's checkpoint, images are fetched
+                // again after a restart.
+                { "name": "state", "emptyDir": {} },
+            ],
+        }),
+    );
+    boot_plane["metadata"]["annotations"] =
+        json!({ "siteboot.dev/capabilities": CAPABILITIES_WHY });
+    // The controller (`--role controller`): the reconcilers, as `siteboot`, apart from the boot
+    // plane so that the process on the segment holds no right to tenants' Secrets. It binds no
+    // socket and needs no capability; on the host network of a site node it takes its node's
+    // address from the config as the boot plane does (virtual media URLs name it), and mounts
+    // the boot plane's certificate (never its key), which BMCs are told to trust.
+    let controller = format!("{name}-controller");
+    let controller = site_deployment(
+        s,
+        &controller,
+        &component("controller"),
+        ("siteboot", 30),
+        json!({
+            "containers": [{
+                "name": "controller",
+                "image": s.image,
+                "args": ["serve", "--config", "/etc/siteboot/siteboot.yaml", "--role", "controller"],
+                "env": [{ "name": "POD_NAME",
+                          "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } }],
+                "securityContext": {
+                    "readOnlyRootFilesystem": true,
+                    "capabilities": { "drop": ["ALL"] },
+                },
+                "volumeMounts": [
+                    { "name": "config", "mountPath": "/etc/siteboot" },
+                    { "name": "agent-tls", "mountPath": "/etc/siteboot/tls", "readOnly": true },
+                ],
+            }],
+            "volumes": [
+                { "name": "config", "configMap": { "name": name } },
+                { "name": "agent-tls", "secret": {
+                    "secretName": format!("{name}-agent-tls"), "defaultMode": 0o440,
+                    "items": [{ "key": "tls.crt", "path": "tls.crt" }],
+                } },
+            ],
+        }),
+    );
     vec![
         json!({
             "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": { "name": name, "namespace": s.namespace, "labels": labels },
+            "metadata": { "name": name, "namespace": s.namespace, "labels": config_labels },
             "data": { "siteboot.yaml": config },
         }),
-        json!({
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {
-                "name": name, "namespace": s.namespace, "labels": labels,
-                "annotations": { "siteboot.dev/capabilities": CAPABILITIES_WHY },
-            },
-            "spec": {
-                // The Lease elects the replica that reconciles and answers DHCP.
-                "replicas": 2,
-                "selector": { "matchLabels": labels },
-                "template": {
-                    "metadata": { "labels": labels },
-                    "spec": {
-                        "serviceAccountName": "siteboot",
-                        // drain_timeout (10s) plus DHCP's last batch and the Lease's release.
-                        "terminationGracePeriodSeconds": 25,
-                        "hostNetwork": true,
-                        "dnsPolicy": "ClusterFirstWithHostNet",
-                        "nodeSelector": { "siteboot.dev/site": s.site },
-                        "affinity": { "podAntiAffinity": {
-                            "requiredDuringSchedulingIgnoredDuringExecution": [{
-                                "labelSelector": { "matchLabels": labels },
-                                "topologyKey": "kubernetes.io/hostname",
-                            }],
-                        } },
-                        // fsGroup: the state and the Secret's files are the image user's group.
-                        "securityContext": {
-                            "runAsNonRoot": true,
-                            "runAsUser": IMAGE_USER,
-                            "runAsGroup": IMAGE_USER,
-                            "fsGroup": IMAGE_USER,
-                        },
-                        "containers": [{
-                            "name": "siteboot",
-                            "image": s.image,
-                            "args": ["serve", "--config", "/etc/siteboot/siteboot.yaml"],
-                            "env": [{ "name": "POD_NAME",
-                                      "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } }],
-                            "securityContext": {
-                                "readOnlyRootFilesystem": true,
-                                "capabilities": { "drop": ["ALL"], "add": ["NET_BIND_SERVICE", "NET_RAW"] },
-                            },
-                            "ports": [
-                                { "name": "dhcp", "containerPort": 67, "protocol": "UDP" },
-                                { "name": "pxe", "containerPort": 4011, "protocol": "UDP" },
-                                { "name": "tftp", "containerPort": 69, "protocol": "UDP" },
-                                { "name": "http", "containerPort": 8080, "protocol": "TCP" },
-                                { "name": "agent", "containerPort": 8443, "protocol": "TCP" },
-                            ],
-                            // Ready once the Host cache has synced; alive while it answers at all.
-                            "readinessProbe": probe("readyz"),
-                            "livenessProbe": probe("healthz"),
-                            "volumeMounts": [
-                                { "name": "config", "mountPath": "/etc/siteboot" },
-                                { "name": "agent-tls", "mountPath": "/etc/siteboot/tls", "readOnly": true },
-                                { "name": "state", "mountPath": "/var/lib/siteboot" },
-                            ],
-                        }],
-                        "volumes": [
-                            { "name": "config", "configMap": { "name": name } },
-                            { "name": "agent-tls",
-                              "secret": { "secretName": format!("{name}-agent-tls"), "defaultMode": 0o440 } },
-                            // Per Pod: the leases come back from the site's checkpoint, images
-                            // are fetched again after a restart.
-                            { "name": "state", "emptyDir": {} },
-                        ],
-                    },
-                },
-            },
-        }),
+        boot_plane,
+        controller,
     ]
+}
+
+/// A Deployment of two replicas of the site's appliance (a Lease elects the one that leads),
+/// on two nodes labelled `siteboot.dev/site=<site>`, on the host network, as the image's
+/// non-root user and `account` (ServiceAccount, seconds of termination grace); `pod` holds its
+/// containers and volumes.
+fn site_deployment(
+    s: &ApplianceSite,
+    name: &str,
+    labels: &Value,
+    (account, grace): (&str, u32),
+    pod: Value,
+) -> Value {
+    let mut spec = json!({
+        "serviceAccountName": account,
+        "terminationGracePeriodSeconds": grace,
+        "hostNetwork": true,
+        "dnsPolicy": "ClusterFirstWithHostNet",
+        "nodeSelector": { "siteboot.dev/site": s.site },
+        "affinity": { "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [{
+                "labelSelector": { "matchLabels": labels },
+                "topologyKey": "kubernetes.io/hostname",
+            }],
+        } },
+        // fsGroup: the state and the Secret's files are the image user's group.
+        "securityContext": {
+            "runAsNonRoot": true,
+            "runAsUser": IMAGE_USER,
+            "runAsGroup": IMAGE_USER,
+            "fsGroup": IMAGE_USER,
+        },
+    });
+    for (key, value) in pod.as_object().expect("a pod's fields") {
+        spec[key] = value.clone();
+    }
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": { "name": name, "namespace": s.namespace, "labels": labels },
+        "spec": {
+            "replicas": 2,
+            "selector": { "matchLabels": labels },
+            "template": { "metadata": { "labels": labels }, "spec": spec },
+        },
+    })
 }
 
 /// The header of `deploy/kubernetes/appliance.yaml`: what to do before applying it.
 const APPLIANCE_HEADER: &str = "\
-# The appliance for one site as a Deployment on the nodes labelled siteboot.dev/site=rack-1,
+# The appliance for one site as two Deployments on the nodes labelled siteboot.dev/site=rack-1,
 # on the host network (DHCP and TFTP need the site's L2 network; TFTP's per-transfer ports do
 # not survive a Service). Apply crds.yaml and rbac.yaml first; adapt the config to the site.
 # Generated by `siteboot manifests --output-dir deploy` (--image names another image).
@@ -555,8 +686,14 @@ const APPLIANCE_HEADER: &str = "\
 # says why). The state directory is per Pod: in Kubernetes mode the leases live on in the
 # site's checkpoint (a ConfigMap), and cached images are fetched again after a restart.
 #
-# Replicas: two, on two nodes of the site (one leads: it answers DHCP and reconciles; both
-# serve TFTP and HTTP, and the standby follows the leader's leases). Each serves at its own
+# Two Deployments share the config: the boot plane (siteboot-rack-1, --role boot-plane, as the
+# ServiceAccount siteboot-boot-plane, which reads no Secret outside this namespace) and the
+# controller (siteboot-rack-1-controller, --role controller, as siteboot: the reconcilers, no
+# socket; it hands each Machine's bootstrap data to the boot plane in this namespace). Keep BMC
+# credentials and other Secrets out of this namespace.
+#
+# Replicas: two of each, on two nodes of the site (one boot plane leads: it answers DHCP; both
+# serve TFTP and HTTP, and the standby follows the leader's leases; one controller reconciles). Each serves at its own
 # node's address on eth1, which the config leaves unset: give each node one static address in
 # the DHCP subnet, outside the pool (e.g. 10.99.0.2 and 10.99.0.3). A client is told the
 # address of the replica that answered it; after a takeover, the new leader answers with its
@@ -723,11 +860,13 @@ mod tests {
 
     #[test]
     fn secrets_are_readable_only_where_machines_are_served() {
+        // Beyond its own namespace (`sys`), where bootstrap data is handed to the boot plane.
         let grants = |access| {
             rbac("sys", &access)
                 .into_iter()
                 .filter(|o| o.to_string().contains("\"secrets\""))
                 .map(|o| format!("{} {}", o["kind"], o["metadata"]["namespace"]))
+                .filter(|grant| grant != r#""Role" "sys""#)
                 .collect::<Vec<_>>()
         };
         assert_eq!(
@@ -808,6 +947,7 @@ mod tests {
         assert!(config.get("address").is_none(), "one address for both replicas: {config}");
         let deployment = &objects[1]["spec"];
         assert_eq!(deployment["replicas"], 2);
+        assert_eq!(objects[2]["spec"]["replicas"], 2, "a standby controller too");
         let container = &deployment["template"]["spec"]["containers"][0];
         for probe in ["readinessProbe", "livenessProbe"] {
             let command = &container[probe]["exec"]["command"];
@@ -831,5 +971,38 @@ mod tests {
         );
         // no_new_privs would drop the binary's file capability.
         assert!(container["securityContext"].get("allowPrivilegeEscalation").is_none());
+        // The controller needs no capability at all.
+        let controller = &objects[2]["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(controller["securityContext"]["capabilities"], json!({ "drop": ["ALL"] }));
+    }
+
+    #[test]
+    fn the_boot_plane_runs_apart_and_may_read_no_secret_beyond_the_appliance_s_namespace() {
+        let objects = appliance(&ApplianceSite::example("img:1"));
+        let account =
+            |i: usize| objects[i]["spec"]["template"]["spec"]["serviceAccountName"].clone();
+        let args =
+            |i: usize| objects[i]["spec"]["template"]["spec"]["containers"][0]["args"].clone();
+        assert_eq!(
+            (account(1), args(1)[4].clone()),
+            (json!(BOOT_PLANE_ACCOUNT), json!("boot-plane"))
+        );
+        assert_eq!((account(2), args(2)[4].clone()), (json!("siteboot"), json!("controller")));
+        let tls = &objects[2]["spec"]["template"]["spec"]["volumes"][1]["secret"]["items"];
+        assert_eq!(tls, &json!([{ "key": "tls.crt", "path": "tls.crt" }]), "never the key");
+        for secrets in [SecretAccess::Cluster, default_secret_access()] {
+            let grants: Vec<String> = rbac("siteboot-system", &secrets)
+                .into_iter()
+                .filter(|o| o.to_string().contains(&format!("\"{BOOT_PLANE_ACCOUNT}\"")))
+                .filter(|o| o.to_string().contains("\"secrets\""))
+                .map(|o| format!("{} {} {}", o["kind"], o["metadata"]["namespace"], o["rules"]))
+                .collect();
+            assert_eq!(
+                grants,
+                [
+                    r#""Role" "siteboot-system" [{"apiGroups":["coordination.k8s.io"],"resources":["leases"],"verbs":["get","list","watch","create","update"]},{"apiGroups":[""],"resources":["configmaps"],"verbs":["get","create","patch"]},{"apiGroups":[""],"resources":["secrets"],"verbs":["get"]}]"#
+                ]
+            );
+        }
     }
 }

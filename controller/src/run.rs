@@ -1,5 +1,8 @@
 //! Starting the Kubernetes side: the Host cache (every replica, for the boot plane), leader
-//! election, and, while this replica leads, the reconcilers and the Site heartbeat.
+//! election, and, while this replica leads, the reconcilers and the Site heartbeat. In one
+//! process (role `all`) one election decides both; split in two processes, the boot plane's
+//! decides which replica answers DHCP and keeps the heartbeat, the controller's which runs the
+//! reconcilers, each on a Lease of its own.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,11 +27,28 @@ use crate::{bootstrap, cluster, host, machine, site, template};
 pub struct Options {
     /// Namespace of the leader Lease.
     pub lease_namespace: String,
+    /// The leader Lease's name.
+    pub lease_name: String,
+    /// Run the reconcilers while leading (not in the boot plane of a split appliance).
+    pub reconcilers: bool,
+    /// Keep the Site's heartbeat while leading (not in the controller of a split appliance:
+    /// the heartbeat reports the boot plane).
     /// Off: this replica always leads (a single appliance per site, or tests of concurrent
     /// appliances).
     pub leader_election: bool,
+    pub heartbeat: bool,
     /// The boot-plane addresses, for the Site status.
     pub addresses: Vec<String>,
+}
+
+/// The leader Lease of a site's boot plane (or of its whole appliance, in one process).
+pub fn lease_name(site: &str) -> String {
+    format!("siteboot-{site}")
+}
+
+/// The leader Lease of a site's controller, when it runs apart from the boot plane.
+pub fn controller_lease_name(site: &str) -> String {
+    format!("siteboot-{site}-controller")
 }
 
 /// Fails unless `K`'s CRD is installed, saying how to install it. Probes the kind with a
@@ -51,10 +71,14 @@ where
     }
 }
 
-/// Fails unless the CRDs of the inventory and the infrastructure provider are installed.
-pub async fn check_crds(client: &kube::Client) -> anyhow::Result<()> {
+/// Fails unless the CRDs of the inventory are installed, and with `provider` (where the
+/// reconcilers run) those of the infrastructure provider too.
+pub async fn check_crds(client: &kube::Client, provider: bool) -> anyhow::Result<()> {
     probe::<Host>(client).await?;
     probe::<Site>(client).await?;
+    if !provider {
+        return Ok(());
+    }
     probe::<SitebootMachine>(client).await?;
     probe::<SitebootMachineTemplate>(client).await?;
     probe::<SitebootCluster>(client).await?;
@@ -91,7 +115,7 @@ pub async fn run(
         let election = LeaderElection::new(
             ctx.client.clone(),
             &options.lease_namespace,
-            &ctx.site,
+            &options.lease_name,
             &ctx.identity,
         );
         tokio::spawn(election.run(leadership, release.clone()))
@@ -110,7 +134,7 @@ pub async fn run(
             r = leading_rx.wait_for(leading) => if r.is_err() { break },
             _ = release.cancelled() => break,
         }
-        tracing::info!(site = %ctx.site, "leading: starting the reconcilers");
+        tracing::info!(site = %ctx.site, reconcilers = options.reconcilers, "leading");
         let stop = || {
             let mut rx = leading_rx.clone();
             async move {
@@ -118,15 +142,20 @@ pub async fn run(
             }
         };
         let mut tasks = JoinSet::new();
-        tasks.spawn(host::reconciler::run(ctx.clone(), stop()));
-        tasks.spawn(machine::run(ctx.clone(), stop()));
-        tasks.spawn(cluster::run(ctx.clone(), stop()));
-        tasks.spawn(template::run(ctx.clone(), stop()));
-        if bootstrap_provider {
-            tasks.spawn(bootstrap::run(ctx.clone(), stop()));
+        if options.reconcilers {
+            tasks.spawn(host::reconciler::run(ctx.clone(), stop()));
+            tasks.spawn(machine::run(ctx.clone(), stop()));
+            tasks.spawn(cluster::run(ctx.clone(), stop()));
+            tasks.spawn(template::run(ctx.clone(), stop()));
+            if bootstrap_provider {
+                tasks.spawn(bootstrap::run(ctx.clone(), stop()));
+            }
+        } else {
+            tasks.spawn(stop());
         }
-        let heartbeat =
-            tokio::spawn(site::heartbeat(ctx.clone(), timeline.clone(), options.addresses.clone()));
+        let heartbeat = options.heartbeat.then(|| {
+            tokio::spawn(site::heartbeat(ctx.clone(), timeline.clone(), options.addresses.clone()))
+        });
         // A reconcile stuck on a call that never returns must not keep this replica from ever
         // running its reconcilers again (seen under load: the term ended, came back, and no
         // reconciler ran). Past the deadline they are aborted: killing a reconciler between
@@ -147,7 +176,9 @@ pub async fn run(
                 }
             }
         }
-        heartbeat.abort();
+        if let Some(heartbeat) = heartbeat {
+            heartbeat.abort();
+        }
         tracing::warn!(site = %ctx.site, "no longer leading: reconcilers stopped");
     }
     // The election gives the Lease back once its term has ended (the reconcilers stopped).

@@ -34,6 +34,7 @@ use crate::kube::KubeEnv;
 use crate::kube::capi::{self, CAPI};
 use crate::netns::Netns;
 use crate::os_images::{Ramdisk, TestOsImage};
+use crate::process::Supervised;
 use crate::sim::{Phase, SimHost};
 use crate::wait;
 
@@ -51,6 +52,15 @@ static LABS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 /// powered on together would all DHCP, boot and be inspected in the same seconds, a load no
 /// site sees and a small machine cannot carry.
 pub const POWER_ON_WAVE: usize = 50;
+
+/// How the lab runs siteboot and its simulated hosts' ramdisks.
+#[derive(Debug, Clone, Copy, Default)]
+struct Shape {
+    /// See [`ProviderLab::start_polling_as_told`].
+    polling_as_told: bool,
+    /// See [`ProviderLab::start_split`].
+    split: bool,
+}
 
 /// How a lab's simulated hosts behave.
 #[derive(Debug, Clone, Copy, Default)]
@@ -87,6 +97,10 @@ pub struct ProviderLab {
     pub env: KubeEnv,
     /// The siteboot ServiceAccount's token, for more appliances.
     token: String,
+    /// Split ([`ProviderLab::start_split`]): the boot plane's ServiceAccount token.
+    boot_plane_token: Option<String>,
+    /// Split: the controller process, beside the boot plane.
+    pub controller: Option<Supervised>,
     _slot: tokio::sync::SemaphorePermit<'static>,
 }
 
@@ -121,7 +135,15 @@ impl ProviderLab {
     }
 
     pub async fn start_with(sims: Sims, config: impl FnOnce(&mut Value)) -> Result<Self> {
-        Self::start_new(sims, false, config).await
+        Self::start_new(sims, Shape::default(), config).await
+    }
+
+    /// [`ProviderLab::start_with`] with siteboot split as deployed: the boot plane
+    /// (`--role boot-plane`, as the `siteboot-boot-plane` ServiceAccount) is
+    /// [`ProviderLab::siteboot`], and the controller (`--role controller`, as `siteboot`) runs
+    /// beside it.
+    pub async fn start_split(sims: Sims, config: impl FnOnce(&mut Value)) -> Result<Self> {
+        Self::start_new(sims, Shape { split: true, ..Shape::default() }, config).await
     }
 
     /// [`ProviderLab::start_with`] whose automatic hosts' ramdisks wait as long as they are told
@@ -132,14 +154,10 @@ impl ProviderLab {
         sims: Sims,
         config: impl FnOnce(&mut Value),
     ) -> Result<Self> {
-        Self::start_new(sims, true, config).await
+        Self::start_new(sims, Shape { polling_as_told: true, ..Shape::default() }, config).await
     }
 
-    async fn start_new(
-        sims: Sims,
-        polling_as_told: bool,
-        config: impl FnOnce(&mut Value),
-    ) -> Result<Self> {
+    async fn start_new(sims: Sims, shape: Shape, config: impl FnOnce(&mut Value)) -> Result<Self> {
         let slot = LABS.acquire().await.expect("never closed");
         let env = KubeEnv::start().await?;
         for crd in manifests::crds() {
@@ -148,7 +166,7 @@ impl ProviderLab {
         capi::create_namespace(&env, NS).await?;
         capi::create_namespace(&env, SYSTEM_NS).await?;
         install_rbac(&env).await?;
-        Self::start_in(slot, env, sims, polling_as_told, config).await
+        Self::start_in(slot, env, sims, shape, config).await
     }
 
     /// [`ProviderLab::start_with`] on `env`, where siteboot's CRDs, its namespace and RBAC are
@@ -160,23 +178,32 @@ impl ProviderLab {
     ) -> Result<Self> {
         let slot = LABS.acquire().await.expect("never closed");
         capi::create_namespace(&env, NS).await?;
-        Self::start_in(slot, env, sims, false, config).await
+        Self::start_in(slot, env, sims, Shape::default(), config).await
     }
 
     async fn start_in(
         slot: tokio::sync::SemaphorePermit<'static>,
         env: KubeEnv,
         sims: Sims,
-        polling_as_told: bool,
+        shape: Shape,
         config: impl FnOnce(&mut Value),
     ) -> Result<Self> {
-        let token = service_account_token(&env).await?;
+        let token = service_account_token(&env, "siteboot").await?;
 
         let lab = appliance::lab_network("prov")?;
         let mut cfg = appliance_config();
         config(&mut cfg);
         route_subnets(&lab, &cfg)?;
-        let (forward, siteboot) = start_appliance(&env, &lab, &token, cfg)?;
+        let (forward, siteboot, boot_plane_token, controller) = if shape.split {
+            let boot_plane = service_account_token(&env, manifests::BOOT_PLANE_ACCOUNT).await?;
+            let (forward, siteboot) =
+                start_appliance_with(&env, &lab, &boot_plane, cfg, &["--role", "boot-plane"])?;
+            let controller = start_controller(&env, &lab, forward.port(), &token, &siteboot)?;
+            (forward, siteboot, Some(boot_plane), Some(controller))
+        } else {
+            let (forward, siteboot) = start_appliance(&env, &lab, &token, cfg)?;
+            (forward, siteboot, None, None)
+        };
         let workload_forward =
             LoopbackForward::start_on(&lab, env.apiserver_port(), env.apiserver_port())?;
         let ramdisk = siteboot.http_root().join("ramdisk");
@@ -217,6 +244,8 @@ impl ProviderLab {
             moved_to: None,
             env,
             token,
+            boot_plane_token,
+            controller,
             _slot: slot,
         };
         for i in 0..sims.manual {
@@ -229,7 +258,7 @@ impl ProviderLab {
                 available = lab.wait_available(started + 1 - POWER_ON_WAVE).await?;
             }
             let sim = lab.add_host(i, false).await?;
-            if polling_as_told {
+            if shape.polling_as_told {
                 sim.wait_as_told();
             }
         }
@@ -333,7 +362,7 @@ impl ProviderLab {
     /// then on the lab's Hosts and Cluster API objects are `target`'s; the Nodes stay in
     /// [`ProviderLab::env`].
     pub async fn move_to(&mut self, target: KubeEnv) -> Result<()> {
-        let token = service_account_token(&target).await?;
+        let token = service_account_token(&target, "siteboot").await?;
         let forward = LoopbackForward::start(&self.lab, target.apiserver_port())?;
         std::fs::write(
             &self.kubeconfig,
@@ -353,7 +382,17 @@ impl ProviderLab {
 
     /// A client that acts as siteboot's ServiceAccount, with exactly the RBAC siteboot ships.
     pub async fn siteboot_client(&self) -> Result<kube::Client> {
-        let yaml = service_account_kubeconfig(&self.env, self.env.apiserver_port(), &self.token)?;
+        self.client_as(&self.token).await
+    }
+
+    /// A client with the credentials of the process that serves the segment: the boot plane's
+    /// ServiceAccount when split, else siteboot's.
+    pub async fn segment_client(&self) -> Result<kube::Client> {
+        self.client_as(self.boot_plane_token.as_deref().unwrap_or(&self.token)).await
+    }
+
+    async fn client_as(&self, token: &str) -> Result<kube::Client> {
+        let yaml = service_account_kubeconfig(&self.env, self.env.apiserver_port(), token)?;
         let kubeconfig: kube::config::Kubeconfig = serde_yaml::from_str(&yaml)?;
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
         Ok(kube::Client::try_from(config)?)
@@ -676,6 +715,25 @@ fn start_appliance_with(
     Ok((forward, siteboot))
 }
 
+/// `siteboot serve --role controller` in `ns` beside the boot plane `boot_plane`, with its
+/// config, as siteboot's ServiceAccount (`token`) through the apiserver forward at `port`.
+fn start_controller(
+    env: &KubeEnv,
+    ns: &Netns,
+    port: u16,
+    token: &str,
+    boot_plane: &Appliance,
+) -> Result<Supervised> {
+    let kubeconfig = env.dir().join("siteboot-controller.kubeconfig");
+    std::fs::write(&kubeconfig, service_account_kubeconfig(env, port, token)?)?;
+    let config = env.dir().join("siteboot-controller.yaml");
+    std::fs::write(&config, boot_plane.config())?;
+    let mut command = crate::netns::exec(ns.name(), appliance::binary()?);
+    command.arg("serve").arg("--config").arg(&config).arg("--kubeconfig").arg(&kubeconfig);
+    command.args(["--role", "controller"]).env("NO_COLOR", "1");
+    Supervised::spawn("siteboot-controller", &mut command, env.dir())
+}
+
 /// Where the kubeconfig of the appliance in `ns` is written.
 fn appliance_kubeconfig(env: &KubeEnv, ns: &Netns) -> PathBuf {
     env.dir().join(format!("siteboot-{}.kubeconfig", ns.name()))
@@ -724,13 +782,13 @@ async fn install_rbac(env: &KubeEnv) -> Result<()> {
     Ok(())
 }
 
-/// A token for siteboot's ServiceAccount.
-async fn service_account_token(env: &KubeEnv) -> Result<String> {
+/// A token for the ServiceAccount `account` of siteboot's namespace.
+async fn service_account_token(env: &KubeEnv, account: &str) -> Result<String> {
     let request: TokenRequest =
         serde_json::from_value(json!({ "spec": { "audiences": [], "expirationSeconds": 86400 } }))?;
     let api = Api::<ServiceAccount>::namespaced(env.client(), SYSTEM_NS);
     let response: TokenRequest =
-        api.create_subresource("token", "siteboot", &PostParams::default(), &request).await?;
+        api.create_subresource("token", account, &PostParams::default(), &request).await?;
     response.status.and_then(|s| s.token).context("TokenRequest returned no token")
 }
 

@@ -13,7 +13,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 use siteboot_controller::crd::HostState;
 use siteboot_tests::kube::capi::wait_object;
-use siteboot_tests::provider::{ProviderLab, Sims, TAMPERED_IMAGE, image_spec};
+use siteboot_tests::provider::{NS, ProviderLab, SYSTEM_NS, Sims, TAMPERED_IMAGE, image_spec};
 
 const ROLLOUT: Duration = Duration::from_secs(300);
 
@@ -414,9 +414,11 @@ async fn a_crash_during_provisioning_or_deprovisioning_is_finished_after_restart
     assert!(hosts.iter().all(|h| h.spec.consumer_ref.is_none()), "{}", lab.describe().await);
 }
 
+/// With siteboot split as deployed: the boot plane, which serves the segment, reads no Secret
+/// of the tenant's; the controller hands it the data, and takes the copy back once delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn bootstrap_data_reaches_only_the_claimed_host_with_its_token() {
-    let lab = ProviderLab::start_with(Sims { count: 1, manual: 1 }, |config| {
+    let lab = ProviderLab::start_split(Sims { count: 1, manual: 1 }, |config| {
         config["kubernetes"]["token_max_age"] = json!("20s");
         // The intruder below is a machine with no Host: it gets a lease only with this off.
         config["dhcp"]["known_hosts_only"] = json!(false);
@@ -505,6 +507,7 @@ async fn bootstrap_data_reaches_only_the_claimed_host_with_its_token() {
         .unwrap();
     let (status, data) = sim.http("GET", "/agent/v1/bootstrap", Some(&fresh), None).unwrap();
     assert_eq!((status, data.as_str()), (200, secret_value));
+    a_taken_over_boot_plane_reads_no_tenant_secret(&lab).await;
     assert_eq!(
         sim.http("GET", "/agent/v1/bootstrap", Some(&fresh), None).unwrap().0,
         409,
@@ -524,8 +527,9 @@ async fn bootstrap_data_reaches_only_the_claimed_host_with_its_token() {
     sim.reboot();
     lab.wait_running("workers", 1, ROLLOUT).await.unwrap();
 
-    // Every refusal was logged with its reason; no token and no join secret was.
-    let log = lab.siteboot.log();
+    // Every refusal was logged with its reason; no token and no join secret was, by either
+    // process.
+    let log = lab.siteboot.log() + &lab.controller.as_ref().unwrap().log();
     for reason in
         ["no Host has this MAC", "wrong token", "bootstrap data already delivered", "token expired"]
     {
@@ -548,6 +552,42 @@ async fn bootstrap_data_reaches_only_the_claimed_host_with_its_token() {
         !events.contains("abcdef.0123456789abcdef") && !events.contains(&fresh),
         "a secret appeared in an Event"
     );
+}
+
+/// Whoever takes over the process on the segment holds its credentials: with them, the tenant's
+/// bootstrap Secret and every other Secret beyond the appliance's namespace are refused (403),
+/// and what the controller staged there is gone once delivered. The controller's credentials
+/// read the same Secret: the refusal is the split's doing, not the Secret's absence.
+async fn a_taken_over_boot_plane_reads_no_tenant_secret(lab: &ProviderLab) {
+    use k8s_openapi::api::core::v1::Secret;
+    let segment = lab.segment_client().await.unwrap();
+    let status = |result: Result<Secret, kube::Error>| match result {
+        Ok(_) => 200,
+        Err(kube::Error::Api(e)) => e.code,
+        Err(e) => panic!("{e}"),
+    };
+    let tenant = kube::Api::<Secret>::namespaced(segment.clone(), NS);
+    assert_eq!(status(tenant.get("c5-bootstrap").await), 403, "the tenant's bootstrap Secret");
+    assert!(tenant.list(&ListParams::default()).await.is_err(), "listed the tenant's Secrets");
+    let anywhere = kube::Api::<Secret>::all(segment);
+    assert!(anywhere.list(&ListParams::default()).await.is_err(), "listed every Secret");
+    let controller = kube::Api::<Secret>::namespaced(lab.siteboot_client().await.unwrap(), NS);
+    assert_eq!(status(controller.get("c5-bootstrap").await), 200, "the controller reads it");
+    let staged = kube::Api::<Secret>::namespaced(lab.env.client(), SYSTEM_NS);
+    siteboot_tests::wait::for_async("the staged copy to go", Duration::from_secs(30), || async {
+        let names: Vec<String> = staged
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .filter_map(|s| s.metadata.name)
+            .filter(|n| n.starts_with("siteboot-bootstrap-"))
+            .collect();
+        names.is_empty().then_some(())
+    })
+    .await
+    .unwrap();
 }
 
 fn step_of(host: &siteboot_controller::crd::Host) -> Option<&str> {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use kube::api::{DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
-use siteboot_controller::manifests::{CLUSTERCTL_PROVIDER, crds};
+use siteboot_controller::manifests::{BOOT_PLANE_ACCOUNT, CLUSTERCTL_PROVIDER, crds};
 use siteboot_tests::kube::KubeEnv;
 use siteboot_tests::kube::capi::{CAPI, create_namespace, wait_object};
 use siteboot_tests::kube::clusterctl::Clusterctl;
@@ -289,8 +289,14 @@ async fn check_installed_components(env: &KubeEnv) -> Result<()> {
         ("rbac.authorization.k8s.io/v1", "ClusterRole", None, "siteboot-capi-manager"),
         ("rbac.authorization.k8s.io/v1", "Role", ns, "siteboot-leader-election"),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", ns, "siteboot-leader-election"),
+        ("v1", "ServiceAccount", ns, BOOT_PLANE_ACCOUNT),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole", None, BOOT_PLANE_ACCOUNT),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", None, BOOT_PLANE_ACCOUNT),
+        ("rbac.authorization.k8s.io/v1", "Role", ns, BOOT_PLANE_ACCOUNT),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", ns, BOOT_PLANE_ACCOUNT),
         ("v1", "ConfigMap", ns, "siteboot-rack-7"),
         ("apps/v1", "Deployment", ns, "siteboot-rack-7"),
+        ("apps/v1", "Deployment", ns, "siteboot-rack-7-controller"),
         // Cluster-scoped, though clusterctl takes any kind it does not know for namespaced.
         (ADMISSION, "ValidatingAdmissionPolicy", None, "siteboot-templates-immutable"),
         (ADMISSION, "ValidatingAdmissionPolicyBinding", None, "siteboot-templates-immutable"),
@@ -310,6 +316,17 @@ async fn check_installed_components(env: &KubeEnv) -> Result<()> {
         pod["containers"][0]["securityContext"]["capabilities"]["add"]
             == json!(["NET_BIND_SERVICE", "NET_RAW"])
     );
+    // The process on the segment runs as the account that reads no tenant's Secret.
+    ensure!(pod["serviceAccountName"] == BOOT_PLANE_ACCOUNT, "{pod}");
+    let boot_plane = env
+        .api("rbac.authorization.k8s.io/v1", "ClusterRole", None)
+        .get(BOOT_PLANE_ACCOUNT)
+        .await?;
+    ensure!(!boot_plane.data["rules"].to_string().contains("secrets"), "{:?}", boot_plane.data);
+    let controller = env.api("apps/v1", "Deployment", ns).get("siteboot-rack-7-controller").await?;
+    let pod = &controller.data["spec"]["template"]["spec"];
+    ensure!(pod["serviceAccountName"] == "siteboot", "{pod}");
+    ensure!(pod["containers"][0]["image"] == "registry.example/siteboot:test", "{pod}");
     let config = env.api("v1", "ConfigMap", ns).get("siteboot-rack-7").await?;
     let config = config.data["data"]["siteboot.yaml"].as_str().context("siteboot.yaml")?.to_owned();
     for line in ["interface: eth1", "  site: rack-7", "pools: [10.99.0.100-10.99.0.199]"] {
