@@ -310,6 +310,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>, role: Role) -> Result
         timeline.clone(),
         metrics.clone(),
         neighbors.clone(),
+        inventory.clone(),
     )
     .context("starting the TFTP server")?;
     let (stop, drain) = (shutdown.clone(), config.drain_timeout);

@@ -200,7 +200,7 @@ impl Slots {
 
     /// A slot for `addr`, held until the ticket is dropped or evicted (see
     /// [`Ticket::evicted`]). Only a [`Standing::Known`] address evicts, so a holder that
-    /// admits only unknown ones (TFTP, the status page's streams) never has to watch for it.
+    /// admits only unknown ones (the status page's streams) never has to watch for it.
     pub fn admit(self: &Arc<Self>, addr: IpAddr, standing: Standing) -> Result<Ticket, Refusal> {
         let mut shared = self.inner.lock().expect("admission lock");
         let admitted = shared.admission.admit(addr, standing)?;

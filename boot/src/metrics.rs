@@ -197,6 +197,7 @@ pub struct Metrics {
     pub tftp_failed: AtomicU64,
     /// Requests refused: write requests, missing files, paths outside the root, over the cap.
     pub tftp_refused: AtomicU64,
+    pub tftp_evicted: AtomicU64,
     pub tftp_bytes: AtomicU64,
     pub tftp_active: AtomicU64,
     http_requests: [AtomicU64; HttpRoute::ALL.len()],
@@ -283,7 +284,7 @@ impl Metrics {
                 );
             }
         }
-        let scalars: [(&str, &str, &str, &AtomicU64); 16] = [
+        let scalars: [(&str, &str, &str, &AtomicU64); 17] = [
             (
                 "siteboot_dhcp_dropped_total",
                 "counter",
@@ -318,7 +319,7 @@ impl Metrics {
             (
                 "siteboot_tftp_transfers_failed_total",
                 "counter",
-                "TFTP transfers aborted (timeouts, client errors).",
+                "TFTP transfers aborted (timeouts, client errors, evictions).",
                 &self.tftp_failed,
             ),
             (
@@ -326,6 +327,12 @@ impl Metrics {
                 "counter",
                 "TFTP requests refused (writes, missing files, paths outside the root, over the transfer caps).",
                 &self.tftp_refused,
+            ),
+            (
+                "siteboot_tftp_transfers_evicted_total",
+                "counter",
+                "TFTP transfers of unknown addresses ended to give their slot to a known host's (the oldest first).",
+                &self.tftp_evicted,
             ),
             (
                 "siteboot_tftp_bytes_total",

@@ -321,6 +321,9 @@ const FLOOD_READERS: usize = 1_024;
 /// more than a 128-entry listen backlog holds (and over the per-address cap for most).
 const FLOOD_IDLE: usize = 4;
 const KNOWN_MAC: &str = "52:54:00:00:0f:10";
+/// The TFTP caps of the lab config (the defaults): 256 transfers, 8 per address.
+const TFTP_SLOTS: usize = 256;
+const TFTP_PER_ADDRESS: usize = 8;
 /// For the known host's whole exchange, connect included; it takes well under a second
 /// unflooded. The idle connections' header deadline (10 s) passes within it, so a server that
 /// only waits for them to go still fails here: the flood opens them again at once.
@@ -377,7 +380,7 @@ fn a_known_host_boots_while_many_addresses_hold_every_connection() {
     let flood = Flood::start(
         &attacker.ns,
         FloodPlan {
-            sources,
+            sources: sources.clone(),
             server: HTTP,
             readers: FLOOD_READERS,
             request: b"GET /ipxe/snponly.efi HTTP/1.1\r\nHost: 10.99.0.1\r\n\r\n".to_vec(),
@@ -424,6 +427,57 @@ fn a_known_host_boots_while_many_addresses_hold_every_connection() {
         }
         Err(e) => failures.push(format!("siteboot does not answer /metrics: {e:#}")),
     }
+    // TFTP too: the same addresses take every transfer slot (the per-address cap times 72 is
+    // more than the total) and acknowledge nothing, each with a 10 s retransmission timeout;
+    // the known host's firmware still gets iPXE, a flood transfer giving up its slot.
+    let holders: Vec<UdpSocket> = attacker
+        .ns
+        .enter(move || {
+            let mut holders = Vec::new();
+            for source in &sources {
+                for _ in 0..TFTP_PER_ADDRESS {
+                    holders.push(UdpSocket::bind((*source, 0))?);
+                }
+            }
+            Ok(holders)
+        })
+        .unwrap();
+    let rrq = b"\x00\x01undionly.kpxe\x00octet\x00timeout\x0010\x00";
+    for holder in &holders {
+        holder.send_to(rrq, SocketAddrV4::new(SERVER_IP, 69)).unwrap();
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let held = siteboot.metrics().map(|m| m.get("siteboot_tftp_transfers_active")).unwrap_or(0.0);
+    eprintln!("the flood holds {held} TFTP transfers");
+    if held < TFTP_SLOTS as f64 {
+        failures.push(format!("the flood held only {held} of {TFTP_SLOTS} TFTP transfers"));
+    }
+    let out = known.dir().join("undionly.kpxe");
+    let fetched = netns::run(known.ns.command("timeout").args([
+        "30",
+        "atftp",
+        "--get",
+        "-r",
+        "undionly.kpxe",
+        "-l",
+        out.to_str().unwrap(),
+        &SERVER_IP.to_string(),
+    ]));
+    match fetched {
+        Err(e) => failures.push(format!("the known host got no iPXE over TFTP: {e:#}")),
+        Ok(()) if std::fs::read(&out).ok() != std::fs::read("/usr/lib/ipxe/undionly.kpxe").ok() => {
+            failures.push("the known host got a different undionly.kpxe".into())
+        }
+        Ok(()) => {}
+    }
+    match siteboot.metrics() {
+        Ok(m) if m.get("siteboot_tftp_transfers_evicted_total") < 1.0 => {
+            failures.push("no flood transfer gave up its slot".into())
+        }
+        Ok(_) => {}
+        Err(e) => failures.push(format!("siteboot does not answer /metrics: {e:#}")),
+    }
+    drop(holders);
     if let Some(status) = siteboot.exited() {
         failures.push(format!("siteboot exited ({status})"));
     }

@@ -20,6 +20,7 @@ use super::transfer::{self, Limits, Send, Transfer};
 use crate::admission::{Caps, CapsError, Refusal, Slots, Standing};
 use crate::backoff::Backoff;
 use crate::files::{FileError, FileRoot};
+use crate::inventory::Inventory;
 use crate::metrics::Metrics;
 use crate::neighbors::Neighbors;
 use crate::timeline::{Stage, Timeline};
@@ -112,6 +113,8 @@ pub struct TftpServer {
     timeline: Arc<Timeline>,
     metrics: Arc<Metrics>,
     neighbors: Arc<Neighbors>,
+    /// Which MACs are the site's hosts: their transfers go first once every slot is taken.
+    inventory: Arc<dyn Inventory>,
 }
 
 /// The largest request we read: RFC 2347 limits a request to 512 bytes.
@@ -125,6 +128,7 @@ impl TftpServer {
         timeline: Arc<Timeline>,
         metrics: Arc<Metrics>,
         neighbors: Arc<Neighbors>,
+        inventory: Arc<dyn Inventory>,
     ) -> Result<Self, SetupError> {
         let ipxe_root = FileRoot::open(binaries.dir())?;
         let root = settings.root.as_deref().map(FileRoot::open).transpose()?;
@@ -140,6 +144,7 @@ impl TftpServer {
             timeline,
             metrics,
             neighbors,
+            inventory,
         })
     }
 
@@ -217,8 +222,19 @@ impl TftpServer {
         if !self.active.lock().expect("active lock").insert(from) {
             return; // a retransmitted request for a transfer already running
         }
-        // Unknown for all: TFTP transfers are not evicted (they end on their own timeout).
-        let slot = match self.slots.admit(IpAddr::V4(*from.ip()), Standing::Unknown) {
+        let addr = IpAddr::V4(*from.ip());
+        let admitted = match self.slots.admit(addr, Standing::Unknown) {
+            // Every slot is taken: a host of the site takes the oldest unknown transfer's (many
+            // addresses together must not keep its firmware from iPXE). Its standing is looked
+            // up only now: it may read the ARP table, which most requests must not cost.
+            Err(Refusal::Full(_)) => {
+                let holder = self.neighbors.mac_of(*from.ip());
+                let standing = Standing::of(false, holder, |mac| self.inventory.knows(mac));
+                self.slots.admit(addr, standing)
+            }
+            other => other,
+        };
+        let slot = match admitted {
             Ok(slot) => slot,
             Err(refusal) => {
                 self.active.lock().expect("active lock").remove(&from);
@@ -257,7 +273,16 @@ impl TftpServer {
         let (metrics, timeline, active, limits) =
             (self.metrics.clone(), self.timeline.clone(), self.active.clone(), self.limits);
         self.transfers.spawn(async move {
-            let result = send_file(&socket, &file, size, &negotiated, &limits, &metrics).await;
+            let sent = send_file(&socket, &file, size, &negotiated, &limits, &metrics);
+            let result = tokio::select! {
+                result = sent => result,
+                () = slot.evicted().cancelled() => {
+                    Metrics::add(&metrics.tftp_evicted, 1);
+                    let busy = packet::error(ErrorCode::NotDefined, "server busy, try again");
+                    let _ = socket.send(&busy).await;
+                    Err(TransferError::Evicted)
+                }
+            };
             active.lock().expect("active lock").remove(&from);
             metrics.tftp_active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             match (&result, mac) {
@@ -308,6 +333,8 @@ async fn transfer_socket(address: Ipv4Addr, client: SocketAddrV4) -> std::io::Re
 enum TransferError {
     #[error("no ACK after {0} retransmissions")]
     Timeout(u32),
+    #[error("its slot went to a host of the site (every transfer slot was taken)")]
+    Evicted,
     #[error("client sent error {code}: {message}")]
     Client { code: u16, message: String },
     #[error("{0}")]
@@ -373,8 +400,23 @@ async fn send_file(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::MacAddr;
+    use crate::inventory::{BootAction, BootRequest, BoxFuture};
 
     const BLOCK: usize = 512;
+
+    /// An inventory that knows one MAC, or none.
+    struct Knows(Option<MacAddr>);
+
+    impl Inventory for Knows {
+        fn boots(&self, mac: MacAddr) -> bool {
+            self.0 == Some(mac)
+        }
+
+        fn boot_action(&self, _: BootRequest) -> BoxFuture<'_, Option<BootAction>> {
+            Box::pin(async { None })
+        }
+    }
 
     fn rrq(name: &str) -> Vec<u8> {
         [&[0, 1][..], name.as_bytes(), &[0], b"octet", &[0]].concat()
@@ -407,7 +449,8 @@ mod tests {
             Arc::new(IpxeBinaries::discover(dir.path())),
             Arc::new(Timeline::new()),
             Arc::new(Metrics::new()),
-            Arc::new(Neighbors::from_arp(Vec::<(Ipv4Addr, crate::MacAddr)>::new())),
+            Arc::new(Neighbors::from_arp(Vec::<(Ipv4Addr, MacAddr)>::new())),
+            Arc::new(Knows(None)),
         )
         .unwrap();
         let listener = UdpSocket::bind("127.0.0.1:0").await.unwrap();
@@ -443,6 +486,74 @@ mod tests {
             .await
             .expect("the server returns once the transfer is done")
             .unwrap();
+    }
+
+    /// Every slot held by transfers nobody acknowledges, from two addresses: a third unknown
+    /// address is refused, a host of the site takes the oldest one's slot (its client is told
+    /// so), and gets its file.
+    #[tokio::test]
+    async fn a_known_host_takes_the_slot_of_the_oldest_unknown_transfer_when_all_are_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("undionly.kpxe"), vec![7u8; 100]).unwrap();
+        let settings = TftpSettings {
+            ipxe_dir: dir.path().to_owned(),
+            max_transfers: 2,
+            max_transfers_per_address: 1,
+            ..TftpSettings::default()
+        };
+        let known: MacAddr = "52:54:00:00:00:01".parse().unwrap();
+        let host = Ipv4Addr::new(127, 0, 0, 9);
+        let metrics = Arc::new(Metrics::new());
+        let server = TftpServer::new(
+            Ipv4Addr::LOCALHOST,
+            &settings,
+            Arc::new(IpxeBinaries::discover(dir.path())),
+            Arc::new(Timeline::new()),
+            metrics.clone(),
+            Arc::new(Neighbors::from_arp(vec![(host, known)])),
+            Arc::new(Knows(Some(known))),
+        )
+        .unwrap();
+        let listener = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        tokio::spawn(server.run(listener, shutdown.clone(), Duration::from_secs(1)));
+
+        let mut holders = Vec::new();
+        for last in [2, 3] {
+            let holder = UdpSocket::bind((Ipv4Addr::new(127, 0, 0, last), 0)).await.unwrap();
+            holder.send_to(&rrq("undionly.kpxe"), port).await.unwrap();
+            assert_eq!(data(&holder).await.0, 1, "127.0.0.{last} holds a slot");
+            holders.push(holder);
+        }
+        let stranger = UdpSocket::bind("127.0.0.4:0").await.unwrap();
+        stranger.send_to(&rrq("undionly.kpxe"), port).await.unwrap();
+        assert_eq!(first_packet(&stranger).await[..2], [0, 5], "an unknown third is refused");
+
+        let client = UdpSocket::bind((host, 0)).await.unwrap();
+        client.send_to(&rrq("undionly.kpxe"), port).await.unwrap();
+        let (block, len, transfer) = data(&client).await;
+        assert_eq!((block, len), (1, 100));
+        client.send_to(&ack(1), transfer).await.unwrap();
+        // The oldest holder's transfer ended, with an error saying why; the other's runs on.
+        let ended = loop {
+            let packet = first_packet(&holders[0]).await;
+            if packet[..2] == [0, 5] {
+                break packet;
+            }
+        };
+        assert!(String::from_utf8_lossy(&ended).contains("server busy"));
+        assert_eq!(metrics.tftp_evicted.load(std::sync::atomic::Ordering::Relaxed), 1);
+        shutdown.cancel();
+    }
+
+    async fn first_packet(socket: &UdpSocket) -> Vec<u8> {
+        let mut buf = [0u8; 600];
+        let n = tokio::time::timeout(Duration::from_secs(5), socket.recv(&mut buf))
+            .await
+            .expect("a packet in time")
+            .unwrap();
+        buf[..n].to_vec()
     }
 
     /// Whether more DATA follows after `received` bytes (the last block is short).
