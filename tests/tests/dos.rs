@@ -171,25 +171,8 @@ fn a_vm_boots_while_the_segment_attacks_siteboot() {
     let mut vm = Vm::start(&ns, VmConfig::new("dos", Firmware::Bios, VM_MAC, &tap)).unwrap();
 
     // A real TFTP client (a UEFI host's first stage) still gets iPXE.
-    let out = booting.dir().join("undionly.kpxe");
-    let fetched = netns::run(booting.ns.command("timeout").args([
-        "30",
-        "atftp",
-        "--get",
-        "-r",
-        "undionly.kpxe",
-        "-l",
-        out.to_str().unwrap(),
-        &SERVER_IP.to_string(),
-    ]));
-    match fetched {
-        Err(e) => failures.push(format!("a real TFTP client got no iPXE: {e:#}")),
-        Ok(()) => {
-            let want = std::fs::read("/usr/lib/ipxe/undionly.kpxe").unwrap();
-            if std::fs::read(&out).unwrap_or_default() != want {
-                failures.push("the TFTP client got a different undionly.kpxe".into());
-            }
-        }
+    if let Err(e) = fetch_ipxe(&booting) {
+        failures.push(format!("a real TFTP client: {e:#}"));
     }
 
     // The server closes what stalls, within its deadlines.
@@ -452,23 +435,8 @@ fn a_known_host_boots_while_many_addresses_hold_every_connection() {
     if held < TFTP_SLOTS as f64 {
         failures.push(format!("the flood held only {held} of {TFTP_SLOTS} TFTP transfers"));
     }
-    let out = known.dir().join("undionly.kpxe");
-    let fetched = netns::run(known.ns.command("timeout").args([
-        "30",
-        "atftp",
-        "--get",
-        "-r",
-        "undionly.kpxe",
-        "-l",
-        out.to_str().unwrap(),
-        &SERVER_IP.to_string(),
-    ]));
-    match fetched {
-        Err(e) => failures.push(format!("the known host got no iPXE over TFTP: {e:#}")),
-        Ok(()) if std::fs::read(&out).ok() != std::fs::read("/usr/lib/ipxe/undionly.kpxe").ok() => {
-            failures.push("the known host got a different undionly.kpxe".into())
-        }
-        Ok(()) => {}
+    if let Err(e) = fetch_ipxe(&known) {
+        failures.push(format!("the known host's firmware: {e:#}"));
     }
     match siteboot.metrics() {
         Ok(m) if m.get("siteboot_tftp_transfers_evicted_total") < 1.0 => {
@@ -483,6 +451,28 @@ fn a_known_host_boots_while_many_addresses_hold_every_connection() {
     }
     drop(flood);
     assert!(failures.is_empty(), "{} checks failed:\n- {}", failures.len(), failures.join("\n- "));
+}
+
+/// `undionly.kpxe` over TFTP with a real client (atftp), as `client`'s firmware fetches it;
+/// checked against the file served.
+fn fetch_ipxe(client: &ClientHost) -> anyhow::Result<()> {
+    let out = client.dir().join("undionly.kpxe");
+    netns::run(client.ns.command("timeout").args([
+        "30",
+        "atftp",
+        "--get",
+        "-r",
+        "undionly.kpxe",
+        "-l",
+        out.to_str().unwrap(),
+        &SERVER_IP.to_string(),
+    ]))
+    .map_err(|e| e.context("no iPXE over TFTP"))?;
+    anyhow::ensure!(
+        std::fs::read(&out)? == std::fs::read("/usr/lib/ipxe/undionly.kpxe")?,
+        "got a different undionly.kpxe"
+    );
+    Ok(())
 }
 
 fn outcome(result: &anyhow::Result<(u16, Vec<u8>)>) -> String {
