@@ -308,7 +308,30 @@ pub fn rbac(namespace: &str, secrets: &SecretAccess) -> Vec<Value> {
     ));
     objects.extend(secret_roles);
     objects.extend(boot_plane_rbac(namespace));
+    objects.push(host_operator_role());
     objects
+}
+
+/// Who may register hardware in a pool namespace (`kubernetes.host_namespaces`) decides what its
+/// tenants' machines and join data go to: this ClusterRole is for operators, bound with a
+/// RoleBinding in each pool namespace (never to a tenant). It aggregates to no built-in role, so
+/// a namespace's `admin` or `edit` grants no Host rights.
+pub const HOST_OPERATOR_ROLE: &str = "siteboot-host-operator";
+
+fn host_operator_role() -> Value {
+    json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": { "name": HOST_OPERATOR_ROLE },
+        "rules": [
+            { "apiGroups": ["siteboot.dev"], "resources": ["hosts"],
+              "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"] },
+            { "apiGroups": ["siteboot.dev"], "resources": ["hosts/status"],
+              "verbs": ["get", "list", "watch"] },
+            // BMC credentials live beside the Hosts that name them.
+            { "apiGroups": [""], "resources": ["secrets"],
+              "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"] },
+        ],
+    })
 }
 
 /// A Role in `namespace` and its RoleBinding to `account` there.
@@ -860,10 +883,12 @@ mod tests {
 
     #[test]
     fn secrets_are_readable_only_where_machines_are_served() {
-        // Beyond its own namespace (`sys`), where bootstrap data is handed to the boot plane.
+        // Beyond its own namespace (`sys`), where bootstrap data is handed to the boot plane;
+        // the operators' role is bound by operators, in pool namespaces only.
         let grants = |access| {
             rbac("sys", &access)
                 .into_iter()
+                .filter(|o| o["metadata"]["name"] != HOST_OPERATOR_ROLE)
                 .filter(|o| o.to_string().contains("\"secrets\""))
                 .map(|o| format!("{} {}", o["kind"], o["metadata"]["namespace"]))
                 .filter(|grant| grant != r#""Role" "sys""#)

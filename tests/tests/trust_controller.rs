@@ -15,6 +15,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use siteboot_controller::crd::{ConsumerRef, Host, HostSpec, HostState, SITE_LABEL};
+use siteboot_controller::manifests;
 use siteboot_tests::provider::{NS, ProviderLab, SITE, Sims, image_spec};
 use siteboot_tests::sim::SimHost;
 use siteboot_tests::wait;
@@ -182,6 +183,14 @@ async fn host_editors_and_replays_get_no_join_secrets_and_used_hosts_are_wiped()
     assert!(!log.contains("abcdef.0123456789abcdef") && !log.contains("cluster-admin"));
 }
 
+/// Registers a Host (of no site siteboot serves) in the pool as `user`.
+async fn register(lab: &ProviderLab, user: &str, name: &str) -> Result<Host, kube::Error> {
+    let client = lab.env.client_as_user(user).await.unwrap();
+    let mut host = Host::new(name, HostSpec::new("52:54:00:00:0e:01"));
+    host.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), "elsewhere".to_owned())]));
+    Api::<Host>::namespaced(client, NS).create(&PostParams::default(), &host).await
+}
+
 async fn wait_new_token(sim: &SimHost, old: Option<&str>) -> String {
     wait::for_async("a new ramdisk token", STEP, || async {
         sim.token().filter(|t| Some(t.as_str()) != old)
@@ -222,6 +231,40 @@ async fn a_tenant_takes_hosts_only_from_its_pools_and_a_copied_mac_disables_only
     for tenant in ["team-a", "team-b"] {
         siteboot_tests::kube::capi::create_namespace(&lab.env, tenant).await.unwrap();
     }
+
+    // Who may register hardware in the pool: the shipped operator role, bound there to alice;
+    // bob, admin of team-b (the built-in role, bound in his namespace), may not.
+    let binding = |ns: &str, role: (&str, &str), user: &str| {
+        serde_json::from_value::<kube::api::DynamicObject>(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": { "name": format!("{user}-{}", role.1), "namespace": ns },
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": role.0, "name": role.1 },
+            "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user }],
+        }))
+        .unwrap()
+    };
+    let bindings = |ns: &str| {
+        Api::<kube::api::DynamicObject>::namespaced_with(
+            lab.env.client(),
+            ns,
+            &kube::discovery::ApiResource::erase::<k8s_openapi::api::rbac::v1::RoleBinding>(&()),
+        )
+    };
+    let operator = ("ClusterRole", manifests::HOST_OPERATOR_ROLE);
+    bindings(NS).create(&PostParams::default(), &binding(NS, operator, "alice")).await.unwrap();
+    let admin = ("ClusterRole", "admin");
+    bindings("team-b")
+        .create(&PostParams::default(), &binding("team-b", admin, "bob"))
+        .await
+        .unwrap();
+    match register(&lab, "bob", "bobs").await {
+        Err(kube::Error::Api(e)) if e.code == 403 => {}
+        other => panic!("a tenant's admin registered hardware in the pool: {other:?}"),
+    }
+    register(&lab, "alice", "alices")
+        .await
+        .expect("the operator role registers hardware in the pool");
+    hosts.delete("alices", &DeleteParams::default()).await.unwrap();
 
     // team-b's Host with the pool host's boot MAC: only the copy is flagged, and its condition
     // names nothing of the pool's namespace.

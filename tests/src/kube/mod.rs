@@ -128,6 +128,16 @@ impl KubeEnv {
         self.client.clone()
     }
 
+    /// A client that acts as `user` (the admin impersonating it), with only the rights RBAC
+    /// grants that user.
+    pub async fn client_as_user(&self, user: &str) -> anyhow::Result<Client> {
+        let kubeconfig: kube::config::Kubeconfig = serde_yaml::from_str(&self.admin_kubeconfig)?;
+        let mut config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+        config.auth_info.impersonate = Some(user.to_owned());
+        Ok(Client::try_from(config)?)
+    }
+
     /// The admin kubeconfig file, for programs under test (for example `siteboot --kubeconfig`).
     pub fn kubeconfig_path(&self) -> &Path {
         &self.kubeconfig_path
