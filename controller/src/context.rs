@@ -225,7 +225,9 @@ pub enum Error {
 /// How a reconciler treats an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
-    /// Conflict, throttling, timeout, a 5xx or a broken connection: retry soon, backing off.
+    /// Conflict, throttling, timeout, a 5xx or a broken connection, or an object that went
+    /// between the read and the write (404, 410: the watch brings the change): retry soon,
+    /// backing off.
     Transient,
     /// The API server refused the request (403, 422, 400 ...): retrying at once would loop on
     /// the same answer; say so on the object and look again slowly.
@@ -241,7 +243,7 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         let (Error::Kube(e) | Error::Workload { source: e, .. }) = self;
         match e {
-            kube::Error::Api(e) if e.code == 409 || e.code == 429 || e.code >= 500 => {
+            kube::Error::Api(e) if matches!(e.code, 404 | 409 | 410 | 429) || e.code >= 500 => {
                 ErrorKind::Transient
             }
             kube::Error::Api(_) => ErrorKind::Refused,
@@ -370,4 +372,26 @@ pub async fn update_host_status<E>(
 
 pub fn host_key(host: &Host) -> String {
     format!("{}/{}", host.namespace().unwrap_or_default(), host.name_any())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_what_retrying_cannot_change_is_a_refusal() {
+        let api = |code: u16| {
+            let status = kube::core::Status::failure("", "").with_code(code);
+            Error::Kube(kube::Error::Api(Box::new(status)))
+        };
+        for code in [404, 409, 410, 429, 500, 503] {
+            assert_eq!(api(code).kind(), ErrorKind::Transient, "{code}");
+        }
+        for code in [400, 401, 403, 422] {
+            assert_eq!(api(code).kind(), ErrorKind::Refused, "{code}");
+        }
+        let backoff = Backoff::default();
+        assert_eq!(backoff.retry_after("h", &api(404)), Duration::from_secs(1), "soon");
+        assert_eq!(backoff.retry_after("h", &api(403)), REFUSED_RETRY);
+    }
 }
