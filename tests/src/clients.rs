@@ -770,17 +770,8 @@ impl AckCapture {
     /// Starts capturing server-to-client DHCP on `iface` in `ns`; returns once tcpdump listens.
     pub fn start(ns: &Netns, iface: &str) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("siteboot-capture-").tempdir()?;
-        let mut command = ns.command("tcpdump");
-        command.args(["-i", iface, "-n", "-l", "-vv", "udp src port 67"]);
-        let process = Supervised::spawn("tcpdump", &mut command, dir.path())?;
-        let capture = Self { process, _dir: dir };
-        crate::wait::until(
-            "tcpdump to listen",
-            Duration::from_secs(10),
-            Duration::from_millis(50),
-            || capture.process.log().contains("listening on").then_some(()),
-        )?;
-        Ok(capture)
+        let process = tcpdump(ns, &dir, &["-i", iface, "-n", "-l", "-vv", "udp src port 67"])?;
+        Ok(Self { process, _dir: dir })
     }
 
     /// Every DHCPACK so far, as (client MAC, address), in order.
@@ -792,7 +783,8 @@ impl AckCapture {
 /// `tcpdump` writing the packets on an interface of a namespace that match a filter to a file,
 /// to search them for what must never cross the wire in clear.
 pub struct PacketCapture {
-    process: Supervised,
+    /// tcpdump, stopped when the capture is dropped.
+    _process: Supervised,
     file: PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -803,23 +795,27 @@ impl PacketCapture {
     pub fn start(ns: &Netns, iface: &str, filter: &str) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("siteboot-capture-").tempdir()?;
         let file = dir.path().join("capture.pcap");
-        let mut command = ns.command("tcpdump");
-        command.args(["-i", iface, "-n", "-U", "-s", "0", "-w"]).arg(&file).arg(filter);
-        let process = Supervised::spawn("tcpdump", &mut command, dir.path())?;
-        let capture = Self { process, file, _dir: dir };
-        crate::wait::until(
-            "tcpdump to listen",
-            Duration::from_secs(10),
-            Duration::from_millis(50),
-            || capture.process.log().contains("listening on").then_some(()),
-        )?;
-        Ok(capture)
+        let path = file.to_str().context("a UTF-8 temporary path")?;
+        let process = tcpdump(ns, &dir, &["-i", iface, "-n", "-U", "-s", "0", "-w", path, filter])?;
+        Ok(Self { _process: process, file, _dir: dir })
     }
 
     /// Every byte captured so far, packet headers included.
     pub fn bytes(&self) -> Result<Vec<u8>> {
         Ok(std::fs::read(&self.file)?)
     }
+}
+
+/// `tcpdump args` in `ns`, its output logged in `dir`; returns once it listens.
+fn tcpdump(ns: &Netns, dir: &tempfile::TempDir, args: &[&str]) -> Result<Supervised> {
+    let process = Supervised::spawn("tcpdump", ns.command("tcpdump").args(args), dir.path())?;
+    crate::wait::until(
+        "tcpdump to listen",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || process.log().contains("listening on").then_some(()),
+    )?;
+    Ok(process)
 }
 
 /// Reads tcpdump's verbose BOOTP output: a packet starts on an unindented line; an ACK has a

@@ -381,7 +381,8 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
             ensure!(members == 1, "the BMC's CD trusts {members} certificates: {trusted}");
         }
         Some(capture) => {
-            let seen = tokens(&domain.console()).into_iter().any(|t| captured(capture, t));
+            let bytes = capture.bytes()?;
+            let seen = tokens(&domain.console()).into_iter().any(|t| captured(&bytes, t));
             ensure!(seen, "the control: no token of a network boot is in the capture");
         }
         None => {}
@@ -610,11 +611,11 @@ fn media_only(domain: &Domain, capture: &PacketCapture) -> Result<()> {
     ensure!(!console.contains("iPXE"), "the VM booted iPXE from the network");
     let tokens = tokens(&console);
     ensure!(!tokens.is_empty(), "no siteboot.token= on the kernel command line");
-    let size = capture.bytes()?.len();
-    ensure!(size > 10_000, "the capture holds {size} bytes only");
+    let bytes = capture.bytes()?;
+    ensure!(bytes.len() > 10_000, "the capture holds {} bytes only", bytes.len());
     for token in tokens {
         ensure!(
-            !captured(capture, token),
+            !captured(&bytes, token),
             "a token the VM booted with crossed the segment in clear"
         );
     }
@@ -626,9 +627,8 @@ fn tokens(console: &str) -> std::collections::BTreeSet<&str> {
     console.split_whitespace().filter_map(|w| w.strip_prefix("siteboot.token=")).collect()
 }
 
-/// Whether `token` is in the capture's bytes.
-fn captured(capture: &PacketCapture, token: &str) -> bool {
-    let bytes = capture.bytes().unwrap_or_default();
+/// Whether `token` is in a capture's bytes.
+fn captured(bytes: &[u8], token: &str) -> bool {
     bytes.windows(token.len()).any(|w| w == token.as_bytes())
 }
 

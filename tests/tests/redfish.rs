@@ -33,6 +33,7 @@ use siteboot_tests::appliance::{self, Appliance};
 use siteboot_tests::initramfs;
 use siteboot_tests::provider::{NS, ProviderLab, SITE};
 use siteboot_tests::redfish::{Libvirt, Sushy, SushyOptions, free_port};
+use siteboot_tests::tls::SelfSigned;
 
 const USER: (&str, &str) = ("admin", "correct horse");
 /// From power-on to the callback: ~30 s under TCG here; generous for CI.
@@ -343,20 +344,7 @@ struct IsoServer {
 
 impl IsoServer {
     fn start(body: &'static [u8]) -> Self {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".into()])
-            .unwrap()
-            .self_signed(&key)
-            .unwrap();
-        let key = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![cert.der().clone()], key)
-            .unwrap();
-        let config = Arc::new(config);
+        let SelfSigned { certificate, config } = SelfSigned::new("127.0.0.1").unwrap();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
         let url = format!("https://{}/media/test.iso", listener.local_addr().unwrap());
@@ -398,7 +386,7 @@ impl IsoServer {
                 let _ = std::io::Write::flush(&mut tls);
             }
         });
-        Self { url, certificate: cert.pem(), served, stop }
+        Self { url, certificate, served, stop }
     }
 
     fn served(&self) -> usize {

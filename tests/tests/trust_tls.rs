@@ -25,6 +25,7 @@ use siteboot_tests::netns::{self, Netns};
 use siteboot_tests::process::Supervised;
 use siteboot_tests::provider::{ProviderLab, Sims};
 use siteboot_tests::sim::{self, SimHost};
+use siteboot_tests::tls::SelfSigned;
 
 const ROLLOUT: Duration = Duration::from_secs(300);
 const JOIN_TOKEN: &str = "abcdef.0123456789abcdef";
@@ -222,20 +223,8 @@ impl Rogue {
     /// Listens on `addr` inside `ns` and serves the first connection (or gives up after 10 s).
     fn start(ns: &Netns, addr: SocketAddrV4) -> Self {
         let listener = ns.enter(move || Ok(TcpListener::bind(addr)?)).unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec![addr.ip().to_string()])
-            .unwrap()
-            .self_signed(&key)
-            .unwrap();
-        let key = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![cert.der().clone()], key)
-            .unwrap();
-        let thread = std::thread::spawn(move || serve(listener, Arc::new(config)));
+        let config = SelfSigned::new(&addr.ip().to_string()).unwrap().config;
+        let thread = std::thread::spawn(move || serve(listener, config));
         Self { thread }
     }
 
