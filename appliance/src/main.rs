@@ -179,86 +179,61 @@ enum LogFormat {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
-    match cli.command {
-        Command::CheckConfig { file } => match check_config(&file) {
-            Ok((config, media)) => {
-                let media = match media {
-                    Some(media) => format!(", boot media of {} bytes", media.file_len()),
-                    None => String::new(),
-                };
-                println!(
-                    "{}: ok ({} DHCP, {} known hosts, iPXE binaries for {}{media})",
-                    file.display(),
-                    format!("{:?}", config.dhcp.mode).to_lowercase(),
-                    config.inventory.known_hosts(),
-                    config
-                        .binaries
-                        .platforms()
-                        .map(|p| p.to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::FAILURE
-            }
-        },
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs one command; its error is what `main` prints before exiting with failure.
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::CheckConfig { file } => {
+            let (config, media) = check_config(&file)?;
+            let media = match media {
+                Some(media) => format!(", boot media of {} bytes", media.file_len()),
+                None => String::new(),
+            };
+            println!(
+                "{}: ok ({} DHCP, {} known hosts, iPXE binaries for {}{media})",
+                file.display(),
+                format!("{:?}", config.dhcp.mode).to_lowercase(),
+                config.inventory.known_hosts(),
+                config.binaries.platforms().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+            );
+            Ok(())
+        }
         Command::Probe { config, check } => {
-            match Config::load(&config)
-                .map_err(anyhow::Error::from)
-                .and_then(|c| probe((c.address, c.http.port).into(), &check))
-            {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+            let config = Config::load(&config)?;
+            probe((config.address, config.http.port).into(), &check)
         }
         Command::Image { config, command } => {
-            let run = || -> anyhow::Result<()> {
-                let config = Config::load(&config)?;
-                match command {
-                    ImageCommand::Pull { url, sha256 } => image::pull(&config, &url, &sha256),
-                    ImageCommand::List => image::list(&config),
-                    ImageCommand::Rm { digest } => image::rm(&config, &digest),
-                }
-            };
-            match run() {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::FAILURE
-                }
+            let config = Config::load(&config)?;
+            match command {
+                ImageCommand::Pull { url, sha256 } => image::pull(&config, &url, &sha256),
+                ImageCommand::List => image::list(&config),
+                ImageCommand::Rm { digest } => image::rm(&config, &digest),
             }
         }
         Command::Host { config, timeout, command } => {
             use siteboot_controller::crd::OperationKind;
-            let run = || -> anyhow::Result<()> {
-                let config = Config::load(&config)?;
-                let dir = &config.state_dir;
-                match command {
-                    HostCommand::List => host::list(dir),
-                    HostCommand::Inspect { name } => {
-                        host::run(dir, &name, OperationKind::Inspect, timeout)
-                    }
-                    HostCommand::Provision { name } => {
-                        host::run(dir, &name, OperationKind::Provision, timeout)
-                    }
-                    HostCommand::Deprovision { name } => {
-                        host::run(dir, &name, OperationKind::Deprovision, timeout)
-                    }
-                    HostCommand::Cancel { name } => host::cancel(dir, &name),
+            let config = Config::load(&config)?;
+            let dir = &config.state_dir;
+            match command {
+                HostCommand::List => host::list(dir),
+                HostCommand::Inspect { name } => {
+                    host::run(dir, &name, OperationKind::Inspect, timeout)
                 }
-            };
-            match run() {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::FAILURE
+                HostCommand::Provision { name } => {
+                    host::run(dir, &name, OperationKind::Provision, timeout)
                 }
+                HostCommand::Deprovision { name } => {
+                    host::run(dir, &name, OperationKind::Deprovision, timeout)
+                }
+                HostCommand::Cancel { name } => host::cancel(dir, &name),
             }
         }
         Command::Manifests { output_dir, image, namespace, machine_namespaces, all_namespaces } => {
@@ -269,44 +244,26 @@ fn main() -> ExitCode {
             } else {
                 SecretAccess::Namespaces(machine_namespaces)
             };
-            match manifests(output_dir, &namespace, &secrets, &image) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+            manifests(output_dir, &namespace, &secrets, &image)
         }
         Command::Serve { config, kubeconfig, site, identity, role } => {
-            let config = match Config::load(&config) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
+            let config = Config::load(&config)?;
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-            let run = async {
+            let served = runtime.block_on(async {
                 let kube = kube_mode(&config, kubeconfig, site, identity).await?;
                 match (role, kube) {
+                    (serve::Role::All, kube) => serve::serve(config, kube, role).await,
+                    (_, None) => anyhow::bail!(
+                        "--role {role} splits Kubernetes mode: give the config a kubernetes: section or --site"
+                    ),
+                    (serve::Role::BootPlane, kube) => serve::serve(config, kube, role).await,
                     (serve::Role::Controller, Some(kube)) => {
                         serve::serve_controller(config, kube).await
                     }
-                    (serve::Role::All, kube) => serve::serve(config, kube, role).await,
-                    (_, None) => anyhow::bail!(
-                        "--role {role:?} splits Kubernetes mode: give the config a kubernetes: section or --site"
-                    ),
-                    (serve::Role::BootPlane, kube) => serve::serve(config, kube, role).await,
                 }
-            };
-            match runtime.block_on(run) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    tracing::error!("{e:#}");
-                    eprintln!("error: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+            });
+            // In the log too: an appliance's stderr is often only its log.
+            served.inspect_err(|e| tracing::error!("{e:#}"))
         }
     }
 }

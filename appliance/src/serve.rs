@@ -58,6 +58,14 @@ pub enum Role {
     Controller,
 }
 
+impl std::fmt::Display for Role {
+    /// As `--role` spells it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = clap::ValueEnum::to_possible_value(self).expect("no role is hidden");
+        f.write_str(value.get_name())
+    }
+}
+
 /// The context the Kubernetes side runs with, from the config. Fails unless the config has a
 /// `kubernetes:` section and the CRDs are installed.
 async fn context(
