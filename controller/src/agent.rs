@@ -21,7 +21,7 @@ use siteboot_boot::arp_probe::Unconfirmed;
 use siteboot_boot::inventory::{AgentRequest, AgentResponse};
 
 use crate::conditions::paused_itself;
-use crate::context::{Ctx, host_key, owner_machine_ref, update_host_status};
+use crate::context::{Ctx, key, owner_machine_ref, update_host_status};
 use crate::crd::capi::Machine;
 use crate::crd::{
     ByteCount, Hardware, Host, HostState, Image, MachineAddress, Operation, OperationKind,
@@ -274,7 +274,7 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
             let (url, size) = match readiness {
                 Readiness::Ready { url, size } => (url, size),
                 Readiness::Fetching { why } => {
-                    tracing::info!(host = %host_key(&host), operation = %op.id, %why, "the ramdisk waits for its image");
+                    tracing::info!(host = %key(&host), operation = %op.id, %why, "the ramdisk waits for its image");
                     return Ok(AgentResponse::json(&json!({ "action": "wait", "seconds": 5 })));
                 }
                 Readiness::Failed { why } => {
@@ -335,7 +335,7 @@ async fn hand_out(
     .await??;
     match written {
         Some(_) => {
-            tracing::info!(host = %host_key(host), operation = %op.id, image = %image.url, "provisioning handed out");
+            tracing::info!(host = %key(host), operation = %op.id, image = %image.url, "provisioning handed out");
             Ok(image)
         }
         // Someone else's hand-out won: use what it froze.
@@ -498,7 +498,7 @@ async fn finish(
             .and_then(|s| crate::crd::condition(&s.conditions, crate::conditions::READY))
             .map(|c| c.reason.clone())
             .unwrap_or_default();
-        tracing::info!(host = %host_key(&host), ?kind, ok, state = ?state, "ramdisk finished an operation");
+        tracing::info!(host = %key(&host), ?kind, ok, state = ?state, "ramdisk finished an operation");
         ctx.event(
             &host,
             !ok,
@@ -593,11 +593,11 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
     };
     // The controller hands the data over in the appliance's namespace: the boot plane reads no
     // Secret of the tenant's (see `handoff`).
-    let expected = Staged { host: host_key(&host), operation: op.id.clone() };
+    let expected = Staged { host: key(&host), operation: op.id.clone() };
     let machine_uid = bound.metadata.uid.unwrap_or_default();
     let Some(data) = handoff::read(&ctx.client, &ctx.namespace, &machine_uid, &expected).await?
     else {
-        tracing::info!(host = %host_key(&host), operation = %op.id, "bootstrap data not handed over yet");
+        tracing::info!(host = %key(&host), operation = %op.id, "bootstrap data not handed over yet");
         return Ok(AgentResponse::text(
             StatusCode::SERVICE_UNAVAILABLE,
             "bootstrap data not ready\n",
@@ -624,7 +624,7 @@ async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failu
         Ok(Some(status))
     })
     .await??;
-    tracing::info!(host = %host_key(&host), operation = %op.id, format = %data.format, "bootstrap data delivered");
+    tracing::info!(host = %key(&host), operation = %op.id, format = %data.format, "bootstrap data delivered");
     let content_type = if data.format == "ignition" {
         "application/vnd.coreos.ignition+json"
     } else {

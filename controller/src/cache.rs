@@ -12,7 +12,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 use siteboot_boot::MacAddr;
 
-use crate::context::host_key;
+use crate::context::key;
 use crate::crd::Host;
 use crate::pools::HostPools;
 
@@ -106,7 +106,7 @@ fn insert(map: &mut ByMac, host: Host) {
     let hosts = map.entry(mac).or_default();
     hosts.retain(|h| h.uid() != host.uid());
     if let Some(other) = hosts.first() {
-        tracing::error!(%mac, host = %host_key(&host), other = %host_key(other), "two Hosts share a boot MAC; only the one that owns it boots or is claimed");
+        tracing::error!(%mac, host = %key(&host), other = %key(&**other), "two Hosts share a boot MAC; only the one that owns it boots or is claimed");
     }
     hosts.push(Arc::new(host));
 }
@@ -147,18 +147,18 @@ mod tests {
         let add = |h: &Host| insert(&mut index.by_mac.write().unwrap(), h.clone());
         let planted = host("tenant", "planted", 10);
         add(&planted);
-        assert_eq!(host_key(&index.get(mac).unwrap()), "tenant/planted");
+        assert_eq!(key(&*index.get(mac).unwrap()), "tenant/planted");
         let pooled = host("pool", "node-1", 20);
         add(&pooled);
         add(&pooled);
         assert_eq!(index.all().len(), 2, "an update of the same Host is no duplicate");
-        assert_eq!(host_key(&index.get(mac).unwrap()), "pool/node-1", "the pool's Host");
+        assert_eq!(key(&*index.get(mac).unwrap()), "pool/node-1", "the pool's Host");
         add(&host("tenant", "copy", 30));
-        assert_eq!(host_key(&index.get(mac).unwrap()), "pool/node-1");
-        let owners: Vec<String> = index.owners().iter().map(|h| host_key(h)).collect();
+        assert_eq!(key(&*index.get(mac).unwrap()), "pool/node-1");
+        let owners: Vec<String> = index.owners().iter().map(|h| key(&**h)).collect();
         assert_eq!(owners, ["pool/node-1"]);
         assert_eq!(index.sharing_mac(&pooled).len(), 2);
         remove(&mut index.by_mac.write().unwrap(), &pooled);
-        assert_eq!(host_key(&index.get(mac).unwrap()), "tenant/planted", "the oldest left");
+        assert_eq!(key(&*index.get(mac).unwrap()), "tenant/planted", "the oldest left");
     }
 }

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
@@ -14,8 +15,8 @@ use kube::{Client, Resource, ResourceExt};
 use siteboot_boot::inventory::LinuxBoot;
 
 use crate::cache::HostIndex;
-use crate::conditions::Reason;
-use crate::crd::{Host, HostStatus, WipePolicy};
+use crate::conditions::{READY, Reason};
+use crate::crd::{Conditions, Host, HostStatus, WipePolicy, set_condition};
 use crate::machine::plan::Policy as MachinePolicy;
 use crate::throttle::Throttle;
 
@@ -132,7 +133,7 @@ impl Ctx {
     /// provisioning segment can cause (one per request it sends), through [`Throttle`]: at most
     /// one per Host and reason a minute, the next one counting those left out.
     pub async fn segment_warning(&self, host: &Host, reason: &'static str, note: String) {
-        let key = host_key(host);
+        let key = key(host);
         let admitted = self.segment_events.lock().expect("event throttle lock").admit(
             &key,
             reason,
@@ -203,7 +204,7 @@ pub trait Reconciled:
 {
     /// `Kind namespace/name`: the reconcilers share one [`Backoff`], so keys name the kind.
     fn key(&self) -> String {
-        format!("{} {}/{}", Self::kind(&()), self.namespace().unwrap_or_default(), self.name_any())
+        format!("{} {}", Self::kind(&()), key(self))
     }
 
     /// Says on the object that the API server refused what its reconciler needed, so the
@@ -220,6 +221,31 @@ pub enum Error {
     /// A request to a workload cluster's API server (through its `<cluster>-kubeconfig`).
     #[error("workload cluster {cluster} API: {source}")]
     Workload { cluster: String, source: kube::Error },
+}
+
+/// [`Reconciled::report_refused`] for a kind whose Ready condition Cluster API shows on the
+/// Machine: the refusal goes there, into `conditions` as `object` has them (best effort: this
+/// write may be refused too).
+pub async fn report_refused_in_ready<K>(
+    ctx: &Ctx,
+    object: &K,
+    conditions: &Conditions,
+    error: &Error,
+) where
+    K: Reconciled + Resource<Scope = NamespaceResourceScope>,
+{
+    let mut conditions = conditions.clone();
+    let reason = Reason::ApiRefused.to_string();
+    let generation = object.meta().generation;
+    if set_condition(&mut conditions, READY, false, &reason, &error.refusal(), generation) {
+        let api: Api<K> =
+            Api::namespaced(ctx.client.clone(), &object.namespace().unwrap_or_default());
+        let patch = serde_json::json!({ "status": { "conditions": conditions } });
+        let params = PatchParams::default();
+        if let Err(e) = api.patch_status(&object.name_any(), &params, &Patch::Merge(&patch)).await {
+            tracing::debug!(object = %key(object), error = %e, "cannot report the refusal either");
+        }
+    }
 }
 
 /// How a reconciler treats an error.
@@ -336,6 +362,26 @@ where
     }
 }
 
+/// Adds `finalizer` to `object` (`keep`) or removes it, with [`patch_unchanged`]: `Ok(None)`
+/// if `object` changed since it was read.
+pub async fn set_finalizer<K>(
+    api: &Api<K>,
+    object: &K,
+    finalizer: &str,
+    keep: bool,
+) -> Result<Option<K>, kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut finalizers: Vec<&str> =
+        object.finalizers().iter().map(String::as_str).filter(|f| *f != finalizer).collect();
+    if keep {
+        finalizers.push(finalizer);
+    }
+    patch_unchanged(api, object, serde_json::json!({ "metadata": { "finalizers": finalizers } }))
+        .await
+}
+
 /// Writes a new status for Host `namespace/name`: `change` sees the current Host and returns
 /// the new status, or `Ok(None)` to write nothing, or an error to give up. Conflicts (someone
 /// wrote in between) re-read and retry, so `change` always sees what it replaces.
@@ -370,8 +416,9 @@ pub async fn update_host_status<E>(
     )))
 }
 
-pub fn host_key(host: &Host) -> String {
-    format!("{}/{}", host.namespace().unwrap_or_default(), host.name_any())
+/// `namespace/name`: how logs, Events and conditions name an object.
+pub fn key<K: ResourceExt>(object: &K) -> String {
+    format!("{}/{}", object.namespace().unwrap_or_default(), object.name_any())
 }
 
 #[cfg(test)]

@@ -35,7 +35,7 @@ use siteboot_boot::inventory::{
 use siteboot_ipxe::Word;
 
 use crate::conditions::paused_itself;
-use crate::context::{Ctx, host_key, update_host_status};
+use crate::context::{Ctx, key, update_host_status};
 use crate::crd::{Host, HostState, now};
 use crate::host::lifecycle::older_than;
 use crate::host::record;
@@ -65,7 +65,7 @@ impl KubeInventory {
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning)
                 if boots_from_media(&host) =>
             {
-                tracing::info!(mac = %request.mac, host = %host_key(&host), remote = %request.remote, "the host boots its operation from virtual media: no token over the network");
+                tracing::info!(mac = %request.mac, host = %key(&*host), remote = %request.remote, "the host boots its operation from virtual media: no token over the network");
                 Some(BootAction::LocalDisk(LocalBoot::Exit))
             }
             Some(HostState::Inspecting | HostState::Provisioning | HostState::Deprovisioning) => {
@@ -91,7 +91,7 @@ impl KubeInventory {
                     }
                     Ok(None) => Some(ramdisk_boot(&self.ctx.ramdisk, None)),
                     Err(e) => {
-                        tracing::error!(host = %host_key(&host), error = %e, "cannot issue a ramdisk token");
+                        tracing::error!(host = %key(&*host), error = %e, "cannot issue a ramdisk token");
                         None
                     }
                 }
@@ -142,10 +142,10 @@ impl KubeInventory {
             None
         };
         if let Some(why) = refused {
-            tracing::info!(host = %host_key(&host), remote = %request.remote, "virtual media refused: {why}");
+            tracing::info!(host = %key(&*host), remote = %request.remote, "virtual media refused: {why}");
             return None;
         }
-        tracing::info!(host = %host_key(&host), operation = %op.id, remote = %request.remote, "virtual media served");
+        tracing::info!(host = %key(&*host), operation = %op.id, remote = %request.remote, "virtual media served");
         match ramdisk_boot(&self.ctx.ramdisk, Some((&token, &op.id))) {
             BootAction::Linux(linux) => Some(linux.cmdline),
             _ => None,
@@ -179,7 +179,7 @@ impl KubeInventory {
         .await?;
         Ok(match (written, operation_id) {
             (Ok(Some(_)), Some(id)) => {
-                tracing::info!(mac = %request.mac, host = %host_key(host), operation = %id, "issued a ramdisk token");
+                tracing::info!(mac = %request.mac, host = %key(host), operation = %id, "issued a ramdisk token");
                 Some((token, id))
             }
             (Err(delivered), _) => {
@@ -258,7 +258,7 @@ fn summary(mac: MacAddr, host: &Host) -> HostSummary {
     }
     HostSummary {
         mac,
-        name: Some(host_key(host)),
+        name: Some(key(host)),
         state,
         address: status.into_iter().flat_map(|s| &s.addresses).find_map(|a| {
             (a.kind == "InternalIP").then(|| a.address.parse::<Ipv4Addr>().ok()).flatten()

@@ -27,10 +27,10 @@ use siteboot_boot::dhcp::leases::unix_now;
 use super::plan::{
     self, BootstrapToken, DataSecret, FINALIZER, Kubeconfig, Plan, Requeue, Step, TokenRead,
 };
-use crate::conditions::{READY, Reason};
-use crate::context::{Ctx, Error, Reconciled, gone, patch_unchanged};
+use crate::conditions::Reason;
+use crate::context::{Ctx, Error, Reconciled, gone, key, report_refused_in_ready, set_finalizer};
+use crate::crd::SitebootConfig;
 use crate::crd::capi::CLUSTER_NAME_LABEL;
-use crate::crd::{SitebootConfig, set_condition};
 use crate::owners::{self, OwnedBy, Owners};
 use crate::workload::Workload;
 
@@ -85,25 +85,8 @@ impl Reconciled for SitebootConfig {
     /// In the Ready condition, which Cluster API shows on the Machine (best effort: this write
     /// may be refused too).
     async fn report_refused(&self, ctx: &Ctx, error: &Error) {
-        let mut status = self.status.clone().unwrap_or_default();
-        let reason = Reason::ApiRefused.to_string();
-        let generation = self.metadata.generation;
-        if set_condition(
-            &mut status.conditions,
-            READY,
-            false,
-            &reason,
-            &error.refusal(),
-            generation,
-        ) {
-            let api = configs_api(ctx, self);
-            let patch = json!({ "status": status });
-            let params = PatchParams::default();
-            if let Err(e) = api.patch_status(&self.name_any(), &params, &Patch::Merge(&patch)).await
-            {
-                tracing::debug!(config = %key(self), error = %e, "cannot report the refusal either");
-            }
-        }
+        let conditions = self.status.clone().unwrap_or_default().conditions;
+        report_refused_in_ready(ctx, self, &conditions, error).await
     }
 }
 
@@ -174,10 +157,6 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx, owners: &Owners) -> Result<Act
 
 fn configs_api(ctx: &Ctx, config: &SitebootConfig) -> Api<SitebootConfig> {
     Api::namespaced(ctx.client.clone(), &config.namespace().unwrap_or_default())
-}
-
-pub fn key(config: &SitebootConfig) -> String {
-    format!("{}/{}", config.namespace().unwrap_or_default(), config.name_any())
 }
 
 fn controlled_by(secret: &Secret, config: &SitebootConfig) -> bool {
@@ -252,6 +231,10 @@ enum Done {
     LostRace,
 }
 
+fn done<K>(written: Option<K>) -> Done {
+    if written.is_some() { Done::Yes } else { Done::LostRace }
+}
+
 async fn perform(
     config: &SitebootConfig,
     ctx: &Ctx,
@@ -263,29 +246,13 @@ async fn perform(
     let workload = || workload.expect("workload steps are planned only with a usable kubeconfig");
     Ok(match step {
         Step::None => Done::Yes,
-        Step::AddFinalizer => {
-            let mut finalizers = config.finalizers().to_vec();
-            finalizers.push(FINALIZER.to_owned());
-            let patch = json!({ "metadata": { "finalizers": finalizers } });
-            if patch_unchanged(api, config, patch).await?.is_some() {
-                Done::Yes
-            } else {
-                Done::LostRace
-            }
-        }
+        Step::AddFinalizer => done(set_finalizer(api, config, FINALIZER, true).await?),
         Step::RemoveFinalizer { abandoned } => {
             if let Some(why) = abandoned {
                 tracing::warn!(config = %key(config), "{why}");
                 ctx.event(config, true, &Reason::TokenAbandoned.to_string(), why).await;
             }
-            let finalizers: Vec<&String> =
-                config.finalizers().iter().filter(|f| *f != FINALIZER).collect();
-            let patch = json!({ "metadata": { "finalizers": finalizers } });
-            if patch_unchanged(api, config, patch).await?.is_some() {
-                Done::Yes
-            } else {
-                Done::LostRace
-            }
+            done(set_finalizer(api, config, FINALIZER, false).await?)
         }
         Step::RecordTokenId => {
             // Only if the config is unchanged since read: a pass on a stale copy (which would

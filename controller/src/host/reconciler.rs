@@ -21,7 +21,9 @@ use super::lifecycle::{
 use super::record::{self, RECORD_ANNOTATION};
 use crate::bmc::{self, BmcError};
 use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, check_paused};
-use crate::context::{Ctx, Error, Reconciled, host_key, patch_unchanged, update_host_status};
+use crate::context::{
+    Ctx, Error, Reconciled, key, patch_unchanged, set_finalizer, update_host_status,
+};
 use crate::crd::{Host, HostState, SITE_LABEL, now, set_condition};
 use crate::pools::MacStanding;
 use crate::token;
@@ -47,9 +49,7 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
         return delete(host, ctx, &api).await;
     }
     if !host.finalizers().iter().any(|f| f == FINALIZER) {
-        let mut finalizers = host.finalizers().to_vec();
-        finalizers.push(FINALIZER.to_owned());
-        patch_unchanged(&api, host, json!({ "metadata": { "finalizers": finalizers } })).await?;
+        set_finalizer(&api, host, FINALIZER, true).await?;
         return Ok(Action::requeue(Duration::ZERO));
     }
     if let Some((status, reason, message)) = record::restore(host) {
@@ -112,7 +112,7 @@ async fn transit(
     .await?;
     let Ok(Some(written)) = written else { return Ok(Action::requeue(Duration::from_secs(1))) };
     let from = host.status.as_ref().and_then(|s| s.state);
-    tracing::info!(host = %host_key(&written), from = ?from, to = ?transition.to, reason = transition.reason, "{}", transition.message);
+    tracing::info!(host = %key(&written), from = ?from, to = ?transition.to, reason = transition.reason, "{}", transition.message);
     let warning = transition.to == HostState::Quarantined;
     ctx.event(
         &written,
@@ -124,7 +124,7 @@ async fn transit(
     if transition.operation.is_some()
         && let Err(e) = boot_ramdisk(&written, ctx, api).await
     {
-        tracing::warn!(host = %host_key(&written), error = %e, "cannot boot the host into the ramdisk; it will when it restarts, or with the reboot annotation");
+        tracing::warn!(host = %key(&written), error = %e, "cannot boot the host into the ramdisk; it will when it restarts, or with the reboot annotation");
     }
     if transition.to == HostState::Registering && lifecycle::retry_requested(&written) {
         let patch = json!({ "metadata": { "annotations": { RETRY_ANNOTATION: null } } });
@@ -166,7 +166,7 @@ async fn restore(
     })
     .await?;
     if let Ok(Some(written)) = written {
-        tracing::info!(host = %host_key(&written), state = ?status.state, "{message}");
+        tracing::info!(host = %key(&written), state = ?status.state, "{message}");
         ctx.event(&written, false, reason, message).await;
     }
     Ok(Action::requeue(Duration::ZERO))
@@ -193,25 +193,24 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error
         }
         Deletion::Moved => {
             drop_finalizer(api, host).await?;
-            tracing::info!(host = %host_key(host), "Host moved to another management cluster: let go untouched");
+            tracing::info!(host = %key(host), "Host moved to another management cluster: let go untouched");
             Ok(Action::await_change())
         }
         Deletion::Finish => {
             if let Ok(driver) = bmc::driver_for(host, &ctx.client).await
                 && let Err(e) = driver.power_off().await
             {
-                tracing::warn!(host = %host_key(host), error = %e, "cannot power off the deleted host");
+                tracing::warn!(host = %key(host), error = %e, "cannot power off the deleted host");
             }
             drop_finalizer(api, host).await?;
-            tracing::info!(host = %host_key(host), "Host deleted");
+            tracing::info!(host = %key(host), "Host deleted");
             Ok(Action::await_change())
         }
     }
 }
 
 async fn drop_finalizer(api: &Api<Host>, host: &Host) -> Result<(), Error> {
-    let finalizers: Vec<&String> = host.finalizers().iter().filter(|f| *f != FINALIZER).collect();
-    patch_unchanged(api, host, json!({ "metadata": { "finalizers": finalizers } })).await?;
+    set_finalizer(api, host, FINALIZER, false).await?;
     Ok(())
 }
 
@@ -252,7 +251,7 @@ async fn set_mac_condition(
         return Ok(false);
     }
     if !unique {
-        tracing::error!(host = %host_key(host), "{message}");
+        tracing::error!(host = %key(host), "{message}");
         ctx.event(host, true, &reason, message.clone()).await;
     }
     update_host_status(api, &host.name_any(), |current| {
@@ -292,7 +291,7 @@ async fn check_bmc(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Er
     })
     .await?;
     if let Ok(Some(written)) = &written {
-        tracing::info!(host = %host_key(written), ok, reason, "BMC check: {message}");
+        tracing::info!(host = %key(written), ok, reason, "BMC check: {message}");
         ctx.event(written, !ok, reason, format!("BMC check: {message}")).await;
     }
     if ok {
@@ -343,7 +342,7 @@ async fn boot_ramdisk(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<(), Boo
         return Ok(driver.boot_from_network().await?);
     }
     let base = ctx.media_base.as_deref().ok_or(BootFailure::NoMedia)?;
-    let (key, hash) = token::mint_media_key();
+    let (media_key, hash) = token::mint_media_key();
     let written = update_host_status(api, &host.name_any(), |current| {
         let mut status = current.status.clone().unwrap_or_default();
         let Some(current_op) = status.operation.as_mut() else { return Ok(None) };
@@ -361,12 +360,12 @@ async fn boot_ramdisk(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<(), Boo
     if !matches!(written, Ok(Some(_))) {
         return Ok(());
     }
-    tracing::info!(host = %host_key(host), operation = %op.id, "inserting the ramdisk's virtual media");
-    let url = format!("{base}/media/{key}.iso");
+    tracing::info!(host = %key(host), operation = %op.id, "inserting the ramdisk's virtual media");
+    let url = format!("{base}/media/{media_key}.iso");
     let checks = driver.boot_from_media(&url, ctx.media_certificate.as_deref()).await?;
     if !checks {
         let note = "the BMC does not check the appliance's certificate when it fetches the virtual media: whoever can answer for the appliance's address on the BMC's network can swap the ramdisk";
-        tracing::warn!(host = %host_key(host), "{note}");
+        tracing::warn!(host = %key(host), "{note}");
         ctx.event(host, true, "MediaServerUnchecked", note.to_owned()).await;
     }
     Ok(())
@@ -398,7 +397,7 @@ async fn eject_media(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, 
         }
     };
     if let Err(e) = done.await {
-        tracing::warn!(host = %host_key(host), error = %e, "cannot eject the virtual media");
+        tracing::warn!(host = %key(host), error = %e, "cannot eject the virtual media");
         ctx.event(host, true, "MediaEjectFailed", e.to_string()).await;
         return Ok(Action::requeue(REBOOT_RETRY));
     }
@@ -410,7 +409,7 @@ async fn eject_media(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, 
     })
     .await?
     .ok();
-    tracing::info!(host = %host_key(host), "virtual media ejected");
+    tracing::info!(host = %key(host), "virtual media ejected");
     Ok(Action::requeue(Duration::ZERO))
 }
 

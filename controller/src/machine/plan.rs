@@ -127,7 +127,7 @@ pub enum Step<'a> {
 }
 
 pub use crate::context::Requeue;
-use crate::context::host_key;
+use crate::context::key;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan<'a> {
@@ -298,7 +298,7 @@ fn awaited_data(seen: &Observed<'_>) -> Option<Staged> {
     let host = seen.bound.filter(|h| consumed_by(h, seen.machine))?;
     let op = host.status.as_ref()?.operation.as_ref()?;
     (op.kind == OperationKind::Provision && !op.bootstrap_delivered)
-        .then(|| Staged { host: host_key(host), operation: op.id.clone() })
+        .then(|| Staged { host: key(host), operation: op.id.clone() })
 }
 
 /// The machine has its host: have it provisioned, hand its data to the boot plane when its
@@ -637,10 +637,6 @@ fn moved_with(host: &Host, sbm: &SitebootMachine) -> bool {
 /// Where the machine's hosts are looked for.
 pub fn host_namespace(sbm: &SitebootMachine) -> String {
     sbm.spec.host_namespace(sbm.namespace())
-}
-
-pub fn key(sbm: &SitebootMachine) -> String {
-    format!("{}/{}", sbm.namespace().unwrap_or_default(), sbm.name_any())
 }
 
 /// Spreads two appliances' first choices over different hosts.

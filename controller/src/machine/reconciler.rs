@@ -15,12 +15,12 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 use siteboot_boot::dhcp::leases::unix_now;
 
-use super::plan::{
-    self, BINDER_ANNOTATION, FINALIZER, Observed, Plan, Requeue, Step, consumed_by, key,
-};
+use super::plan::{self, BINDER_ANNOTATION, FINALIZER, Observed, Plan, Requeue, Step, consumed_by};
 use crate::conditions::{READY, Reason};
-use crate::context::{Ctx, Error, Reconciled, gone, patch_unchanged};
-use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine, set_condition};
+use crate::context::{
+    Ctx, Error, Reconciled, gone, key, patch_unchanged, report_refused_in_ready, set_finalizer,
+};
+use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine};
 use crate::handoff::{self, BootstrapData};
 use crate::owners::{self, OwnedBy, Owners};
 use crate::workload::Workload;
@@ -85,26 +85,8 @@ impl Reconciled for SitebootMachine {
     /// In the Ready condition, which Cluster API shows on the Machine (best effort: this write
     /// may be refused too).
     async fn report_refused(&self, ctx: &Ctx, error: &Error) {
-        let mut status = self.status.clone().unwrap_or_default();
-        let reason = Reason::ApiRefused.to_string();
-        let generation = self.metadata.generation;
-        if set_condition(
-            &mut status.conditions,
-            READY,
-            false,
-            &reason,
-            &error.refusal(),
-            generation,
-        ) {
-            let api: Api<SitebootMachine> =
-                Api::namespaced(ctx.client.clone(), &self.namespace().unwrap_or_default());
-            let patch = json!({ "status": status });
-            let params = PatchParams::default();
-            if let Err(e) = api.patch_status(&self.name_any(), &params, &Patch::Merge(&patch)).await
-            {
-                tracing::debug!(machine = %key(self), error = %e, "cannot report the refusal either");
-            }
-        }
+        let conditions = self.status.clone().unwrap_or_default().conditions;
+        report_refused_in_ready(ctx, self, &conditions, error).await
     }
 }
 
@@ -204,22 +186,8 @@ async fn perform(
     let hosts_api = |host: &Host| ctx.hosts_api(&host.namespace().unwrap_or_default());
     Ok(match step {
         Step::None => Done::Yes,
-        Step::AddFinalizer => {
-            let mut finalizers = sbm.finalizers().to_vec();
-            finalizers.push(FINALIZER.to_owned());
-            done(
-                patch_unchanged(api, sbm, json!({ "metadata": { "finalizers": finalizers } }))
-                    .await?,
-            )
-        }
-        Step::RemoveFinalizer => {
-            let finalizers: Vec<&String> =
-                sbm.finalizers().iter().filter(|f| *f != FINALIZER).collect();
-            done(
-                patch_unchanged(api, sbm, json!({ "metadata": { "finalizers": finalizers } }))
-                    .await?,
-            )
-        }
+        Step::AddFinalizer => done(set_finalizer(api, sbm, FINALIZER, true).await?),
+        Step::RemoveFinalizer => done(set_finalizer(api, sbm, FINALIZER, false).await?),
         Step::Mark(mark) => {
             let patch =
                 json!({ "metadata": { "annotations": { BINDER_ANNOTATION: mark.to_string() } } });
