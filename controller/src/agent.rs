@@ -28,7 +28,7 @@ use crate::crd::{
     RootDeviceHints, SitebootMachine, WipePolicy, now,
 };
 use crate::handoff::{self, Staged};
-use crate::host::lifecycle::{self, completed, older_than, wipe};
+use crate::host::lifecycle::{self, Fresh, completed, older_than, wipe};
 use crate::images::Readiness;
 use crate::machine::plan::provider_id;
 use crate::token;
@@ -241,7 +241,7 @@ fn authenticate(ctx: &Ctx, req: &AgentRequest, host: &Host) -> Result<Operation,
         fresh: op
             .token_issued
             .as_ref()
-            .is_some_and(|t| !older_than(t, ctx.token_max_age.as_secs() as i64)),
+            .is_some_and(|t| !older_than(t, ctx.token_max_age.as_secs() as i64, &now())),
     });
     check_token(req.token.as_deref(), grant, req.remote)?;
     Ok(op.expect("checked: an operation"))
@@ -479,7 +479,7 @@ async fn finish(
         if kind == OperationKind::Provision && ok && op.image.is_none() {
             return Err(Refusal::BadRequest("no image was handed out: ask for the task".into()));
         }
-        let mut status = completed(current, kind, ok, &message, hardware.clone());
+        let mut status = completed(current, kind, ok, &message, hardware.clone(), &Fresh::now());
         if let Some(images) = &ctx.images {
             images.release(&op.id);
         }
@@ -547,7 +547,10 @@ async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failur
     let heard = cached.filter(|h| !paused_itself(&**h)).is_some_and(|h| {
         authenticate(ctx, req, &h).is_ok_and(|op| {
             op.step.as_deref() == Some(step.as_str())
-                && op.last_heard.as_ref().is_some_and(|t| !older_than(t, PROGRESS_WRITE_INTERVAL))
+                && op
+                    .last_heard
+                    .as_ref()
+                    .is_some_and(|t| !older_than(t, PROGRESS_WRITE_INTERVAL, &now()))
         })
     });
     if heard {
@@ -758,7 +761,7 @@ mod tests {
             let mut host = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
             let operation = operation.then_some(OperationKind::Deprovision);
             let transition = Transition { to, operation, reason: "Test", message: String::new() };
-            host.status = Some(apply(&host, &transition));
+            host.status = Some(apply(&host, &transition, &Fresh::now()));
             task_without_token(boots_again(&host))["action"].clone()
         };
         assert_eq!(with(HostState::Deprovisioning, true), "reboot");
@@ -770,7 +773,7 @@ mod tests {
             reason: "Test",
             message: String::new(),
         };
-        delivered.status = Some(apply(&delivered, &transition));
+        delivered.status = Some(apply(&delivered, &transition, &Fresh::now()));
         assert_eq!(task_without_token(boots_again(&delivered))["action"], "reboot");
         delivered.status.as_mut().unwrap().operation.as_mut().unwrap().bootstrap_delivered = true;
         assert_eq!(task_without_token(boots_again(&delivered))["action"], "wait");

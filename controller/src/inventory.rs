@@ -129,7 +129,7 @@ impl KubeInventory {
         let fresh = op
             .token_issued
             .as_ref()
-            .is_some_and(|t| !older_than(t, self.ctx.token_max_age.as_secs() as i64));
+            .is_some_and(|t| !older_than(t, self.ctx.token_max_age.as_secs() as i64, &now()));
         let refused = if paused_itself(&*host) {
             Some("the Host is paused")
         } else if op.bootstrap_delivered {

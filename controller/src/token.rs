@@ -16,6 +16,11 @@ pub fn mint() -> (String, String) {
     (token, hash)
 }
 
+/// A fresh operation id: 16 random hex digits.
+pub fn operation_id() -> String {
+    mint().0[..16].to_owned()
+}
+
 /// A fresh virtual-media key: the last part of the media's URL (`/media/<key>.iso`), 32
 /// random bytes, hex. Returns the key and the hash of the token it stands for
 /// ([`media_token`]): only whoever can read the URL (the BMC it is inserted into) has the token.

@@ -132,7 +132,7 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
 
 /// Quarantines a host whose ramdisk fell silent during the operation under way (see
 /// [`ramdisk_silence`]).
-pub fn silent(host: &Host, max_silence: Duration) -> Option<Transition> {
+pub fn silent(host: &Host, max_silence: Duration, fresh: &Fresh) -> Option<Transition> {
     let status = host.status.as_ref()?;
     if !matches!(
         status.state,
@@ -148,8 +148,7 @@ pub fn silent(host: &Host, max_silence: Duration) -> Option<Transition> {
         last_heard: op.last_heard.as_ref().map(|t| t.0.as_second()),
         step: op.step.as_deref(),
     };
-    let now = k8s_openapi::jiff::Timestamp::now().as_second();
-    let message = ramdisk_silence(&contact, now, max_silence)?;
+    let message = ramdisk_silence(&contact, fresh.seconds(), max_silence)?;
     Some(Transition {
         to: HostState::Quarantined,
         operation: None,
@@ -234,20 +233,35 @@ pub fn retry_requested(host: &Host) -> bool {
     host.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(RETRY_ANNOTATION))
 }
 
-/// A fresh operation id.
-fn operation_id() -> String {
-    crate::token::mint().0[..16].to_owned()
+/// What a step may not read for itself, so that every function here is a pure function of what
+/// was read: the time of the pass, and the id a new operation would get. The reconciler makes
+/// one per pass ([`Fresh::now`]); tests pass their own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fresh {
+    pub now: Time,
+    pub operation_id: String,
 }
 
-/// `host`'s status after `transition`.
-pub fn apply(host: &Host, transition: &Transition) -> HostStatus {
+impl Fresh {
+    /// The clock's time and a random operation id.
+    pub fn now() -> Self {
+        Self { now: now(), operation_id: crate::token::operation_id() }
+    }
+
+    fn seconds(&self) -> i64 {
+        self.now.0.as_second()
+    }
+}
+
+/// `host`'s status after `transition`, made at `fresh.now` (a new operation gets `fresh`'s id).
+pub fn apply(host: &Host, transition: &Transition, fresh: &Fresh) -> HostStatus {
     let mut status = host.status.clone().unwrap_or_default();
     status.state = Some(transition.to);
-    status.last_transition_time = Some(now());
+    status.last_transition_time = Some(fresh.now.clone());
     status.operation = transition.operation.map(|kind| Operation {
         kind,
-        id: operation_id(),
-        started: now(),
+        id: fresh.operation_id.clone(),
+        started: fresh.now.clone(),
         token_hash: None,
         token_address: None,
         token_issued: None,
@@ -299,6 +313,7 @@ pub fn completed(
     ok: bool,
     message: &str,
     hardware: Option<Hardware>,
+    fresh: &Fresh,
 ) -> HostStatus {
     let transition = match (kind, ok) {
         (OperationKind::Inspect, true) => Transition {
@@ -338,7 +353,7 @@ pub fn completed(
             message: message.to_owned(),
         },
     };
-    let mut status = apply(host, &transition);
+    let mut status = apply(host, &transition, fresh);
     if let Some(hw) = hardware {
         status.hardware = Some(hw);
     }
@@ -478,15 +493,19 @@ pub fn on_delete(host: &Host, min_wipe: WipePolicy) -> Deletion {
     Deletion::Finish
 }
 
-/// Whether `time` is older than `max_age` seconds.
-pub fn older_than(time: &Time, max_age_secs: i64) -> bool {
-    let age = k8s_openapi::jiff::Timestamp::now().as_second() - time.0.as_second();
-    age > max_age_secs
+/// Whether `time` is more than `max_age_secs` seconds before `now`.
+pub fn older_than(time: &Time, max_age_secs: i64, now: &Time) -> bool {
+    now.0.as_second() - time.0.as_second() > max_age_secs
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pass's fresh inputs: now, and a new operation id.
+    fn fresh() -> Fresh {
+        Fresh::now()
+    }
     use crate::crd::{Bmc, ConsumerRef, HostSpec, Provisioning, set_condition};
 
     /// The site's wipe in these tests.
@@ -498,7 +517,7 @@ mod tests {
 
     fn step(h: &mut Host) -> Option<HostState> {
         let t = next(h, MIN_WIPE)?;
-        h.status = Some(apply(h, &t));
+        h.status = Some(apply(h, &t, &fresh()));
         Some(t.to)
     }
 
@@ -538,6 +557,7 @@ mod tests {
             true,
             "",
             Some(Hardware { cpus: 2, ..Default::default() }),
+            &fresh(),
         ));
         assert_eq!(h.status.as_ref().unwrap().state, Some(HostState::Available));
         assert!(h.status.as_ref().unwrap().operation.is_none());
@@ -545,12 +565,12 @@ mod tests {
         claim(&mut h, 1);
         assert_eq!(step(&mut h), Some(HostState::Provisioning));
         assert!(hand_out(h.status.as_mut().unwrap(), &image(1), None));
-        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None, &fresh()));
         assert_eq!(h.status.as_ref().unwrap().installed.as_ref().unwrap().image, image(1));
         assert_eq!(step(&mut h), None, "provisioned and wanted");
         h.spec.provisioning.as_mut().unwrap().image = image(2);
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "image changed");
-        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None));
+        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None, &fresh()));
         assert_eq!(h.status.as_ref().unwrap().state, Some(HostState::Available));
         assert!(h.status.as_ref().unwrap().installed.is_none());
         assert_eq!(
@@ -572,8 +592,14 @@ mod tests {
         assert_eq!(step(&mut h), Some(HostState::Provisioning));
         h.spec.provisioning = None;
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "cancelled mid-way: wipe");
-        h.status =
-            Some(completed(&h, OperationKind::Deprovision, false, "disk sdb did not wipe", None));
+        h.status = Some(completed(
+            &h,
+            OperationKind::Deprovision,
+            false,
+            "disk sdb did not wipe",
+            None,
+            &fresh(),
+        ));
         let s = h.status.as_ref().unwrap();
         assert_eq!(s.state, Some(HostState::Quarantined));
         assert_eq!(s.quarantine_reason.as_deref(), Some("WipeFailed: disk sdb did not wipe"));
@@ -582,6 +608,40 @@ mod tests {
         assert_eq!(step(&mut h), Some(HostState::Registering));
         assert!(h.status.as_ref().unwrap().quarantine_reason.is_none());
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "provisioning began: wipe first");
+    }
+
+    #[test]
+    fn a_transition_is_made_at_the_pass_s_time_with_the_pass_s_operation_id() {
+        let mut h = host();
+        h.status = Some(HostStatus {
+            state: Some(HostState::Available),
+            hardware: Some(Hardware::default()),
+            ..Default::default()
+        });
+        claim(&mut h, 1);
+        let t = next(&h, WipePolicy::Quick).expect("a claimed host provisions");
+        let at = Time("2026-01-02T03:04:05Z".parse().unwrap());
+        let fresh = Fresh { now: at.clone(), operation_id: "0123456789abcdef".into() };
+        let status = apply(&h, &t, &fresh);
+        let op = status.operation.expect("an operation");
+        assert_eq!((op.id.as_str(), &op.started), ("0123456789abcdef", &at));
+        assert_eq!(status.last_transition_time, Some(at.clone()));
+        assert_eq!(
+            apply(&h, &t, &fresh).operation.unwrap().id,
+            op.id,
+            "the same inputs, the same write"
+        );
+        // Silence is measured from the pass's time, not the clock's.
+        let mut booted = h.clone();
+        booted.status = Some(apply(&h, &t, &fresh));
+        booted.status.as_mut().unwrap().operation.as_mut().unwrap().token_issued = Some(at.clone());
+        let later = |secs: i64| Fresh {
+            now: Time(at.0 + k8s_openapi::jiff::SignedDuration::from_secs(secs)),
+            ..fresh.clone()
+        };
+        let minute = Duration::from_secs(60);
+        assert_eq!(silent(&booted, minute, &later(59)), None);
+        assert!(silent(&booted, minute, &later(61)).is_some());
     }
 
     #[test]
@@ -601,24 +661,24 @@ mod tests {
         claim(&mut h, 1);
         assert_eq!(step(&mut h), Some(HostState::Provisioning));
         let minute = Duration::from_secs(60);
-        assert_eq!(silent(&h, minute), None, "never booted the ramdisk: waits for it");
+        assert_eq!(silent(&h, minute, &fresh()), None, "never booted the ramdisk: waits for it");
         h.status.as_mut().unwrap().operation.as_mut().unwrap().token_issued = Some(ago(30));
-        assert_eq!(silent(&h, minute), None, "booted 30 s ago");
+        assert_eq!(silent(&h, minute, &fresh()), None, "booted 30 s ago");
         h.status.as_mut().unwrap().operation.as_mut().unwrap().token_issued = Some(ago(600));
         h.status.as_mut().unwrap().operation.as_mut().unwrap().last_heard = Some(ago(10));
-        assert_eq!(silent(&h, minute), None, "booted long ago, heard from 10 s ago");
+        assert_eq!(silent(&h, minute, &fresh()), None, "booted long ago, heard from 10 s ago");
         h.status.as_mut().unwrap().operation.as_mut().unwrap().last_heard = Some(ago(120));
         h.status.as_mut().unwrap().operation.as_mut().unwrap().step = Some("writing image".into());
-        let t = silent(&h, minute).expect("silent for 120 s");
+        let t = silent(&h, minute, &fresh()).expect("silent for 120 s");
         assert_eq!((t.to, t.reason), (HostState::Quarantined, "RamdiskSilent"));
         let id = h.status.as_ref().unwrap().operation.as_ref().unwrap().id.clone();
         assert!(t.message.contains(&id) && t.message.contains("writing image"), "{}", t.message);
-        h.status = Some(apply(&h, &t));
+        h.status = Some(apply(&h, &t, &fresh()));
         assert!(
             h.status.as_ref().unwrap().wipe_required,
             "a silent provisioning still owes a wipe"
         );
-        assert_eq!(silent(&h, minute), None, "Quarantined: nothing more to time out");
+        assert_eq!(silent(&h, minute, &fresh()), None, "Quarantined: nothing more to time out");
     }
 
     #[test]
@@ -777,6 +837,7 @@ mod tests {
                 reason: "X",
                 message: String::new(),
             },
+            &fresh(),
         ));
         h.metadata.annotations = Some([(RETRY_ANNOTATION.to_owned(), "".to_owned())].into());
         assert_eq!(step(&mut h), Some(HostState::Registering));
@@ -836,19 +897,20 @@ mod tests {
         // Provisioning failed; the Machine is deleted (consumer and provisioning gone) while the
         // host is Quarantined; the operator retries.
         let mut h = provisioned();
-        h.status = Some(completed(&h, OperationKind::Provision, false, "disk full", None));
+        h.status =
+            Some(completed(&h, OperationKind::Provision, false, "disk full", None, &fresh()));
         h.spec.consumer_ref = None;
         h.spec.provisioning = None;
         assert_eq!(step(&mut h), None, "Quarantined stays");
         h.metadata.annotations = Some([(RETRY_ANNOTATION.to_owned(), "".to_owned())].into());
         assert_eq!(step(&mut h), Some(HostState::Registering));
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "wiped, not Available");
-        h.status = Some(completed(&h, OperationKind::Deprovision, false, "sda", None));
+        h.status = Some(completed(&h, OperationKind::Deprovision, false, "sda", None, &fresh()));
         assert_eq!(h.status.as_ref().unwrap().state, Some(HostState::Quarantined));
         assert!(h.status.as_ref().unwrap().wipe_required, "a failed wipe leaves it required");
         assert_eq!(step(&mut h), Some(HostState::Registering), "the annotation is still there");
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning));
-        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None));
+        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None, &fresh()));
         let s = h.status.as_ref().unwrap();
         assert_eq!(s.state, Some(HostState::Available));
         assert!(!s.wipe_required);
@@ -857,19 +919,19 @@ mod tests {
     #[test]
     fn a_deleted_host_waits_for_release_and_wipe() {
         let mut h = provisioned();
-        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None, &fresh()));
         assert_eq!(on_delete(&h, MIN_WIPE), Deletion::WaitForRelease);
         h.spec.consumer_ref = None;
         h.spec.provisioning = None;
         // The lifecycle starts the wipe (released); deletion waits for it.
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning));
         assert_eq!(on_delete(&h, MIN_WIPE), Deletion::WaitForWipe);
-        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None));
+        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None, &fresh()));
         assert_eq!(on_delete(&h, MIN_WIPE), Deletion::Finish);
 
         // Quarantined with data on it: wiped before it goes.
         let mut q = provisioned();
-        q.status = Some(completed(&q, OperationKind::Provision, false, "x", None));
+        q.status = Some(completed(&q, OperationKind::Provision, false, "x", None, &fresh()));
         q.spec.consumer_ref = None;
         q.spec.provisioning = None;
         let Deletion::Wipe(t) = on_delete(&q, MIN_WIPE) else {
@@ -889,7 +951,7 @@ mod tests {
     fn a_host_deleted_by_clusterctl_move_is_let_go_untouched() {
         // Claimed and Provisioned: a real delete waits for release; a move's delete does not.
         let mut h = provisioned();
-        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None, &fresh()));
         h.metadata.annotations =
             Some([(DELETE_FOR_MOVE_ANNOTATION.to_owned(), "".to_owned())].into());
         assert_eq!(on_delete(&h, MIN_WIPE), Deletion::Moved);
@@ -912,7 +974,8 @@ mod tests {
                     let mut h = provisioned();
                     h.status.as_mut().unwrap().wipe_owed = None;
                     hand_out(h.status.as_mut().unwrap(), &image(1), tenant);
-                    h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+                    h.status =
+                        Some(completed(&h, OperationKind::Provision, true, "", None, &fresh()));
                     h.spec.wipe = editor;
                     h.spec.consumer_ref = None;
                     h.spec.provisioning = None;
@@ -937,8 +1000,15 @@ mod tests {
                         );
                     }
                     if expected != Nothing {
-                        h.status = Some(apply(&h, &t));
-                        h.status = Some(completed(&h, OperationKind::Deprovision, true, "", None));
+                        h.status = Some(apply(&h, &t, &fresh()));
+                        h.status = Some(completed(
+                            &h,
+                            OperationKind::Deprovision,
+                            true,
+                            "",
+                            None,
+                            &fresh(),
+                        ));
                         assert_eq!(h.status.as_ref().unwrap().wipe_owed, None, "owed until wiped");
                     }
                 }
@@ -946,7 +1016,7 @@ mod tests {
         }
         // What the Host editor attacks with: `none` on a site whose minimum is quick.
         let mut h = provisioned();
-        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None, &fresh()));
         h.spec.wipe = Some(Nothing);
         h.spec.consumer_ref = None;
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "wiped, not Available");
@@ -961,7 +1031,7 @@ mod tests {
         h.spec.provisioning.as_mut().unwrap().image = image(9);
         let op = h.status.as_ref().unwrap().operation.clone().unwrap();
         assert_eq!(op.image, Some(image(1)));
-        h.status = Some(completed(&h, OperationKind::Provision, true, "", None));
+        h.status = Some(completed(&h, OperationKind::Provision, true, "", None, &fresh()));
         assert_eq!(h.status.as_ref().unwrap().installed.as_ref().unwrap().image, image(1));
         assert_eq!(step(&mut h), Some(HostState::Deprovisioning), "spec and disk differ: wipe");
 

@@ -16,7 +16,7 @@ use kube::runtime::watcher;
 use serde_json::json;
 
 use super::lifecycle::{
-    self, Deletion, FINALIZER, REBOOT_ANNOTATION, RETRY_ANNOTATION, Reboot, Transition,
+    self, Deletion, FINALIZER, Fresh, REBOOT_ANNOTATION, RETRY_ANNOTATION, Reboot, Transition,
 };
 use super::record::{self, RECORD_ANNOTATION};
 use crate::bmc::{self, BmcError};
@@ -42,11 +42,13 @@ impl Reconciled for Host {}
 
 async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
     let api = ctx.hosts_api(&host.namespace().unwrap_or_default());
+    // The only clock and randomness of the pass: the lifecycle is a function of what was read.
+    let fresh = Fresh::now();
     if report_paused(host, &api).await? {
         return Ok(Action::await_change());
     }
     if host.metadata.deletion_timestamp.is_some() {
-        return delete(host, ctx, &api).await;
+        return delete(host, ctx, &api, &fresh).await;
     }
     if !host.finalizers().iter().any(|f| f == FINALIZER) {
         set_finalizer(&api, host, FINALIZER, true).await?;
@@ -63,7 +65,7 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
     if report_shared_mac(host, ctx, &api).await? {
         return Ok(Action::requeue(Duration::from_secs(300)));
     }
-    let next = next_step(ctx);
+    let next = next_step(ctx, &fresh);
     let Some(transition) = next(host) else {
         if lifecycle::media_to_eject(host) {
             return eject_media(host, ctx, &api).await;
@@ -80,13 +82,15 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
         let again = if operation { ctx.ramdisk_silence_timeout.min(SILENCE_CHECK) } else { IDLE };
         return Ok(Action::requeue(again));
     };
-    transit(host, ctx, &api, &transition, next).await
+    transit(host, ctx, &api, (&transition, &fresh), next).await
 }
 
 /// The lifecycle's next step, or quarantine for a ramdisk gone silent.
-fn next_step(ctx: &Ctx) -> impl Fn(&Host) -> Option<Transition> + use<> {
-    let (max_silence, min_wipe) = (ctx.ramdisk_silence_timeout, ctx.min_wipe);
-    move |host| lifecycle::silent(host, max_silence).or_else(|| lifecycle::next(host, min_wipe))
+fn next_step(ctx: &Ctx, fresh: &Fresh) -> impl Fn(&Host) -> Option<Transition> + use<> {
+    let (max_silence, min_wipe, fresh) = (ctx.ramdisk_silence_timeout, ctx.min_wipe, fresh.clone());
+    move |host| {
+        lifecycle::silent(host, max_silence, &fresh).or_else(|| lifecycle::next(host, min_wipe))
+    }
 }
 
 /// How often a Host with nothing to do is looked at again.
@@ -99,13 +103,13 @@ async fn transit(
     host: &Host,
     ctx: &Ctx,
     api: &Api<Host>,
-    transition: &Transition,
+    (transition, fresh): (&Transition, &Fresh),
     still: impl Fn(&Host) -> Option<Transition>,
 ) -> Result<Action, Error> {
     let written = update_host_status(api, &host.name_any(), |current| {
         // Re-check on the fresh Host: the step must still be the one to take.
         Ok::<_, ()>(match still(current) {
-            Some(t) if &t == transition => Some(lifecycle::apply(current, &t)),
+            Some(t) if &t == transition => Some(lifecycle::apply(current, &t, fresh)),
             _ => None,
         })
     })
@@ -174,14 +178,14 @@ async fn restore(
 
 /// A deleted Host goes once its consumer let go and its disks are wiped (see
 /// [`lifecycle::on_delete`]).
-async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error> {
+async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>, fresh: &Fresh) -> Result<Action, Error> {
     if !host.finalizers().iter().any(|f| f == FINALIZER) {
         return Ok(Action::await_change());
     }
     match lifecycle::on_delete(host, ctx.min_wipe) {
         // Meanwhile the lifecycle goes on: a consumer that lets go waits for the wipe it starts.
-        Deletion::WaitForRelease | Deletion::WaitForWipe => match next_step(ctx)(host) {
-            Some(t) => transit(host, ctx, api, &t, next_step(ctx)).await,
+        Deletion::WaitForRelease | Deletion::WaitForWipe => match next_step(ctx, fresh)(host) {
+            Some(t) => transit(host, ctx, api, (&t, fresh), next_step(ctx, fresh)).await,
             None => Ok(Action::requeue(Duration::from_secs(30))),
         },
         Deletion::Wipe(t) => {
@@ -189,7 +193,7 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error
                 Deletion::Wipe(t) => Some(t),
                 _ => None,
             };
-            transit(host, ctx, api, &t, still).await
+            transit(host, ctx, api, (&t, fresh), still).await
         }
         Deletion::Moved => {
             drop_finalizer(api, host).await?;
