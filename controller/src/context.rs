@@ -348,14 +348,41 @@ where
 pub async fn patch_unchanged<K>(
     api: &Api<K>,
     object: &K,
-    mut patch: serde_json::Value,
+    patch: serde_json::Value,
 ) -> Result<Option<K>, kube::Error>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
+    unchanged(api.patch(&name_of(object), &PatchParams::default(), &guarded(object, patch)).await)
+}
+
+/// [`patch_unchanged`] for the status subresource: writes `status` as the object's status.
+pub async fn patch_status_unchanged<K, S>(
+    api: &Api<K>,
+    object: &K,
+    status: &S,
+) -> Result<Option<K>, kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    S: serde::Serialize,
+{
+    let patch = guarded(object, serde_json::json!({ "status": status }));
+    unchanged(api.patch_status(&name_of(object), &PatchParams::default(), &patch).await)
+}
+
+fn name_of<K: Resource>(object: &K) -> String {
+    object.meta().name.clone().unwrap_or_default()
+}
+
+/// `patch` as a merge patch carrying `object`'s resourceVersion.
+fn guarded<K: Resource>(object: &K, mut patch: serde_json::Value) -> Patch<serde_json::Value> {
     patch["metadata"]["resourceVersion"] = object.meta().resource_version.clone().into();
-    let name = object.meta().name.clone().unwrap_or_default();
-    match api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+    Patch::Merge(patch)
+}
+
+/// A compare-and-swap's answer: `None` when the object had changed (409).
+fn unchanged<K>(written: Result<K, kube::Error>) -> Result<Option<K>, kube::Error> {
+    match written {
         Ok(written) => Ok(Some(written)),
         Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
         Err(e) => Err(e),

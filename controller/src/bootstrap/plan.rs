@@ -96,6 +96,9 @@ pub struct Observed<'a> {
     pub data_secret: DataSecret,
     /// Seconds since the Unix epoch.
     pub now: u64,
+    /// A fresh token id, minted by the reconciler for this pass: the one [`Step::RecordTokenId`]
+    /// records if the config has none.
+    pub new_token_id: &'a str,
 }
 
 /// The one write a pass makes (besides the status).
@@ -103,8 +106,9 @@ pub struct Observed<'a> {
 pub enum Step<'a> {
     None,
     AddFinalizer,
-    /// Mint a token id and record it in `status.tokenId`, only if the config is unchanged since
-    /// read. The returned status is written by this step itself.
+    /// Record the plan's status, which names the pass's fresh token id in `status.tokenId`, only
+    /// if the config is unchanged since read: a pass on a stale copy (which would not see an
+    /// id already recorded) loses instead of minting a second token.
     RecordTokenId,
     /// Create the token Secret `kube-system/bootstrap-token-<id>` (a fresh secret half).
     CreateToken {
@@ -273,6 +277,7 @@ fn decide<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
     match token {
         TokenRead::NoId => {
             report.data(false, Reason::CreatingToken, "recording the bootstrap token's id");
+            report.status.token_id = Some(seen.new_token_id.to_owned());
             (Step::RecordTokenId, Requeue::Now)
         }
         TokenRead::Unreachable(why) => report.wait(
@@ -542,6 +547,7 @@ mod tests {
                 kubeconfig,
                 data_secret: self.data_secret,
                 now: NOW,
+                new_token_id: "ghijkl",
             })
         }
     }
@@ -660,6 +666,7 @@ mod tests {
         let mut w = World::new(config());
         let p = w.plan();
         assert_eq!((p.step.clone(), p.requeue), (Step::RecordTokenId, Requeue::Now));
+        assert_eq!(p.status.token_id.as_deref(), Some("ghijkl"), "the pass's fresh id");
         assert_eq!(reason(&p, READY), ("False".into(), Reason::CreatingToken.to_string()));
         w.config = with_token_id(config());
         let p = w.plan();

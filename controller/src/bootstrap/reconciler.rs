@@ -28,7 +28,10 @@ use super::plan::{
     self, BootstrapToken, DataSecret, FINALIZER, Kubeconfig, Plan, Requeue, Step, TokenRead,
 };
 use crate::conditions::Reason;
-use crate::context::{Ctx, Error, Reconciled, gone, key, report_refused_in_ready, set_finalizer};
+use crate::context::{
+    Ctx, Error, Reconciled, gone, key, patch_status_unchanged, report_refused_in_ready,
+    set_finalizer,
+};
 use crate::crd::SitebootConfig;
 use crate::crd::capi::CLUSTER_NAME_LABEL;
 use crate::owners::{self, OwnedBy, Owners};
@@ -137,6 +140,7 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx, owners: &Owners) -> Result<Act
         kubeconfig,
         data_secret,
         now: unix_now(),
+        new_token_id: &token_part(6),
     };
     let Plan { step, status, requeue } = plan::plan(&seen);
     let api = configs_api(ctx, config);
@@ -254,26 +258,14 @@ async fn perform(
             }
             done(set_finalizer(api, config, FINALIZER, false).await?)
         }
-        Step::RecordTokenId => {
-            // Only if the config is unchanged since read: a pass on a stale copy (which would
-            // not see an id already recorded) loses here instead of minting a second token.
-            let mut status = status.clone();
-            let id = token_part(6);
-            status.token_id = Some(id.clone());
-            let patch = json!({
-                "metadata": { "resourceVersion": config.resource_version() },
-                "status": status,
-            });
-            let params = PatchParams::default();
-            match api.patch_status(&config.name_any(), &params, &Patch::Merge(&patch)).await {
-                Ok(_) => {
-                    tracing::info!(config = %key(config), token = %id, "recorded the bootstrap token id");
-                    Done::StatusWritten
-                }
-                Err(kube::Error::Api(e)) if e.code == 409 => Done::LostRace,
-                Err(e) => return Err(e.into()),
+        Step::RecordTokenId => match patch_status_unchanged(api, config, status).await? {
+            Some(_) => {
+                let id = status.token_id.as_deref().unwrap_or_default();
+                tracing::info!(config = %key(config), token = %id, "recorded the bootstrap token id");
+                Done::StatusWritten
             }
-        }
+            None => Done::LostRace,
+        },
         Step::CreateToken { id, expiration } => {
             let w = workload();
             let description =
