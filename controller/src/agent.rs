@@ -218,11 +218,24 @@ impl From<kube::Error> for Failure {
     }
 }
 
-/// The Host behind the request's address, read fresh from the API (a token minted a moment
-/// ago may not be in the cache yet).
+/// The Host a request is for, as cached: the one whose boot MAC holds the request's address,
+/// else the one whose virtual media carried the request's token (a media-booted ramdisk may get
+/// its address from anyone: a routed network, another DHCP server).
+fn cached_host(ctx: &Ctx, req: &AgentRequest) -> Result<Arc<Host>, Refusal> {
+    let by_mac = req.remote_mac.and_then(|mac| ctx.hosts.get(mac));
+    let by_media =
+        || req.token.as_deref().and_then(|t| ctx.hosts.with_media_token(&token::hash(t)));
+    match (by_mac.or_else(by_media), req.remote_mac) {
+        (Some(host), _) => Ok(host),
+        (None, Some(_)) => Err(Refusal::UnknownHost),
+        (None, None) => Err(Refusal::UnknownAddress),
+    }
+}
+
+/// The Host the request is for ([`cached_host`]), read fresh from the API (a token minted a
+/// moment ago may not be in the cache yet).
 async fn host_of(ctx: &Ctx, req: &AgentRequest) -> Result<(Api<Host>, Host), Failure> {
-    let mac = req.remote_mac.ok_or(Refusal::UnknownAddress)?;
-    let cached = ctx.hosts.get(mac).ok_or(Refusal::UnknownHost)?;
+    let cached = cached_host(ctx, req)?;
     let api = ctx.hosts_api(cached.metadata.namespace.as_deref().unwrap_or_default());
     let host = api.get(cached.metadata.name.as_deref().unwrap_or_default()).await?;
     if paused_itself(&host) {
@@ -353,7 +366,7 @@ async fn hand_out(
 /// fresh read. A cache a moment behind can only make a ramdisk wait one more round: its token
 /// was minted when its boot script was served, a kernel boot before its first question.
 fn idle_from_cache(ctx: &Ctx, req: &AgentRequest) -> Option<AgentResponse> {
-    let host = ctx.hosts.get(req.remote_mac?)?;
+    let host = cached_host(ctx, req).ok()?;
     if paused_itself(&*host) {
         return None;
     }
@@ -543,7 +556,7 @@ async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failur
     // A ramdisk writing an image reports every second or so; a rack of them must not turn
     // into a read and a write per host per second. The same step within a few seconds of the
     // last one the Host cache shows is taken as heard (a stale cache only means more writes).
-    let cached = req.remote_mac.and_then(|mac| ctx.hosts.get(mac));
+    let cached = cached_host(ctx, req).ok();
     let heard = cached.filter(|h| !paused_itself(&**h)).is_some_and(|h| {
         authenticate(ctx, req, &h).is_ok_and(|op| {
             op.step.as_deref() == Some(step.as_str())

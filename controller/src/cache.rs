@@ -54,6 +54,17 @@ impl HostIndex {
         hosts.iter().find(|h| std::ptr::eq(&***h, owner)).cloned()
     }
 
+    /// The Host whose operation boots from virtual media with the token that hashes to
+    /// `token_hash`: a media-booted host is known by what its BMC delivered, wherever its
+    /// address comes from (a routed network, another DHCP server).
+    pub fn with_media_token(&self, token_hash: &str) -> Option<Arc<Host>> {
+        let holds = |host: &Host| {
+            let op = host.status.as_ref().and_then(|s| s.operation.as_ref());
+            op.is_some_and(|op| op.virtual_media && op.token_hash.as_deref() == Some(token_hash))
+        };
+        self.all().into_iter().find(|h| holds(h))
+    }
+
     /// Every Host, duplicates included.
     pub fn all(&self) -> Vec<Arc<Host>> {
         self.by_mac.read().expect("host index lock").values().flatten().cloned().collect()
@@ -160,5 +171,39 @@ mod tests {
         assert_eq!(index.sharing_mac(&pooled).len(), 2);
         remove(&mut index.by_mac.write().unwrap(), &pooled);
         assert_eq!(key(&*index.get(mac).unwrap()), "tenant/planted", "the oldest left");
+    }
+
+    /// A media-booted ramdisk is found by its token, whatever address it asks from; a token
+    /// that came over the network (not virtual media) finds nothing this way.
+    #[test]
+    fn a_media_token_names_its_host() {
+        use crate::crd::{HostStatus, Operation, OperationKind};
+        let index = HostIndex::default();
+        let (token, hash) = crate::token::mint();
+        let mut booted = host("metal", "media", 10);
+        let operation = Operation {
+            kind: OperationKind::Provision,
+            id: "op".into(),
+            started: crate::crd::now(),
+            token_hash: Some(hash.clone()),
+            token_address: None,
+            token_issued: None,
+            virtual_media: true,
+            image: None,
+            bootstrap_delivered: false,
+            step: None,
+            bytes: None,
+            last_heard: None,
+        };
+        booted.status = Some(HostStatus { operation: Some(operation), ..Default::default() });
+        insert(&mut index.by_mac.write().unwrap(), host("metal", "other", 5));
+        insert(&mut index.by_mac.write().unwrap(), booted.clone());
+        let found =
+            index.with_media_token(&crate::token::hash(&token)).expect("found by its token");
+        assert_eq!(key(&*found), "metal/media");
+        assert!(index.with_media_token(&crate::token::hash("another")).is_none());
+        booted.status.as_mut().unwrap().operation.as_mut().unwrap().virtual_media = false;
+        insert(&mut index.by_mac.write().unwrap(), booted);
+        assert!(index.with_media_token(&hash).is_none(), "a network boot's token");
     }
 }

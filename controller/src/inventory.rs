@@ -108,15 +108,9 @@ impl KubeInventory {
     async fn media_cmdline(&self, request: MediaRequest) -> Option<Vec<Word>> {
         let token = token::media_token(&request.key);
         let hash = token::hash(&token);
-        let holds = |host: &Host| {
-            host.status
-                .as_ref()
-                .and_then(|s| s.operation.as_ref())
-                .is_some_and(|op| op.virtual_media && op.token_hash.as_deref() == Some(&hash))
-        };
         let deadline = tokio::time::Instant::now() + MEDIA_CACHE_WAIT;
         let host = loop {
-            if let Some(host) = self.ctx.hosts.all().into_iter().find(|h| holds(h)) {
+            if let Some(host) = self.ctx.hosts.with_media_token(&hash) {
                 break host;
             }
             if tokio::time::Instant::now() >= deadline {
