@@ -17,8 +17,10 @@
 //!
 //! The two-disk VM boots from virtual media (`spec.bootMethod: VirtualMedia`, issue 22 item
 //! 3): each operation's ramdisk comes in an ISO the emulator fetches from the appliance and
-//! inserts, with the token inside. Every packet to or from that VM on the provisioning bridge
-//! is captured (all but the image's bulk), and none holds a token the VM booted with.
+//! inserts, with the token inside. It sits on a routed segment of its own (`br1`), where
+//! another DHCP server (dnsmasq) leases its address and siteboot's DHCP and ARP do not reach:
+//! the agent knows its ramdisk by the token alone. Every packet to or from that VM on its
+//! segment is captured (all but the image's bulk), and none holds a token the VM booted with.
 //!
 //! Failures panic while the lab is alive, so the VM consoles and the appliance's log get
 //! printed.
@@ -42,7 +44,7 @@ use siteboot_controller::crd::{
 };
 use siteboot_controller::host::lifecycle::{FORCE_DELETE_ANNOTATION, RETRY_ANNOTATION};
 use siteboot_tests::appliance;
-use siteboot_tests::clients::PacketCapture;
+use siteboot_tests::clients::{Dnsmasq, PacketCapture};
 use siteboot_tests::os_images;
 use siteboot_tests::provider::{NS, ProviderLab, SITE};
 use siteboot_tests::redfish::{Domain, Libvirt, Machine, Sushy, SushyOptions};
@@ -78,7 +80,15 @@ struct Scenario {
     /// `spec.bmc.bootMode` (sushy-tools sets the domain's firmware to match it).
     boot_mode: Option<BootMode>,
     boot_method: BootMethod,
+    /// The bridge of its segment: the appliance's ([`appliance::BRIDGE`]), or the routed one.
+    bridge: &'static str,
 }
+
+/// The routed segment: its own bridge and subnet, dnsmasq handing out addresses with the lab's
+/// namespace as the router to the appliance's subnet.
+const ROUTED_BRIDGE: &str = "br1";
+const ROUTED_GATEWAY: &str = "10.98.0.1";
+const ROUTED_RANGE: &str = "10.98.0.100,10.98.0.150,255.255.255.0,1h";
 
 fn scenarios() -> [Scenario; 3] {
     [
@@ -91,6 +101,7 @@ fn scenarios() -> [Scenario; 3] {
             root: 0,
             boot_mode: Some(BootMode::Legacy),
             boot_method: BootMethod::Network,
+            bridge: appliance::BRIDGE,
         },
         Scenario {
             name: "uefi",
@@ -101,6 +112,7 @@ fn scenarios() -> [Scenario; 3] {
             root: 0,
             boot_mode: Some(BootMode::Uefi),
             boot_method: BootMethod::Network,
+            bridge: appliance::BRIDGE,
         },
         // Without the hint the agent would take the smaller disk that holds the image: vda.
         // UEFI: OVMF tries each disk in boot order; SeaBIOS boots only the first hard disk.
@@ -113,6 +125,7 @@ fn scenarios() -> [Scenario; 3] {
             root: 1,
             boot_mode: None,
             boot_method: BootMethod::VirtualMedia,
+            bridge: ROUTED_BRIDGE,
         },
     ]
 }
@@ -130,13 +143,27 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     lab.install_ramdisk(&ramdisk).unwrap();
     let image = lab.serve_image("test-os", &os).unwrap();
     let resets = ResetRule::image_downloads(&lab.lab, RESET_EVERY).unwrap();
+    lab.lab.add_bridge(ROUTED_BRIDGE, &format!("{ROUTED_GATEWAY}/24")).unwrap();
+    let routed_dhcp = Dnsmasq::start(
+        &lab.lab,
+        ROUTED_BRIDGE,
+        &[format!("--dhcp-range={ROUTED_RANGE}"), format!("--dhcp-option=3,{ROUTED_GATEWAY}")],
+    )
+    .unwrap();
     let libvirt = Libvirt::start(&lab.lab).unwrap();
     let sushy =
         Sushy::start(SushyOptions { user: USER, tls: None, netns: Some(&lab.lab) }).unwrap();
     lab.create_cluster(CLUSTER, BOOTSTRAP).await.unwrap();
 
     let scenarios = scenarios();
-    let env = Env { lab: &lab, libvirt: &libvirt, sushy: &sushy, image: &image, os: &os.disk };
+    let env = Env {
+        lab: &lab,
+        libvirt: &libvirt,
+        sushy: &sushy,
+        image: &image,
+        os: &os.disk,
+        routed_dhcp: &routed_dhcp,
+    };
     let lifecycles = scenarios.iter().map(|s| {
         Box::pin(async {
             let started = Instant::now();
@@ -195,16 +222,17 @@ impl<'a> ResetRule<'a> {
         Ok(Self { ns, name })
     }
 
-    /// Every connection from the VMs to the appliance's HTTP port, once the appliance has sent
-    /// it `bytes`: the ramdisk's image download breaks off mid-stream.
+    /// Every connection from the VMs (on either segment) to the appliance's HTTP port, once the
+    /// appliance has sent it `bytes`: the ramdisk's image download breaks off mid-stream.
     fn image_downloads(ns: &'a siteboot_tests::netns::Netns, bytes: u64) -> Result<Self> {
         let (port, from) = (appliance::HTTP_PORT.to_string(), format!("{bytes}:"));
         Self::add(
             ns,
             "image-downloads",
             &[
+                "!",
                 "-i",
-                appliance::BRIDGE,
+                "lo",
                 "-p",
                 "tcp",
                 "--dport",
@@ -265,6 +293,8 @@ async fn credentials(lab: &ProviderLab, host: &str, address: &str) -> Result<Str
 
 struct Env<'a> {
     lab: &'a ProviderLab,
+    /// The DHCP server of the routed segment.
+    routed_dhcp: &'a Dnsmasq,
     libvirt: &'a Libvirt,
     sushy: &'a Sushy,
     /// The SitebootMachine `image` that writes the test OS.
@@ -275,7 +305,7 @@ struct Env<'a> {
 
 async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     let machine = Machine { firmware: s.firmware, disks_mib: s.disks_mib };
-    let domain = env.libvirt.define_with(s.name, s.mac, appliance::BRIDGE, &machine)?;
+    let domain = env.libvirt.define_with(s.name, s.mac, s.bridge, &machine)?;
     let media = s.boot_method == BootMethod::VirtualMedia;
     // All the VM's packets on the segment but the image's bulk (full-size segments from the
     // HTTP port): where a token in clear would be. The BIOS VM's network boots are the
@@ -287,7 +317,7 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
                 s.mac,
                 appliance::HTTP_PORT
             );
-            PacketCapture::start(&env.lab.lab, appliance::BRIDGE, &filter)
+            PacketCapture::start(&env.lab.lab, s.bridge, &filter)
         })
         .transpose()?;
     // A disk the hints rule out must never be written: mark it, and compare it later.
@@ -362,6 +392,9 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     }
     let host = hosts.get(s.name).await?;
     ensure!(state(&host) == Some(HostState::Provisioned), "Host state {:?}", state(&host));
+    if s.bridge == ROUTED_BRIDGE {
+        routed(env, s, &host)?;
+    }
     // The test OS powers off after its last line.
     wait_domain(env.libvirt, &domain, "shut off").await?;
     same_bytes(&domain.disks[s.root], env.os)?;
@@ -619,6 +652,27 @@ fn media_only(domain: &Domain, capture: &PacketCapture) -> Result<()> {
             "a token the VM booted with crossed the segment in clear"
         );
     }
+    Ok(())
+}
+
+/// The routed VM's ramdisk worked from an address siteboot never leased: dnsmasq's, in the
+/// routed subnet, which the Host records as the machine's address.
+fn routed(env: &Env<'_>, s: &Scenario, host: &Host) -> Result<()> {
+    let leases = env.routed_dhcp.leases();
+    let address = leases
+        .lines()
+        .find(|l| l.split_whitespace().nth(1).is_some_and(|m| m.eq_ignore_ascii_case(s.mac)))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .with_context(|| format!("dnsmasq leased nothing to {}:\n{leases}", s.mac))?;
+    let recorded: Vec<&str> = host
+        .status
+        .iter()
+        .flat_map(|st| &st.addresses)
+        .filter(|a| a.kind == "InternalIP")
+        .map(|a| a.address.as_str())
+        .collect();
+    ensure!(recorded == [address], "the Host records {recorded:?}, dnsmasq leased {address}");
+    ensure!(address.starts_with("10.98.0."), "{address} is not in the routed subnet");
     Ok(())
 }
 
