@@ -7,14 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use serde_json::json;
 
 use crate::conditions::{READY, Reason, check_paused};
-use crate::context::{Ctx, Error, Reconciled};
+use crate::context::{Ctx, Error, Reconciled, write_status};
 use crate::crd::capi::{CLUSTER_NAME_LABEL, Cluster};
 use crate::crd::{FailureDomain, Initialization, Site, SitebootCluster, set_condition};
 
@@ -60,13 +59,6 @@ async fn pass(sbc: &SitebootCluster, ctx: &Ctx) -> Result<Action, Error> {
         let reason = Reason::Provisioned.to_string();
         set_condition(&mut status.conditions, READY, true, &reason, &message, generation);
     }
-    if sbc.status.as_ref() != Some(&status) {
-        api.patch_status(
-            &sbc.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&json!({ "status": status })),
-        )
-        .await?;
-    }
+    write_status(&api, sbc, sbc.status.as_ref(), &status).await?;
     Ok(Action::requeue(Duration::from_secs(300)))
 }

@@ -343,6 +343,26 @@ where
         && api.get_opt(&object.name_any()).await?.is_none())
 }
 
+/// Writes `status` as `object`'s status unless it is `current` already, or the object went
+/// during this pass (its last finalizer removed: nothing left to write to).
+pub async fn write_status<K, S>(
+    api: &Api<K>,
+    object: &K,
+    current: Option<&S>,
+    status: &S,
+) -> Result<(), Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    S: serde::Serialize + PartialEq,
+{
+    if current == Some(status) || gone(api, object).await? {
+        return Ok(());
+    }
+    let patch = Patch::Merge(serde_json::json!({ "status": status }));
+    api.patch_status(&name_of(object), &PatchParams::default(), &patch).await?;
+    Ok(())
+}
+
 /// A merge patch that the API server accepts only if `object` is unchanged since it was read
 /// (its resourceVersion is part of the patch). `Ok(None)`: it changed; look again.
 pub async fn patch_unchanged<K>(

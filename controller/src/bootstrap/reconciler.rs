@@ -29,8 +29,8 @@ use super::plan::{
 };
 use crate::conditions::Reason;
 use crate::context::{
-    Ctx, Error, Reconciled, gone, key, patch_status_unchanged, report_refused_in_ready,
-    set_finalizer,
+    Ctx, Error, Reconciled, key, patch_status_unchanged, report_refused_in_ready, set_finalizer,
+    write_status,
 };
 use crate::crd::SitebootConfig;
 use crate::crd::capi::CLUSTER_NAME_LABEL;
@@ -151,11 +151,7 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx, owners: &Owners) -> Result<Act
         Done::StatusWritten => return Ok(requeue.into()),
         Done::LostRace => Requeue::After(LOST_RACE_RETRY),
     };
-    if config.status.as_ref() != Some(&status) && !gone(&api, config).await? {
-        let patch = json!({ "status": status });
-        api.patch_status(&config.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
-            .await?;
-    }
+    write_status(&api, config, config.status.as_ref(), &status).await?;
     Ok(requeue.into())
 }
 

@@ -18,7 +18,8 @@ use siteboot_boot::dhcp::leases::unix_now;
 use super::plan::{self, BINDER_ANNOTATION, FINALIZER, Observed, Plan, Requeue, Step, consumed_by};
 use crate::conditions::{READY, Reason};
 use crate::context::{
-    Ctx, Error, Reconciled, gone, key, patch_unchanged, report_refused_in_ready, set_finalizer,
+    Ctx, Error, Reconciled, key, patch_unchanged, report_refused_in_ready, set_finalizer,
+    write_status,
 };
 use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine};
 use crate::handoff::{self, BootstrapData};
@@ -143,10 +144,7 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx, owners: &Owners) -> Result<Actio
         Done::LostRace => Requeue::After(LOST_RACE_RETRY),
         Done::NotYet => Requeue::After(NOT_YET_RETRY),
     };
-    if sbm.status.as_ref() != Some(&status) && !gone(&api, sbm).await? {
-        let patch = json!({ "status": status });
-        api.patch_status(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
-    }
+    write_status(&api, sbm, sbm.status.as_ref(), &status).await?;
     Ok(requeue.into())
 }
 
