@@ -609,7 +609,7 @@ kubernetes:
     // address from the config as the boot plane does (virtual media URLs name it), and mounts
     // the boot plane's certificate (never its key), which BMCs are told to trust.
     let controller = format!("{name}-controller");
-    let controller = site_deployment(
+    let mut controller = site_deployment(
         s,
         &controller,
         &component("controller"),
@@ -639,6 +639,13 @@ kubernetes:
             ],
         }),
     );
+    // Beside a boot plane replica: the media URLs it gives BMCs name its node's address.
+    controller["spec"]["template"]["spec"]["affinity"]["podAffinity"] = json!({
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": { "matchLabels": labels },
+            "topologyKey": "kubernetes.io/hostname",
+        }],
+    });
     vec![
         json!({
             "apiVersion": "v1", "kind": "ConfigMap",
@@ -1015,6 +1022,9 @@ mod tests {
         assert_eq!((account(2), args(2)[4].clone()), (json!("siteboot"), json!("controller")));
         let tls = &objects[2]["spec"]["template"]["spec"]["volumes"][1]["secret"]["items"];
         assert_eq!(tls, &json!([{ "key": "tls.crt", "path": "tls.crt" }]), "never the key");
+        let beside = &objects[2]["spec"]["template"]["spec"]["affinity"]["podAffinity"];
+        let with = &beside["requiredDuringSchedulingIgnoredDuringExecution"][0]["labelSelector"];
+        assert_eq!(with["matchLabels"], objects[1]["spec"]["selector"]["matchLabels"], "{beside}");
         for secrets in [SecretAccess::Cluster, default_secret_access()] {
             let grants: Vec<String> = rbac("siteboot-system", &secrets)
                 .into_iter()
