@@ -149,7 +149,9 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx, owners: &Owners) -> Result<Act
     let requeue = match done {
         Done::Yes => requeue,
         Done::StatusWritten => return Ok(requeue.into()),
-        Done::LostRace => Requeue::After(LOST_RACE_RETRY),
+        // The read was stale: a status planned from it would undo what was written since (a
+        // token id recorded by the pass before, whose token would then never be extended).
+        Done::LostRace => return Ok(Requeue::After(LOST_RACE_RETRY).into()),
     };
     write_status(&api, config, config.status.as_ref(), &status).await?;
     Ok(requeue.into())

@@ -141,7 +141,8 @@ async fn pass(sbm: &SitebootMachine, ctx: &Ctx, owners: &Owners) -> Result<Actio
     let workload = workload.as_ref().and_then(|w| w.as_ref().ok());
     let requeue = match perform(sbm, ctx, &api, workload, step).await? {
         Done::Yes => requeue,
-        Done::LostRace => Requeue::After(LOST_RACE_RETRY),
+        // The read was stale: a status planned from it would undo what was written since.
+        Done::LostRace => return Ok(Requeue::After(LOST_RACE_RETRY).into()),
         Done::NotYet => Requeue::After(NOT_YET_RETRY),
     };
     write_status(&api, sbm, sbm.status.as_ref(), &status).await?;
