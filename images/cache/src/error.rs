@@ -60,6 +60,8 @@ pub enum CacheError {
 pub enum Interruption {
     Body(Arc<hyper::Error>),
     Stalled(Duration),
+    /// Resuming failed: the server refused the connection, did not answer or answered 5xx.
+    Resuming(Arc<CacheError>),
 }
 
 impl fmt::Display for Interruption {
@@ -67,6 +69,7 @@ impl fmt::Display for Interruption {
         match self {
             Self::Body(e) => write!(f, "{e}"),
             Self::Stalled(t) => write!(f, "no data for {t:?}"),
+            Self::Resuming(e) => write!(f, "resuming: {e}"),
         }
     }
 }

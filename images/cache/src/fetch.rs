@@ -2,6 +2,9 @@
 //! rustls (the platform's root certificates, ring as the crypto provider like the rest of
 //! siteboot). One connection per attempt; a body that breaks off is resumed with `Range` from
 //! the last byte written, guarded by `If-Range` so a changed file restarts instead of splicing.
+//! A server that goes away mid-download (the appliance restarting, say) is waited for: while
+//! resuming, a refused connection or a 5xx is one more attempt, and only attempts in a row
+//! that bring no byte count towards giving up.
 //! The cache's store and the deploy ramdisk's disk writer are both [`FetchSink`]s.
 
 use std::sync::Arc;
@@ -22,8 +25,9 @@ use tokio_rustls::TlsConnector;
 use crate::{CacheError, Interruption};
 
 pub const MAX_REDIRECTS: u32 = 5;
-/// Resumes after broken transfers, per download.
-const MAX_RESUMES: u32 = 5;
+/// Attempts in a row that brought no byte (a transfer that broke off at once, a connection
+/// refused or a 5xx while resuming) before a download is given up; any byte resets the count.
+const MAX_FRUITLESS_ATTEMPTS: u32 = 8;
 /// Connecting, TLS included.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// From the request to the response headers.
@@ -71,77 +75,105 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 async fn fetch_http<S: FetchSink>(mut uri: Uri, sink: &mut S) -> Result<(), S::Error> {
     let mut redirects = 0;
     let mut resumes = 0;
+    let mut fruitless = 0;
     // ETag or Last-Modified of the first answer: a resume asks for the same version.
     let mut validator: Option<HeaderValue> = None;
     loop {
         let url = uri.to_string();
         let offset = sink.written();
         let range = validator.as_ref().filter(|_| offset > 0);
-        let response = request(&uri, range.map(|v| (offset, v))).await?;
-        let status = response.status();
-        if status.is_redirection() {
-            redirects += 1;
-            uri = redirect_target(&uri, &response)?;
-            if redirects > MAX_REDIRECTS {
-                return Err(CacheError::TooManyRedirects { url: uri.to_string() }.into());
+        let resuming = range.is_some();
+        let mut received = 0;
+        let cause = match request(&uri, range.map(|v| (offset, v))).await {
+            // The server went away mid-download: wait for it as for a broken transfer.
+            Err(e) if resuming => Interruption::Resuming(Arc::new(e)),
+            Err(e) => return Err(e.into()),
+            Ok(response) if resuming && response.status().is_server_error() => {
+                Interruption::Resuming(Arc::new(CacheError::Status {
+                    url,
+                    status: response.status(),
+                }))
             }
-            continue;
-        }
-        let length = response
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-        match status {
-            StatusCode::OK => {
-                if offset > 0 {
-                    sink.restart().await?;
-                }
-                let headers = response.headers();
-                validator =
-                    headers.get(header::ETAG).or(headers.get(header::LAST_MODIFIED)).cloned();
-                if let Some(length) = length {
-                    sink.set_total(length)?;
-                }
-            }
-            StatusCode::PARTIAL_CONTENT if range.is_some() => {
-                let content_range = response
-                    .headers()
-                    .get(header::CONTENT_RANGE)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or_default();
-                if !content_range.starts_with(&format!("bytes {offset}-")) {
-                    return Err(CacheError::BadRange {
-                        url,
-                        offset,
-                        content_range: content_range.to_owned(),
+            Ok(response) => {
+                let status = response.status();
+                if status.is_redirection() {
+                    redirects += 1;
+                    uri = redirect_target(&uri, &response)?;
+                    if redirects > MAX_REDIRECTS {
+                        return Err(CacheError::TooManyRedirects { url: uri.to_string() }.into());
                     }
-                    .into());
+                    continue;
                 }
-            }
-            status => return Err(CacheError::Status { url, status }.into()),
-        }
-        let mut body = response.into_body();
-        let cause = loop {
-            match timeout(IDLE_TIMEOUT, body.frame()).await {
-                Err(_) => break Interruption::Stalled(IDLE_TIMEOUT),
-                Ok(None) => return Ok(()),
-                Ok(Some(Err(e))) => break Interruption::Body(Arc::new(e)),
-                Ok(Some(Ok(frame))) => {
-                    if let Some(data) = frame.data_ref() {
-                        sink.write(data).await?;
+                let length = response
+                    .headers()
+                    .get(header::CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                match status {
+                    StatusCode::OK => {
+                        if offset > 0 {
+                            sink.restart().await?;
+                        }
+                        let headers = response.headers();
+                        validator = headers
+                            .get(header::ETAG)
+                            .or(headers.get(header::LAST_MODIFIED))
+                            .cloned();
+                        if let Some(length) = length {
+                            sink.set_total(length)?;
+                        }
+                    }
+                    StatusCode::PARTIAL_CONTENT if resuming => {
+                        let content_range = response
+                            .headers()
+                            .get(header::CONTENT_RANGE)
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or_default();
+                        if !content_range.starts_with(&format!("bytes {offset}-")) {
+                            return Err(CacheError::BadRange {
+                                url,
+                                offset,
+                                content_range: content_range.to_owned(),
+                            }
+                            .into());
+                        }
+                    }
+                    status => return Err(CacheError::Status { url, status }.into()),
+                }
+                let mut body = response.into_body();
+                loop {
+                    match timeout(IDLE_TIMEOUT, body.frame()).await {
+                        Err(_) => break Interruption::Stalled(IDLE_TIMEOUT),
+                        Ok(None) => return Ok(()),
+                        Ok(Some(Err(e))) => break Interruption::Body(Arc::new(e)),
+                        Ok(Some(Ok(frame))) => {
+                            if let Some(data) = frame.data_ref() {
+                                received += data.len();
+                                sink.write(data).await?;
+                            }
+                        }
                     }
                 }
             }
         };
+        fruitless = if received > 0 { 0 } else { fruitless + 1 };
         // Resuming needs a validator: without one, bytes from a changed file could be spliced
         // onto the old ones (the digest would catch it, but only after the whole download).
-        if resumes == MAX_RESUMES || validator.is_none() {
+        if fruitless == MAX_FRUITLESS_ATTEMPTS || validator.is_none() {
             let bytes = sink.written();
+            let url = uri.to_string();
             return Err(CacheError::Dropped { url, bytes, resumes, cause }.into());
         }
         resumes += 1;
-        tokio::time::sleep(Duration::from_millis(200 * u64::from(resumes))).await;
+        tokio::time::sleep(backoff(fruitless)).await;
     }
+}
+
+/// The wait before the next attempt, after `fruitless` attempts in a row that brought no byte:
+/// 250 ms after progress, then doubling up to 8 s (about 30 s in all before a download is given
+/// up), long enough for a server to restart.
+fn backoff(fruitless: u32) -> Duration {
+    let doublings = fruitless.saturating_sub(1).min(5);
+    Duration::from_millis(250 << doublings).min(Duration::from_secs(8))
 }
 
 /// Where a redirect points: an absolute http(s) URL, or a path on the same server. Never

@@ -22,7 +22,13 @@ enum Behaviour {
     DropAlways,
     /// Redirects to a file:// URL.
     RedirectToFile,
+    /// As `DropFirst`, and the server is then gone (its port refuses connections) for
+    /// [`GONE_FOR`] before it is back, as an appliance restarting.
+    GoneAfterFirst,
 }
+
+/// How long a `GoneAfterFirst` server refuses connections.
+const GONE_FOR: Duration = Duration::from_millis(1500);
 
 struct Server {
     addr: SocketAddr,
@@ -37,8 +43,17 @@ impl Server {
         let requests = Arc::new(Mutex::new(Vec::new()));
         let seen = requests.clone();
         tokio::spawn(async move {
+            let mut listener = Some(listener);
             loop {
-                let (mut stream, _) = listener.accept().await.unwrap();
+                let (mut stream, _) = listener.as_ref().unwrap().accept().await.unwrap();
+                if behaviour == Behaviour::GoneAfterFirst && seen.lock().unwrap().is_empty() {
+                    // Closed after this first answer: connections are refused until it is back.
+                    let answering = listener.take();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        drop(answering);
+                    });
+                }
                 let (body, seen) = (body.clone(), seen.clone());
                 tokio::spawn(async move {
                     let mut head = Vec::new();
@@ -89,7 +104,8 @@ impl Server {
                                 body.len()
                             )
                             .into_bytes();
-                            if behaviour == Behaviour::DropFirst && first {
+                            let drops = matches!(behaviour, Behaviour::DropFirst | Behaviour::GoneAfterFirst);
+                            if drops && first {
                                 a.extend_from_slice(&body[..body.len() / 2]);
                             } else {
                                 a.extend_from_slice(&body);
@@ -100,6 +116,10 @@ impl Server {
                     let _ = stream.write_all(&answer).await;
                     // Closing here is the "dropped connection" when the body is short.
                 });
+                if listener.is_none() {
+                    tokio::time::sleep(GONE_FOR).await;
+                    listener = Some(TcpListener::bind(addr).await.unwrap());
+                }
             }
         });
         Self { addr, requests }
@@ -212,6 +232,24 @@ async fn dropped_connection_is_resumed_with_range() {
     let requests = server.requests();
     assert_eq!(requests.len(), 2, "{requests:?}");
     assert_eq!(requests[0], "");
+    let from: usize = requests[1].parse().unwrap();
+    assert!(from > 0 && from <= body.len() / 2, "resumed from {from}");
+}
+
+/// The server breaks off the transfer and is gone for a while (an appliance restarting): the
+/// attempts to resume are refused, and the download waits for it instead of failing.
+#[tokio::test]
+async fn a_server_gone_mid_download_is_waited_for_and_resumed() {
+    let body = image(2 << 20, 6);
+    let server = Server::start(body.clone(), Behaviour::GoneAfterFirst).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Cache::open(dir.path(), 1 << 30).unwrap();
+    let image = reference(&server.url(), digest_of(&body));
+    let lease = cache.get(&image, |_| {}).await.unwrap();
+    assert_eq!(std::fs::read(lease.path()).unwrap(), body);
+    // The refused attempts never reached it: the first request, then the resume.
+    let requests = server.requests();
+    assert_eq!(requests.len(), 2, "{requests:?}");
     let from: usize = requests[1].parse().unwrap();
     assert!(from > 0 && from <= body.len() / 2, "resumed from {from}");
 }
