@@ -188,6 +188,7 @@ mod tests {
             token_hash: Some(hash.clone()),
             token_address: None,
             token_issued: None,
+            boot_requested: None,
             virtual_media: true,
             image: None,
             bootstrap_delivered: false,

@@ -306,6 +306,7 @@ mod tests {
                 token_hash: Some("secret-hash".into()),
                 token_address: Some("10.99.0.100".into()),
                 token_issued: None,
+                boot_requested: None,
                 virtual_media: false,
                 image: Some(Image {
                     url: "http://images.tenant.example/node.raw".into(),

@@ -349,6 +349,11 @@ pub struct Operation {
     /// network boot.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub virtual_media: bool,
+    /// When siteboot last asked the host's BMC to boot this operation's ramdisk (None: not
+    /// yet). Written after the BMC took the request, so a request lost to a crash is made
+    /// again, and one the host did not follow is repeated (see `lifecycle::boot_due`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_requested: Option<Time>,
     /// When the current token was issued: tokens expire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_issued: Option<Time>,

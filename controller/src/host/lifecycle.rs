@@ -265,6 +265,7 @@ pub fn apply(host: &Host, transition: &Transition, fresh: &Fresh) -> HostStatus 
         token_hash: None,
         token_address: None,
         token_issued: None,
+        boot_requested: None,
         virtual_media: host.spec.boot_method == BootMethod::VirtualMedia,
         image: None,
         bootstrap_delivered: false,
@@ -425,6 +426,26 @@ pub fn bmc_recheck_after(host: &Host, now: i64) -> Duration {
 /// Whether virtual media siteboot inserted for an operation that has ended is still in.
 pub fn media_to_eject(host: &Host) -> bool {
     host.status.as_ref().is_some_and(|s| s.media_inserted && s.operation.is_none())
+}
+
+/// How long after asking a host's BMC to boot the ramdisk siteboot asks again while the ramdisk
+/// has not taken its token: a server takes minutes to POST and network-boot, and firmware that
+/// found no DHCP answer (the appliance was restarting) gives up and waits for good.
+pub const BOOT_RETRY: Duration = Duration::from_secs(600);
+
+/// Whether to ask the host's BMC (again) to boot the ramdisk of the operation under way: the
+/// host has a BMC, the ramdisk has not taken a token for the operation (network boot) and no
+/// virtual media was inserted with one, and siteboot has not asked yet (a new operation, or a
+/// request lost when the appliance died before it was recorded) or asked more than
+/// [`BOOT_RETRY`] ago. Without a BMC siteboot waits for the host to network-boot; a ramdisk
+/// that booted is timed out by [`silent`] instead.
+pub fn boot_due(host: &Host, now: i64) -> bool {
+    let Some(op) = host.status.as_ref().and_then(|s| s.operation.as_ref()) else { return false };
+    let asked_long_ago =
+        |at: &Time| now.saturating_sub(at.0.as_second()) > BOOT_RETRY.as_secs() as i64;
+    host.spec.bmc.is_some()
+        && op.token_issued.is_none()
+        && op.boot_requested.as_ref().is_none_or(asked_long_ago)
 }
 
 /// What the reboot annotation asks for.
@@ -767,6 +788,7 @@ mod tests {
             token_address: None,
             virtual_media: true,
             token_issued: None,
+            boot_requested: None,
             bootstrap_delivered: false,
             step: None,
             last_heard: None,
@@ -860,6 +882,45 @@ mod tests {
         assert_eq!(bmc_recheck_after(&h, since + 1), Duration::from_secs(10));
         assert_eq!(bmc_recheck_after(&h, since + 60), Duration::from_secs(60));
         assert_eq!(bmc_recheck_after(&h, since + 86_400), Duration::from_secs(300));
+    }
+
+    #[test]
+    fn the_bmc_is_asked_to_boot_the_ramdisk_until_it_takes_its_token() {
+        let at = |seconds: i64| Time(k8s_openapi::jiff::Timestamp::from_second(seconds).unwrap());
+        let now = 1_000_000;
+        let mut h = with_bmc();
+        assert!(!boot_due(&h, now), "no operation");
+        claim(&mut h, 1);
+        h.status.get_or_insert_with(HostStatus::default).operation = Some(Operation {
+            kind: OperationKind::Provision,
+            id: "op".into(),
+            started: at(now),
+            token_hash: None,
+            image: None,
+            token_address: None,
+            virtual_media: false,
+            boot_requested: None,
+            token_issued: None,
+            bootstrap_delivered: false,
+            step: None,
+            last_heard: None,
+            bytes: None,
+        });
+        let set = |h: &mut Host, f: &dyn Fn(&mut Operation)| {
+            f(h.status.as_mut().unwrap().operation.as_mut().unwrap())
+        };
+        assert!(boot_due(&h, now), "a new operation, or a request lost to a crash");
+        set(&mut h, &|o| o.boot_requested = Some(at(now - 30)));
+        assert!(!boot_due(&h, now), "asked 30 s ago: the host is booting");
+        let retry = now - BOOT_RETRY.as_secs() as i64 - 1;
+        set(&mut h, &|o| o.boot_requested = Some(at(retry)));
+        assert!(boot_due(&h, now), "asked long ago, and no ramdisk took the token: ask again");
+        set(&mut h, &|o| o.token_issued = Some(at(now - 5)));
+        assert!(!boot_due(&h, now), "the ramdisk booted (or the media went in with its token)");
+        let mut without_bmc = h.clone();
+        without_bmc.spec.bmc = None;
+        set(&mut without_bmc, &|o| o.token_issued = None);
+        assert!(!boot_due(&without_bmc, now), "no BMC: siteboot waits for a network boot");
     }
 
     #[test]

@@ -67,6 +67,9 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
     }
     let next = next_step(ctx, &fresh);
     let Some(transition) = next(host) else {
+        if lifecycle::boot_due(host, fresh.now.0.as_second()) {
+            return request_boot(host, ctx, &api, &fresh).await;
+        }
         if lifecycle::media_to_eject(host) {
             return eject_media(host, ctx, &api).await;
         }
@@ -125,16 +128,45 @@ async fn transit(
         format!("{from:?} -> {:?}: {}", transition.to, transition.message),
     )
     .await;
-    if transition.operation.is_some()
-        && let Err(e) = boot_ramdisk(&written, ctx, api).await
-    {
-        tracing::warn!(host = %key(&written), error = %e, "cannot boot the host into the ramdisk; it will when it restarts, or with the reboot annotation");
-    }
     if transition.to == HostState::Registering && lifecycle::retry_requested(&written) {
         let patch = json!({ "metadata": { "annotations": { RETRY_ANNOTATION: null } } });
         api.patch(&written.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
     }
-    Ok(Action::requeue(Duration::from_secs(300)))
+    // A new operation's ramdisk is booted by the next pass (`lifecycle::boot_due`).
+    let again = if transition.operation.is_some() { Duration::ZERO } else { IDLE };
+    Ok(Action::requeue(again))
+}
+
+/// Asks the host's BMC to boot the ramdisk of the operation under way, then records when, for
+/// that operation only: a crash before the record means the next pass asks again.
+async fn request_boot(
+    host: &Host,
+    ctx: &Ctx,
+    api: &Api<Host>,
+    fresh: &Fresh,
+) -> Result<Action, Error> {
+    let Some(id) = host.status.as_ref().and_then(|s| s.operation.as_ref()).map(|o| o.id.clone())
+    else {
+        return Ok(Action::requeue(Duration::ZERO));
+    };
+    if let Err(e) = boot_ramdisk(host, ctx, api).await {
+        tracing::warn!(host = %key(host), operation = %id, error = %e, "cannot boot the host into the ramdisk; trying again in {}", humantime::format_duration(REBOOT_RETRY));
+        ctx.event(host, true, "BootFailed", format!("booting the ramdisk of operation {id}: {e}"))
+            .await;
+        return Ok(Action::requeue(REBOOT_RETRY));
+    }
+    tracing::info!(host = %key(host), operation = %id, "asked the BMC to boot the ramdisk");
+    update_host_status(api, &host.name_any(), |current| {
+        let mut status = current.status.clone().unwrap_or_default();
+        let Some(op) = status.operation.as_mut().filter(|op| op.id == id) else {
+            return Ok::<_, ()>(None);
+        };
+        op.boot_requested = Some(fresh.now.clone());
+        Ok(Some(status))
+    })
+    .await?
+    .ok();
+    Ok(Action::requeue(SILENCE_CHECK))
 }
 
 /// Records on the Host whether it is paused (the `cluster.x-k8s.io/paused` annotation, as
@@ -186,6 +218,9 @@ async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>, fresh: &Fresh) -> Resul
         // Meanwhile the lifecycle goes on: a consumer that lets go waits for the wipe it starts.
         Deletion::WaitForRelease | Deletion::WaitForWipe => match next_step(ctx, fresh)(host) {
             Some(t) => transit(host, ctx, api, (&t, fresh), next_step(ctx, fresh)).await,
+            None if lifecycle::boot_due(host, fresh.now.0.as_second()) => {
+                request_boot(host, ctx, api, fresh).await
+            }
             None => Ok(Action::requeue(Duration::from_secs(30))),
         },
         Deletion::Wipe(t) => {

@@ -1150,6 +1150,7 @@ mod tests {
             token_hash: None,
             token_address: None,
             token_issued: None,
+            boot_requested: None,
             virtual_media: false,
             image: None,
             bootstrap_delivered: false,
