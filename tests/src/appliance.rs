@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, bail};
@@ -76,7 +77,9 @@ pub struct Appliance {
     config_path: PathBuf,
     state_dir: PathBuf,
     http_root: PathBuf,
-    process: Option<Supervised>,
+    /// Behind a lock, so a test can crash and restart the appliance (`kill9`, `restart`)
+    /// while its scenarios share it.
+    process: Mutex<Option<Supervised>>,
     /// Extra `serve` arguments, kept for restarts.
     args: Vec<String>,
     dir: tempfile::TempDir,
@@ -108,14 +111,14 @@ impl Appliance {
         let config_path = dir.path().join("siteboot.yaml");
         std::fs::write(&config_path, serde_yaml::to_string(&config)?)?;
 
-        let mut appliance = Self {
+        let appliance = Self {
             ns: ns.name().to_owned(),
             bin,
             base_url,
             config_path,
             state_dir,
             http_root,
-            process: None,
+            process: Mutex::new(None),
             args: args.iter().map(|a| (*a).to_owned()).collect(),
             dir,
         };
@@ -123,7 +126,7 @@ impl Appliance {
         Ok(appliance)
     }
 
-    fn spawn(&mut self) -> Result<()> {
+    fn spawn(&self) -> Result<()> {
         let mut command = netns::exec(&self.ns, &self.bin);
         command.arg("serve").arg("--config").arg(&self.config_path).args(&self.args);
         // Enough detail to follow one boot in the log printed on failure; no colour codes.
@@ -133,18 +136,22 @@ impl Appliance {
         command.env("NO_COLOR", "1");
         // Restarts append to the same log, so a failing test shows every run.
         let process = Supervised::spawn("siteboot", &mut command, self.dir.path())?;
-        self.process = Some(process);
+        *self.process() = Some(process);
         self.wait_ready()
     }
 
-    fn wait_ready(&mut self) -> Result<()> {
+    fn process(&self) -> std::sync::MutexGuard<'_, Option<Supervised>> {
+        self.process.lock().expect("not poisoned")
+    }
+
+    fn wait_ready(&self) -> Result<()> {
         let result = crate::wait::until(
             "siteboot to answer GET /healthz with 200",
             READY_TIMEOUT,
             Duration::from_millis(200),
             || {
-                let process = self.process.as_mut().expect("spawned");
-                if let Some(status) = process.try_wait() {
+                let exited = self.process().as_mut().expect("spawned").try_wait();
+                if let Some(status) = exited {
                     return Some(Err(anyhow::anyhow!("siteboot exited ({status})")));
                 }
                 match self.get("/healthz") {
@@ -165,7 +172,7 @@ impl Appliance {
 
     /// The running process's pid, if it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.process.as_ref().map(Supervised::pid)
+        self.process().as_ref().map(Supervised::pid)
     }
 
     /// `http://10.99.0.1:8080`.
@@ -237,39 +244,40 @@ impl Appliance {
     }
 
     /// SIGKILL: no shutdown code runs, as in a crash or power loss.
-    pub fn kill9(&mut self) {
-        if let Some(process) = self.process.as_mut() {
+    pub fn kill9(&self) {
+        if let Some(process) = self.process().as_mut() {
             process.kill9();
         }
     }
 
     /// Sends `signal` (SIGSTOP, SIGCONT, SIGTERM...) to siteboot if it is running.
-    pub fn signal(&mut self, signal: i32) {
-        if let Some(process) = self.process.as_mut() {
+    pub fn signal(&self, signal: i32) {
+        if let Some(process) = self.process().as_mut() {
             process.signal(signal);
         }
     }
 
     /// Stops siteboot (SIGTERM) if it is running, starts it again with the same config and
     /// state, and waits until it is ready.
-    pub fn restart(&mut self) -> Result<()> {
-        if let Some(mut process) = self.process.take() {
+    pub fn restart(&self) -> Result<()> {
+        let running = self.process().take();
+        if let Some(mut process) = running {
             process.stop();
         }
         self.spawn()
     }
 
     /// `Some(status)` if siteboot has exited.
-    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.process.as_mut().and_then(Supervised::try_wait)
+    pub fn exited(&self) -> Option<std::process::ExitStatus> {
+        self.process().as_mut().and_then(Supervised::try_wait)
     }
 
     pub fn log(&self) -> String {
-        self.process.as_ref().map(Supervised::log).unwrap_or_default()
+        self.process().as_ref().map(Supervised::log).unwrap_or_default()
     }
 
     pub fn print_log(&self) {
-        if let Some(process) = &self.process {
+        if let Some(process) = self.process().as_ref() {
             process.print_log();
         }
     }

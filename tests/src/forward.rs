@@ -1,6 +1,6 @@
-//! A loopback port inside a network namespace that leads to a loopback port outside it: the
-//! appliance under test runs in a lab namespace, the kube-apiserver on the test machine's
-//! loopback. Traffic stays on the two loopbacks.
+//! A port inside a network namespace that leads to a loopback port outside it: the appliance
+//! under test (and the lab's VMs) run in a lab namespace, the kube-apiserver on the test
+//! machine's loopback. Traffic stays in the namespace and on the machine's loopback.
 //!
 //! The listening socket is made in the namespace ([`Netns::enter`]); connections to the target
 //! are made from the test process's own namespace.
@@ -28,13 +28,17 @@ impl LoopbackForward {
         Self::start_on(ns, 0, target)
     }
 
-    /// Listens on `port` in the namespace (0: any free port). The same port as `target` makes
-    /// one URL (`https://127.0.0.1:<target>`) work inside the namespace and outside it.
+    /// Listens on `port` in the namespace's loopback (0: any free port). The same port as
+    /// `target` makes one URL (`https://127.0.0.1:<target>`) work inside the namespace and
+    /// outside it.
     pub fn start_on(ns: &Netns, port: u16, target: u16) -> Result<Self> {
-        let listener =
-            Arc::new(ns.enter(move || {
-                Ok(TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))?)
-            })?);
+        Self::start_at(ns, SocketAddrV4::new(Ipv4Addr::LOCALHOST, port), target)
+    }
+
+    /// Listens on `address` in the namespace: with the unspecified address, also where the
+    /// namespace's bridges are, for the lab's VMs.
+    pub fn start_at(ns: &Netns, address: SocketAddrV4, target: u16) -> Result<Self> {
+        let listener = Arc::new(ns.enter(move || Ok(TcpListener::bind(address)?))?);
         let port = listener.local_addr()?.port();
         let stop = Arc::new(AtomicBool::new(false));
         let (accepting, stopping) = (listener.clone(), stop.clone());

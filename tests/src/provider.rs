@@ -12,14 +12,15 @@
 //! cluster the objects went to; the Nodes stay where they are, as a workload cluster's do.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::PathBuf;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use k8s_openapi::api::core::v1::{Node, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::ResourceExt;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -85,8 +86,9 @@ pub struct ProviderLab {
     forward: LoopbackForward,
     /// siteboot's kubeconfig file.
     kubeconfig: PathBuf,
-    /// The apiserver's own port inside the lab namespace: the `<cluster>-kubeconfig` Secrets
-    /// (`KubeEnv::create_workload_kubeconfig_secret`) then work for siteboot too.
+    /// The apiserver's own port inside the lab namespace, on all its addresses: the
+    /// `<cluster>-kubeconfig` Secrets (`KubeEnv::create_workload_kubeconfig_secret`) then work
+    /// for siteboot too, and the lab's VMs join at `https://<appliance address>:<port>`.
     _workload_forward: LoopbackForward,
     pub lab: Netns,
     // Last: the apiserver outlives everything that talks to it.
@@ -204,8 +206,10 @@ impl ProviderLab {
             let (forward, siteboot) = start_appliance(&env, &lab, &token, cfg)?;
             (forward, siteboot, None, None)
         };
-        let workload_forward =
-            LoopbackForward::start_on(&lab, env.apiserver_port(), env.apiserver_port())?;
+        // On every address of the lab: the appliance reaches it on its loopback, the lab's VMs
+        // (real kubelets) at the appliance's address.
+        let everywhere = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, env.apiserver_port());
+        let workload_forward = LoopbackForward::start_at(&lab, everywhere, env.apiserver_port())?;
         let ramdisk = siteboot.http_root().join("ramdisk");
         std::fs::create_dir_all(&ramdisk)?;
         std::fs::write(ramdisk.join("vmlinuz"), vec![0xaa; 64 * 1024])?;
@@ -318,10 +322,16 @@ impl ProviderLab {
     /// Serves `image` from the lab appliance's HTTP root as `images/<name>.raw`; returns the
     /// `image` of a SitebootMachine that writes it (the appliance fetches it into its cache).
     pub fn serve_image(&self, name: &str, image: &TestOsImage) -> Result<Value> {
-        std::fs::copy(&image.disk, self.siteboot.http_root().join(format!("images/{name}.raw")))?;
+        self.serve_image_file(&format!("{name}.raw"), &image.disk, &image.sha256)
+    }
+
+    /// Serves the image file `path`, whose SHA-256 is `sha256`, as `file_name` from the
+    /// appliance's HTTP root; returns a SitebootMachine `image` for it.
+    pub fn serve_image_file(&self, file_name: &str, path: &Path, sha256: &str) -> Result<Value> {
+        std::fs::copy(path, self.siteboot.http_root().join("images").join(file_name))?;
         Ok(json!({
-            "url": format!("http://{}:{}/files/images/{name}.raw", appliance::ADDRESS, appliance::HTTP_PORT),
-            "checksum": format!("sha256:{}", image.sha256),
+            "url": format!("http://{}:{}/files/images/{file_name}", appliance::ADDRESS, appliance::HTTP_PORT),
+            "checksum": format!("sha256:{sha256}"),
         }))
     }
 
@@ -446,6 +456,37 @@ impl ProviderLab {
         result.with_context(|| format!("state:\n{state}"))
     }
 
+    /// What a deleted Machine must not leave behind, one line each: Machines, SitebootMachines
+    /// and SitebootConfigs in [`NS`], bootstrap tokens in the workload cluster, and bootstrap
+    /// data staged for the boot plane in [`SYSTEM_NS`].
+    pub async fn leftovers(&self) -> Result<Vec<String>> {
+        let mut left = Vec::new();
+        let all = ListParams::default();
+        for kind in ["Machine", "SitebootMachine"] {
+            for object in self.api(kind).list(&all).await?.items {
+                left.push(format!("{kind} {}", object.name_any()));
+            }
+        }
+        let configs = self.env.api(crate::kube::bootstrap::BOOTSTRAP, "SitebootConfig", Some(NS));
+        for config in configs.list(&all).await?.items {
+            left.push(format!("SitebootConfig {}", config.name_any()));
+        }
+        let tokens = Api::<Secret>::namespaced(self.env.client(), "kube-system");
+        let of_type = ListParams::default().fields("type=bootstrap.kubernetes.io/token");
+        for token in tokens.list(&of_type).await?.items {
+            left.push(format!("bootstrap token Secret {}", token.name_any()));
+        }
+        for staged in
+            Api::<Secret>::namespaced(self.env.client(), SYSTEM_NS).list(&all).await?.items
+        {
+            let name = staged.name_any();
+            if name.starts_with("siteboot-bootstrap-") {
+                left.push(format!("staged bootstrap data Secret {SYSTEM_NS}/{name}"));
+            }
+        }
+        Ok(left)
+    }
+
     /// What an operator would look at: Machines, SitebootMachines and Hosts, one line each.
     pub async fn describe(&self) -> String {
         let mut out = Vec::new();
@@ -525,7 +566,8 @@ impl ProviderLab {
     }
 
     /// A SitebootCluster and a Cluster using it, and the bootstrap Secret its Machines use
-    /// (before a move: the Cluster's workload is [`ProviderLab::env`]).
+    /// (before a move: the Cluster's workload is [`ProviderLab::env`], whose control plane
+    /// endpoint is the appliance's address: the lab's VMs join there).
     pub async fn create_cluster(&self, name: &str, bootstrap: &str) -> Result<()> {
         self.create_cluster_in(NS, name, bootstrap).await
     }
@@ -536,8 +578,8 @@ impl ProviderLab {
             "apiVersion": INFRA, "kind": "SitebootCluster", "metadata": { "name": name }, "spec": {},
         }))?;
         self.api_in(ns, "SitebootCluster").create(&PostParams::default(), &sbc).await?;
-        capi::create_cluster(&self.env, ns, name, Some((INFRA_GROUP, "SitebootCluster", name)))
-            .await?;
+        let infrastructure = Some((INFRA_GROUP, "SitebootCluster", name));
+        capi::create_cluster_at(&self.env, ns, name, infrastructure, appliance::ADDRESS).await?;
         capi::create_bootstrap_secret(&self.env, ns, name, &format!("{name}-bootstrap"), bootstrap)
             .await
     }
@@ -586,6 +628,21 @@ impl ProviderLab {
         template: &str,
         replicas: u32,
     ) -> Result<()> {
+        let bootstrap = json!({ "dataSecretName": format!("{cluster}-bootstrap") });
+        self.create_machine_deployment_with(ns, name, cluster, template, replicas, bootstrap).await
+    }
+
+    /// [`ProviderLab::create_machine_deployment_in`] whose Machines' `spec.bootstrap` is
+    /// `bootstrap` (a `configRef` to a bootstrap provider's template, say).
+    pub async fn create_machine_deployment_with(
+        &self,
+        ns: &str,
+        name: &str,
+        cluster: &str,
+        template: &str,
+        replicas: u32,
+        bootstrap: Value,
+    ) -> Result<()> {
         let md: DynamicObject = serde_json::from_value(json!({
             "apiVersion": CAPI, "kind": "MachineDeployment", "metadata": { "name": name },
             "spec": {
@@ -596,7 +653,7 @@ impl ProviderLab {
                     "metadata": { "labels": { "pool": name } },
                     "spec": {
                         "clusterName": cluster,
-                        "bootstrap": { "dataSecretName": format!("{cluster}-bootstrap") },
+                        "bootstrap": bootstrap,
                         "infrastructureRef": { "apiGroup": INFRA_GROUP, "kind": "SitebootMachineTemplate", "name": template },
                     },
                 },

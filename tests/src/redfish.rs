@@ -59,6 +59,8 @@ pub struct Domain {
     /// Its raw disk files: `vda`, `vdb`, ...
     pub disks: Vec<PathBuf>,
     console: PathBuf,
+    /// The second serial port (`ttyS1`: the node image's journal).
+    second: PathBuf,
 }
 
 impl Libvirt {
@@ -90,7 +92,7 @@ impl Libvirt {
         netns::output(Command::new("virsh").args(["-q", "-c", LIBVIRT_URI]).args(args))
     }
 
-    /// Defines (does not start) a TCG BIOS domain `name`: 512 MiB, a NIC with `mac` on
+    /// Defines (does not start) a TCG BIOS domain `name`: 512 MiB, one CPU, a NIC with `mac` on
     /// `bridge`, an empty 1 GiB disk it boots from unless told otherwise (so a network boot
     /// proves the override), its serial console to a file.
     pub fn define(&self, name: &str, mac: &str, bridge: &str) -> Result<Domain> {
@@ -98,7 +100,7 @@ impl Libvirt {
             name,
             mac,
             bridge,
-            &Machine { firmware: Firmware::Bios, disks_mib: &[1024] },
+            &Machine { firmware: Firmware::Bios, disks_mib: &[1024], memory_mib: 512, cpus: 1 },
         )
     }
 
@@ -127,6 +129,7 @@ impl Libvirt {
             disks.push(disk);
         }
         let console = self.dir.path().join(format!("{name}.console"));
+        let second = self.dir.path().join(format!("{name}.ttyS1"));
         // EDK2's own PXE client, as `vm::Firmware::Uefi` says: the NIC's iPXE ROM is off.
         let (loader, rom) = match machine.firmware {
             Firmware::Bios => (String::new(), ""),
@@ -142,8 +145,8 @@ impl Libvirt {
         let xml = format!(
             "<domain type='qemu'>
   <name>{name}</name>
-  <memory unit='MiB'>512</memory>
-  <vcpu>1</vcpu>
+  <memory unit='MiB'>{memory}</memory>
+  <vcpu>{cpus}</vcpu>
   <os><type arch='x86_64' machine='pc'>hvm</type>{loader}<boot dev='hd'/></os>
   <features><acpi/></features>
   <devices>
@@ -151,16 +154,21 @@ impl Libvirt {
       <source bridge='{bridge}'/><mac address='{mac}'/><model type='virtio'/>{rom}
     </interface>
     <serial type='file'><source path='{console}' append='on'/><target port='0'/></serial>
+    <serial type='file'><source path='{second}' append='on'/><target port='1'/></serial>
   </devices>
 </domain>
 ",
             console = console.display(),
+            second = second.display(),
+            memory = machine.memory_mib,
+            cpus = machine.cpus,
         );
         let file = self.dir.path().join(format!("{name}.xml"));
         std::fs::write(&file, xml)?;
         self.virsh(&["define", &file.to_string_lossy()])?;
         let uuid = self.virsh(&["domuuid", name])?.trim().to_ascii_lowercase();
-        let domain = Domain { name: name.to_owned(), uuid, mac: mac.to_owned(), console, disks };
+        let domain =
+            Domain { name: name.to_owned(), uuid, mac: mac.to_owned(), console, second, disks };
         self.domains.lock().expect("not poisoned").push(domain.clone());
         Ok(domain)
     }
@@ -177,6 +185,8 @@ pub struct Machine<'a> {
     pub firmware: Firmware,
     /// The sizes of its disks, in MiB.
     pub disks_mib: &'a [u64],
+    pub memory_mib: u32,
+    pub cpus: u32,
 }
 
 impl Drop for Libvirt {
@@ -218,6 +228,7 @@ impl Domain {
         )
     }
 
+    /// Prints the tail of its console, and of its second serial port if the guest wrote there.
     pub fn print_console(&self) {
         eprintln!(
             "----- console of domain {} -----\n{}\n----- end of console of domain {} -----",
@@ -225,6 +236,14 @@ impl Domain {
             tail(&self.console, CONSOLE_TAIL_BYTES),
             self.name
         );
+        if std::fs::metadata(&self.second).is_ok_and(|m| m.len() > 0) {
+            eprintln!(
+                "----- ttyS1 of domain {} -----\n{}\n----- end of ttyS1 of domain {} -----",
+                self.name,
+                tail(&self.second, CONSOLE_TAIL_BYTES),
+                self.name
+            );
+        }
     }
 }
 

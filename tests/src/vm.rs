@@ -1,6 +1,6 @@
 //! QEMU VMs that network-boot with real firmware: SeaBIOS + QEMU's iPXE option ROM (BIOS) or
-//! OVMF with EDK2's own PXE client (UEFI) ([`Vm`]), and VMs that boot a kernel straight into
-//! disk images on QEMU's user-mode network ([`KernelVm`]). Always TCG (`/dev/kvm` does not work
+//! OVMF with EDK2's own PXE client (UEFI) ([`Vm`]), and VMs that boot their disk image through
+//! SeaBIOS on QEMU's user-mode network ([`DiskVm`]). Always TCG (`/dev/kvm` does not work
 //! here). The serial console goes to a file that tests wait on; it is printed if the test fails.
 
 use std::path::{Path, PathBuf};
@@ -134,7 +134,7 @@ impl Vm {
     }
 }
 
-/// A disk for a [`KernelVm`]: virtio, in order (`/dev/vda`, `/dev/vdb`, ...).
+/// A disk for a [`DiskVm`]: virtio, in order (`/dev/vda`, `/dev/vdb`, ...).
 #[derive(Clone, Debug)]
 pub struct Drive {
     pub path: PathBuf,
@@ -143,31 +143,27 @@ pub struct Drive {
     pub read_only: bool,
 }
 
-/// What a [`KernelVm`] boots.
+/// What a [`DiskVm`] is: its first drive is the one it boots.
 #[derive(Clone, Debug)]
-pub struct KernelBoot {
+pub struct DiskBoot {
     pub name: String,
-    pub kernel: PathBuf,
-    pub initrd: PathBuf,
-    /// The kernel command line; the console is `ttyS0`, the second serial port `ttyS1`.
-    pub append: String,
     pub drives: Vec<Drive>,
     pub memory_mb: u32,
     pub cpus: u32,
 }
 
-/// A VM booted by QEMU's direct kernel boot (no firmware boot menu, no network boot) into its
-/// drives, with one NIC on QEMU's user-mode network: the guest gets 10.0.2.15 by DHCP and
+/// A VM that boots its first drive through SeaBIOS (no network boot; its console is `ttyS0`),
+/// with one NIC on QEMU's user-mode network: the guest gets 10.0.2.15 by DHCP and
 /// reaches the loopback of the namespace QEMU runs in at 10.0.2.2, and nothing else there is.
 /// Its second serial port (`ttyS1`) goes to a file of its own; both are printed if the test
 /// fails. Killed on drop.
-pub struct KernelVm {
+pub struct DiskVm {
     qemu: Qemu,
 }
 
-impl KernelVm {
+impl DiskVm {
     /// Starts the VM inside `ns`, after waiting for a free slot (see [`max_vms`]).
-    pub fn start(ns: &Netns, boot: &KernelBoot) -> Result<Self> {
+    pub fn start(ns: &Netns, boot: &DiskBoot) -> Result<Self> {
         let slot = Slot::acquire()?;
         let dir = tempfile::Builder::new().prefix("siteboot-vm-").tempdir()?;
         let console = dir.path().join("console.log");
@@ -179,12 +175,9 @@ impl KernelVm {
             .arg(format!("file:{}", console.display()))
             .arg("-serial")
             .arg(format!("file:{}", second.display()))
-            .arg("-kernel")
-            .arg(&boot.kernel)
-            .arg("-initrd")
-            .arg(&boot.initrd)
-            .args(["-append", &boot.append])
-            .args(["-netdev", "user,id=net0", "-device", "virtio-net-pci,netdev=net0"]);
+            .args(["-boot", "order=c"])
+            // romfile=: no iPXE option ROM, so SeaBIOS offers no network boot.
+            .args(["-netdev", "user,id=net0", "-device", "virtio-net-pci,netdev=net0,romfile="]);
         for drive in &boot.drives {
             let mut spec =
                 format!("file={},format={},if=virtio", drive.path.display(), drive.format);
@@ -221,7 +214,7 @@ impl KernelVm {
     }
 }
 
-/// A QEMU process with its serial console in a file; what [`Vm`] and [`KernelVm`] share.
+/// A QEMU process with its serial console in a file; what [`Vm`] and [`DiskVm`] share.
 struct Qemu {
     name: String,
     console: PathBuf,

@@ -141,27 +141,57 @@ async fn machine_deployment_claims_provisions_scales_and_releases_hosts() {
     lab.create_template("workers-v2", "v2").await.unwrap();
     let patch = json!({ "spec": { "template": { "spec": { "infrastructureRef": { "name": "workers-v2" } } } } });
     deployments.patch("workers", &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
-    let rolled =
-        siteboot_tests::wait::for_async("the rollout to the v2 template", ROLLOUT, || async {
-            let running = lab.running_machines("workers").await.ok()?;
-            let all = lab.api("Machine").list(&ListParams::default()).await.ok()?.items;
-            let [machine] = running.as_slice() else { return None };
-            let sbm =
-                sbms.get(machine.data["spec"]["infrastructureRef"]["name"].as_str()?).await.ok()?;
-            (all.len() == 1 && sbm.data["spec"]["image"] == image_spec("v2")).then_some(sbm)
-        })
-        .await;
-    let rolled = match rolled {
-        Ok(sbm) => sbm,
-        Err(e) => panic!("{e:#}\n{}", lab.describe().await),
-    };
-    let host = rolled.data["spec"]["hostRef"]["name"].as_str().unwrap();
-    let h = lab.hosts().get(host).await.unwrap();
+    let rolled = rolled_out(&lab, "v2").await;
+    let host = rolled.data["spec"]["hostRef"]["name"].as_str().unwrap().to_owned();
+    let h = lab.hosts().get(&host).await.unwrap();
     assert_eq!(
-        h.status.unwrap().installed.unwrap().image.url,
+        h.status.clone().unwrap().installed.unwrap().image.url,
         image_spec("v2")["url"].as_str().unwrap()
     );
     lab.wait_hosts(HostState::Available, 3, ROLLOUT).await.unwrap();
+
+    // No spare host: a rollout with maxSurge 0 onto exactly the hosts it has (a selector only
+    // the current host matches) deletes the old Machine first; its host is wiped, and the
+    // replacement claims it (the reuse policy, README: nothing holds a released host for a
+    // successor, so with no spare the successor gets the host its predecessor released).
+    let pinned = json!({ "metadata": { "labels": { "e2e.siteboot.dev/pinned": "yes" } } });
+    lab.hosts().patch(&host, &PatchParams::default(), &Patch::Merge(pinned)).await.unwrap();
+    let sim = lab.sims().into_iter().find(|s| s.mac() == h.spec.boot_mac_address).unwrap();
+    let wipes = |log: String| log.lines().filter(|l| l.ends_with(" wiped")).count();
+    let wiped_before = wipes(sim.log());
+    let only_it = json!({ "matchLabels": { "e2e.siteboot.dev/pinned": "yes" } });
+    let spec = json!({ "image": image_spec("v1"), "hostSelector": only_it });
+    lab.create_template_spec("workers-v3", spec).await.unwrap();
+    let patch = json!({ "spec": {
+        "rollout": { "strategy": { "type": "RollingUpdate", "rollingUpdate": { "maxSurge": 0, "maxUnavailable": 1 } } },
+        "template": { "spec": { "infrastructureRef": { "name": "workers-v3" } } },
+    } });
+    deployments.patch("workers", &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
+    let replaced = rolled_out(&lab, "v1").await;
+    assert_eq!(replaced.data["spec"]["hostRef"]["name"], json!(host), "the released host reused");
+    assert_eq!(wipes(sim.log()), wiped_before + 1, "wiped once between the two Machines");
+    let installed = lab.hosts().get(&host).await.unwrap().status.unwrap().installed.unwrap();
+    assert_eq!(installed.image.url, image_spec("v1")["url"].as_str().unwrap());
+}
+
+/// The SitebootMachine of the one Machine of MachineDeployment `workers` once the rollout to a
+/// template writing `image` is done: one Machine, Running, its SitebootMachine writing it.
+async fn rolled_out(lab: &ProviderLab, image: &str) -> kube::api::DynamicObject {
+    let sbms = lab.api("SitebootMachine");
+    let what = format!("the rollout to a template writing {image}");
+    let rolled = siteboot_tests::wait::for_async(&what, ROLLOUT, || async {
+        let running = lab.running_machines("workers").await.ok()?;
+        let all = lab.api("Machine").list(&ListParams::default()).await.ok()?.items;
+        let [machine] = running.as_slice() else { return None };
+        let sbm =
+            sbms.get(machine.data["spec"]["infrastructureRef"]["name"].as_str()?).await.ok()?;
+        (all.len() == 1 && sbm.data["spec"]["image"] == image_spec(image)).then_some(sbm)
+    })
+    .await;
+    match rolled {
+        Ok(sbm) => sbm,
+        Err(e) => panic!("{e:#}\n{}", lab.describe().await),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -376,7 +406,7 @@ async fn machine_health_check_replaces_a_machine_whose_node_goes_not_ready() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_crash_during_provisioning_or_deprovisioning_is_finished_after_restart() {
-    let mut lab = ProviderLab::start(2, |_| {}).await.unwrap();
+    let lab = ProviderLab::start(2, |_| {}).await.unwrap();
     for sim in lab.sims() {
         sim.set_work_time(Duration::from_secs(4));
     }
@@ -684,7 +714,7 @@ async fn assert_one_to_one(lab: &ProviderLab) {
 /// site's Lease and carries on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn another_replica_takes_over_when_the_leader_dies() {
-    let mut lab = ProviderLab::start(1, |_| {}).await.unwrap();
+    let lab = ProviderLab::start(1, |_| {}).await.unwrap();
     let other = lab.other_appliance(|config| config["dhcp"] = json!({ "mode": "off" })).unwrap();
     let leases = kube::Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(
         lab.env.client(),

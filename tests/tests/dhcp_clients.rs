@@ -153,7 +153,7 @@ fn reservation_gives_the_reserved_address() {
 
 #[test]
 fn perfdhcp_burst_is_answered() {
-    let (ns, mut siteboot) = siteboot("perf");
+    let (ns, siteboot) = siteboot("perf");
     let host = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:02:20").unwrap();
     // 50 exchanges/s for 5 s over 50 simulated clients (perfdhcp acts as a relay from .250).
     let report = clients::perfdhcp(&host, "10.99.0.250/24", 50, 50, 5).unwrap();

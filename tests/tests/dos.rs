@@ -105,7 +105,7 @@ fn a_vm_boots_while_the_segment_attacks_siteboot() {
     let ns = appliance::lab_network("dos").unwrap();
     let mut config = appliance::lab_config("full");
     config["profiles"][appliance::LAB_PROFILE]["cmdline"] = json!(CMDLINE);
-    let mut siteboot = Appliance::start(&ns, config).unwrap();
+    let siteboot = Appliance::start(&ns, config).unwrap();
     siteboot.install_boot_files(&boot).unwrap();
     std::fs::File::create(siteboot.http_root().join("big.img"))
         .and_then(|f| f.set_len(BIG_FILE_LEN))
@@ -260,7 +260,7 @@ fn a_vm_boots_while_the_segment_attacks_siteboot() {
 #[test]
 fn running_out_of_file_descriptors_does_not_stop_siteboot() {
     let ns = appliance::lab_network("fds").unwrap();
-    let mut siteboot = Appliance::start(&ns, appliance::lab_config("off")).unwrap();
+    let siteboot = Appliance::start(&ns, appliance::lab_config("off")).unwrap();
     let client = machine(&ns, "52:54:00:00:0e:01", "10.99.0.250");
     let pid = siteboot.pid().unwrap();
     // Room for a few more descriptors only: most of the connections below meet EMFILE.
@@ -343,7 +343,7 @@ fn a_known_host_boots_while_many_addresses_hold_every_connection() {
     let ns = appliance::lab_network("flood").unwrap();
     let mut config = appliance::lab_config("full");
     config["hosts"] = json!([{ "mac": KNOWN_MAC, "profile": appliance::LAB_PROFILE }]);
-    let mut siteboot = Appliance::start(&ns, config).unwrap();
+    let siteboot = Appliance::start(&ns, config).unwrap();
     let kernel: Vec<u8> = (0..64 * 1024u32).map(|i| (i % 251) as u8).collect();
     std::fs::create_dir_all(siteboot.http_root().join("lab")).unwrap();
     std::fs::write(siteboot.http_root().join("lab/vmlinuz"), &kernel).unwrap();

@@ -130,10 +130,10 @@ fn renew_same(client: &mut Udhcpc, mac: &str, had: Ipv4Addr, bindings: &mut Bind
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn dhcp_fails_over_between_replicas_without_giving_an_address_twice() {
-    let mut lab = ProviderLab::start(0, replica_config).await.unwrap();
+    let lab = ProviderLab::start(0, replica_config).await.unwrap();
     let first = wait_holder(&lab, "the first appliance to lead", |_| true).await;
     assert_ne!(first, B_IDENTITY);
-    let mut b = lab.replica(B, B_IDENTITY, replica_config).unwrap();
+    let b = lab.replica(B, B_IDENTITY, replica_config).unwrap();
     // A's replies leave by the lab bridge, B's by its own eth0.
     let acks_a = AckCapture::start(&lab.lab, appliance::BRIDGE).unwrap();
     let acks_b = AckCapture::start(&b.ns, "eth0").unwrap();

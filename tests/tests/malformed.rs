@@ -165,7 +165,7 @@ fn malformed_packets_are_answered_or_dropped_without_harm() {
         "max_transfers": 16,
         "max_transfers_per_address": 16,
     });
-    let mut siteboot = Appliance::start(&ns, config).unwrap();
+    let siteboot = Appliance::start(&ns, config).unwrap();
     let pid = siteboot.pid().unwrap();
 
     let attacker = ClientHost::attach(&ns, appliance::BRIDGE, "52:54:00:00:0b:01").unwrap();

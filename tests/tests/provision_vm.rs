@@ -32,9 +32,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use sha2::Digest;
 use siteboot_controller::conditions::BMC_READY;
@@ -45,6 +46,13 @@ use siteboot_controller::crd::{
 use siteboot_controller::host::lifecycle::{FORCE_DELETE_ANNOTATION, RETRY_ANNOTATION};
 use siteboot_tests::appliance;
 use siteboot_tests::clients::{Dnsmasq, PacketCapture};
+use siteboot_tests::kube::Peers;
+use siteboot_tests::kube::bootstrap;
+use siteboot_tests::kube::capi::{wait_gone, wait_object};
+use siteboot_tests::kube::node::{
+    CHECKLIST, KubeletOn, NodeImage, WORKLOAD_IMAGE, checklist, joined_checklist,
+    ready_and_matched, workload_pod,
+};
 use siteboot_tests::os_images;
 use siteboot_tests::provider::{NS, ProviderLab, SITE};
 use siteboot_tests::redfish::{Domain, Libvirt, Machine, Sushy, SushyOptions};
@@ -82,6 +90,19 @@ struct Scenario {
     boot_method: BootMethod,
     /// The bridge of its segment: the appliance's ([`appliance::BRIDGE`]), or the routed one.
     bridge: &'static str,
+    os: Os,
+}
+
+/// What a scenario's host runs once provisioned.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Os {
+    /// The test OS with the cluster's bootstrap Secret (a script): it prints what it read and
+    /// powers off.
+    TestOs,
+    /// The node image with SitebootConfig bootstrap data: it joins the workload cluster, its
+    /// Node gets the Host's providerID from the meta-data and runs a pod, and the scale-down
+    /// drains it before the host is wiped.
+    Node,
 }
 
 /// The routed segment: its own bridge and subnet, dnsmasq handing out addresses with the lab's
@@ -102,17 +123,20 @@ fn scenarios() -> [Scenario; 3] {
             boot_mode: Some(BootMode::Legacy),
             boot_method: BootMethod::Network,
             bridge: appliance::BRIDGE,
+            os: Os::TestOs,
         },
+        // The node image (1.5 GiB) on a larger disk: the agent grows its root partition.
         Scenario {
             name: "uefi",
             mac: "52:54:00:00:09:02",
             firmware: Firmware::Uefi,
-            disks_mib: &[1024],
+            disks_mib: &[3072],
             hints: None,
             root: 0,
             boot_mode: Some(BootMode::Uefi),
             boot_method: BootMethod::Network,
             bridge: appliance::BRIDGE,
+            os: Os::Node,
         },
         // Without the hint the agent would take the smaller disk that holds the image: vda.
         // UEFI: OVMF tries each disk in boot order; SeaBIOS boots only the first hard disk.
@@ -126,6 +150,7 @@ fn scenarios() -> [Scenario; 3] {
             boot_mode: None,
             boot_method: BootMethod::VirtualMedia,
             bridge: ROUTED_BRIDGE,
+            os: Os::TestOs,
         },
     ]
 }
@@ -134,14 +159,19 @@ fn scenarios() -> [Scenario; 3] {
 async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     let ramdisk = os_images::ramdisk(None).unwrap();
     let os = os_images::test_os_image().unwrap();
-    let lab = ProviderLab::start(0, |config| {
+    let node = NodeImage::build(&Peers::locate().unwrap()).unwrap();
+    let mut lab = ProviderLab::start(0, |config| {
         config["kubernetes"]["ramdisk_silence_timeout"] = json!(format!("{}s", SILENCE.as_secs()));
         config["kubernetes"]["ramdisk_media"] = json!(ramdisk.iso);
     })
     .await
     .unwrap();
+    // The workload cluster's CSR approval and signing, for the node's kubelet.
+    lab.env.start_controller_manager().await.unwrap();
     lab.install_ramdisk(&ramdisk).unwrap();
     let image = lab.serve_image("test-os", &os).unwrap();
+    let node_image =
+        lab.serve_image_file("node.raw.zst", &node.compressed(), &node.sha256).unwrap();
     let resets = ResetRule::image_downloads(&lab.lab, RESET_EVERY).unwrap();
     lab.lab.add_bridge(ROUTED_BRIDGE, &format!("{ROUTED_GATEWAY}/24")).unwrap();
     let routed_dhcp = Dnsmasq::start(
@@ -162,12 +192,15 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
         sushy: &sushy,
         image: &image,
         os: &os.disk,
+        node_image: &node_image,
+        node: &node,
         routed_dhcp: &routed_dhcp,
     };
-    let lifecycles = scenarios.iter().map(|s| {
+    let timelines: Vec<Timeline> = scenarios.iter().map(|_| Timeline::start()).collect();
+    let lifecycles = scenarios.iter().zip(&timelines).map(|(s, timeline)| {
         Box::pin(async {
             let started = Instant::now();
-            (s.name, run(&env, s).await, started.elapsed())
+            (s.name, run(&env, s, timeline).await, started.elapsed())
         }) as std::pin::Pin<Box<dyn std::future::Future<Output = _>>>
     });
     let failures = Box::pin(async {
@@ -175,6 +208,9 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
         (FAILURES, failures(&env).await, started.elapsed())
     });
     let results = futures_util::future::join_all(lifecycles.chain([failures as _])).await;
+    for (s, timeline) in scenarios.iter().zip(&timelines) {
+        timeline.print(s.name, &lab.siteboot.timeline(s.mac).unwrap_or_default());
+    }
     let mut failed = Vec::new();
     for (name, result, took) in &results {
         match result {
@@ -189,6 +225,9 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
         eprintln!("{}", lab.describe().await);
         panic!("scenarios failed: {failed:?}");
     }
+    // Every Machine was deleted: nothing of theirs is left (the Hosts stay, as inventory).
+    let leftovers = lab.leftovers().await.unwrap();
+    assert!(leftovers.is_empty(), "left behind: {leftovers:#?}");
     // Each of the three images written (128 MiB) was cut twice and resumed.
     let cut = resets.count().unwrap();
     eprintln!("image downloads reset mid-stream: {cut}");
@@ -301,10 +340,17 @@ struct Env<'a> {
     image: &'a Value,
     /// The test OS image's file.
     os: &'a Path,
+    /// The SitebootMachine `image` that writes the node image.
+    node_image: &'a Value,
+    node: &'a NodeImage,
 }
 
-async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
-    let machine = Machine { firmware: s.firmware, disks_mib: s.disks_mib };
+async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
+    let (memory_mib, cpus) = match s.os {
+        Os::TestOs => (512, 1),
+        Os::Node => (2048, 2),
+    };
+    let machine = Machine { firmware: s.firmware, disks_mib: s.disks_mib, memory_mib, cpus };
     let domain = env.libvirt.define_with(s.name, s.mac, s.bridge, &machine)?;
     let media = s.boot_method == BootMethod::VirtualMedia;
     // All the VM's packets on the segment but the image's bulk (full-size segments from the
@@ -346,11 +392,13 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     host.spec.root_device_hints = s.hints.clone();
     host.spec.boot_method = s.boot_method;
     hosts.create(&PostParams::default(), &host).await?;
+    timeline.mark("Host created (its BMC checked, then powered on with a network boot)");
     let host = wait_host(&hosts, s.name, "Available", PHASE_TIMEOUT, |h| {
         state(h) == Some(HostState::Available)
     })
     .await
     .map_err(|e| with_console(e, &domain))?;
+    timeline.mark("inspected by the ramdisk: Available");
     let status = host.status.clone().unwrap_or_default();
     let bmc = condition(&status.conditions, BMC_READY).map(|c| (c.status.clone(), &c.reason));
     ensure!(bmc == Some(("True".into(), &"BMCReachable".into())), "BMCReady: {bmc:?}");
@@ -375,29 +423,44 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     ensure!(disks == want, "disks {disks:?}, want {want:?}");
 
     // Claimed and provisioned; the VM boots its disk.
-    let spec = json!({
-        "image": env.image,
-        "hostSelector": { "matchLabels": { VM_LABEL: s.name } },
-    });
+    let (image, bootstrap, written) = match s.os {
+        Os::TestOs => {
+            let data = json!({ "dataSecretName": format!("{CLUSTER}-bootstrap") });
+            (env.image, data, env.os.to_path_buf())
+        }
+        Os::Node => {
+            let config = bootstrap::create_config_template(&env.lab.env, NS, s.name, node_config());
+            (env.node_image, config.await?, env.node.disk())
+        }
+    };
+    let spec = json!({ "image": image, "hostSelector": { "matchLabels": { VM_LABEL: s.name } } });
     env.lab.create_template_spec(s.name, spec).await?;
-    env.lab.create_machine_deployment(s.name, CLUSTER, s.name, 1).await?;
-    let outcome = wait_console(&domain, &["siteboot-test-os: done", "siteboot-test-os: failed"])
-        .await
-        .map_err(|e| with_console(e, &domain))?;
-    let console = domain.console();
-    ensure!(outcome.ends_with("done"), "the test OS says {outcome:?}\n{console}");
-    let provider_id = format!("siteboot-test-os: provider-id=siteboot://{NS}/{}", s.name);
-    for line in [provider_id.as_str(), USER_DATA_EXIT] {
-        ensure!(console.lines().any(|l| l.trim_end() == line), "no {line:?} on the console");
-    }
+    env.lab.create_machine_deployment_with(NS, s.name, CLUSTER, s.name, 1, bootstrap).await?;
+    timeline.mark("MachineDeployment of 1 created");
+    let provider_id = format!("siteboot://{NS}/{}", s.name);
+    let node = match s.os {
+        Os::TestOs => {
+            test_os_ran(&domain, &provider_id).await?;
+            timeline.mark("first boot of the disk: the test OS ran the data");
+            None
+        }
+        Os::Node => {
+            let machine = wait_machine_with_data(env, s.name).await?;
+            let token = bootstrap::machine_token(&env.lab.env, NS, &machine).await?;
+            crash_during(env, s, "writing image", timeline).await?;
+            Some(node_joined(env, s, &domain, &provider_id, &token, timeline).await?)
+        }
+    };
     let host = hosts.get(s.name).await?;
     ensure!(state(&host) == Some(HostState::Provisioned), "Host state {:?}", state(&host));
     if s.bridge == ROUTED_BRIDGE {
         routed(env, s, &host)?;
     }
-    // The test OS powers off after its last line.
-    wait_domain(env.libvirt, &domain, "shut off").await?;
-    same_bytes(&domain.disks[s.root], env.os)?;
+    if s.os == Os::TestOs {
+        // The test OS powers off after its last line.
+        wait_domain(env.libvirt, &domain, "shut off").await?;
+    }
+    same_bytes(&domain.disks[s.root], &written)?;
     for (i, digest) in &others {
         ensure!(sha256_file(&domain.disks[*i])? == *digest, "disk {i}, ruled out, was written");
     }
@@ -421,8 +484,14 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
         None => {}
     }
 
-    // Scaled to 0: released, wiped, Available again.
+    // Scaled to 0: drained, released, wiped, Available again.
     env.lab.scale(s.name, 0).await?;
+    timeline.mark("scaled to 0");
+    if let Some(node) = &node {
+        drained(env, node).await?;
+        timeline.mark("drained: the pod evicted, the Node still there");
+        crash_during(env, s, "wiping", timeline).await?;
+    }
     wait_host(&hosts, s.name, "wiped and Available", PHASE_TIMEOUT, |h| {
         let status = h.status.as_ref();
         h.spec.consumer_ref.is_none()
@@ -431,13 +500,21 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
     })
     .await
     .map_err(|e| with_console(e, &domain))?;
+    timeline.mark("wiped: Available again");
     for disk in &domain.disks {
         no_signature(disk)?;
+    }
+    if let Some(node) = &node {
+        // Cluster API deletes the Node of a deleted Machine.
+        let nodes: Api<Node> = Api::all(env.lab.env.client());
+        wait_gone(&nodes, node, POWER_TIMEOUT).await?;
+        timeline.mark("Node deleted");
     }
     if let Some(capture) = capture.as_ref().filter(|_| media) {
         media_only(&domain, capture)?;
         // The media ejected, the wiped host is powered off: no stale ramdisk left running.
         wait_domain(env.libvirt, &domain, "shut off").await?;
+        timeline.mark("media ejected, powered off");
         return Ok(());
     }
 
@@ -448,7 +525,216 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
         hosts.get_opt(s.name).await.ok()?.is_none().then_some(())
     })
     .await?;
-    wait_domain(env.libvirt, &domain, "shut off").await
+    wait_domain(env.libvirt, &domain, "shut off").await?;
+    timeline.mark("Host deleted: powered off");
+    Ok(())
+}
+
+/// The test OS booted, read its provider ID from the meta-data and ran the bootstrap data.
+async fn test_os_ran(domain: &Domain, provider_id: &str) -> Result<()> {
+    let outcome = wait_console(domain, &["siteboot-test-os: done", "siteboot-test-os: failed"])
+        .await
+        .map_err(|e| with_console(e, domain))?;
+    let console = domain.console();
+    ensure!(outcome.ends_with("done"), "the test OS says {outcome:?}\n{console}");
+    let provider_id = format!("siteboot-test-os: provider-id={provider_id}");
+    for line in [provider_id.as_str(), USER_DATA_EXIT] {
+        ensure!(console.lines().any(|l| l.trim_end() == line), "no {line:?} on the console");
+    }
+    Ok(())
+}
+
+/// The SitebootConfig of the node scenario: labels and taints for its Node, and the shortest
+/// token lifetime the CRD allows, which the host's inspection, imaging and first boot outlast.
+fn node_config() -> Value {
+    json!({
+        "nodeLabels": { "example.com/pool": "workers" },
+        "nodeTaints": [{ "key": "dedicated", "value": "ml", "effect": "NoSchedule" }],
+        "tokenTTLSeconds": 60,
+    })
+}
+
+/// The Machine of MachineDeployment `deployment` once it has its bootstrap data.
+async fn wait_machine_with_data(env: &Env<'_>, deployment: &str) -> Result<DynamicObject> {
+    let machines = env.lab.api("Machine");
+    let lp =
+        ListParams::default().labels(&format!("cluster.x-k8s.io/deployment-name={deployment}"));
+    siteboot_tests::wait::for_async("the Machine's bootstrap data", POWER_TIMEOUT, || async {
+        let list = machines.list(&lp).await.ok()?.items;
+        list.into_iter().find(|m| m.data["spec"]["bootstrap"]["dataSecretName"].is_string())
+    })
+    .await
+}
+
+/// The node image booted and joined the workload cluster with the SitebootConfig's data:
+/// cloud-init ran it (the checklist); the kubelet's client certificate was requested with the
+/// bootstrap token after that token's first lifetime (siteboot extended it) and approved and
+/// signed; the Node is Ready with the Host's providerID from the meta-data and the config's
+/// labels and taints; Cluster API matched it to the Machine (nodeRef, the uninitialized taint
+/// removed); the token is then deleted and refused, the config Ready; and a pod runs on the Node
+/// from the images the node image carries. Returns the Node's name.
+async fn node_joined(
+    env: &Env<'_>,
+    s: &Scenario,
+    domain: &Domain,
+    provider_id: &str,
+    token: &bootstrap::MachineToken,
+    timeline: &Timeline,
+) -> Result<String> {
+    let line = wait_console(domain, &[CHECKLIST]).await.map_err(|e| with_console(e, domain))?;
+    timeline.mark("first boot of the disk: cloud-init ran the data, the kubelet joined");
+    let found = checklist(&line);
+    ensure!(found == joined_checklist(KubeletOn::Host), "the node's checklist: {line}");
+    let kube = &env.lab.env;
+    let client = kube.client();
+
+    let requester = format!("system:bootstrap:{}", token.id);
+    let csrs: Api<CertificateSigningRequest> = Api::all(client.clone());
+    let csr = csrs
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .find(|csr| csr.spec.username.as_deref() == Some(requester.as_str()));
+    let csr = csr.with_context(|| format!("no CSR from {requester}"))?;
+    let status = csr.status.clone().unwrap_or_default();
+    let approved = status.conditions.unwrap_or_default().iter().any(|c| c.type_ == "Approved");
+    ensure!(approved && status.certificate.is_some(), "the CSR is not approved and signed");
+    ensure!(csr.spec.signer_name == "kubernetes.io/kube-apiserver-client-kubelet", "{csr:?}");
+    let requested = csr.metadata.creation_timestamp.context("no creation time")?.0.as_second();
+    let first_expiration = token.expiration.context("no token in the workload cluster")?;
+    ensure!(
+        u64::try_from(requested)? > first_expiration,
+        "the kubelet joined before its token's first expiration: the extension went untested"
+    );
+
+    let nodes: Api<Node> = Api::all(client.clone());
+    let name = siteboot_tests::wait::for_async(
+        "a Node with the Host's providerID",
+        POWER_TIMEOUT,
+        || async {
+            let list = nodes.list(&Default::default()).await.ok()?.items;
+            list.into_iter()
+                .find(|n| {
+                    n.spec.as_ref().and_then(|s| s.provider_id.as_deref()) == Some(provider_id)
+                })
+                .and_then(|n| n.metadata.name)
+        },
+    )
+    .await?;
+    let node = ready_and_matched(&nodes, &name, PHASE_TIMEOUT).await?;
+    timeline.mark("Node Ready, matched to its Machine");
+    let labels = node.metadata.labels.unwrap_or_default();
+    ensure!(labels.get("example.com/pool").map(String::as_str) == Some("workers"), "{labels:?}");
+    let taints = node.spec.and_then(|s| s.taints).unwrap_or_default();
+    ensure!(taints.iter().any(|t| t.key == "dedicated" && t.value.as_deref() == Some("ml")));
+    let machine = env.lab.wait_running(s.name, 1, POWER_TIMEOUT).await?.remove(0);
+    ensure!(
+        machine.data["status"]["nodeRef"]["name"] == json!(name),
+        "the Machine's nodeRef: {}",
+        machine.data["status"]["nodeRef"]
+    );
+
+    let tokens: Api<Secret> = Api::namespaced(client.clone(), "kube-system");
+    wait_gone(&tokens, &format!("bootstrap-token-{}", token.id), POWER_TIMEOUT).await?;
+    bootstrap::wait_token_refused(kube, &token.token, POWER_TIMEOUT).await?;
+    let config =
+        kube.api(bootstrap::BOOTSTRAP, "SitebootConfig", Some(NS)).get(&token.config).await?;
+    ensure!(bootstrap::condition(&config, "Ready").0 == json!("True"), "the config is not Ready");
+
+    let pods: Api<Pod> = Api::namespaced(client, NS);
+    let pod = format!("workload-{}", s.name);
+    pods.create(&PostParams::default(), &workload_pod(&pod, Some(&name))).await?;
+    let running = wait_object(&pods, &pod, "Running and ready", PHASE_TIMEOUT, |p| {
+        let status = p.status.clone().unwrap_or_default();
+        let ready = status.container_statuses.unwrap_or_default().iter().all(|c| c.ready);
+        status.phase.as_deref() == Some("Running") && ready
+    })
+    .await?;
+    // No registry is reachable: its sandbox (pause) and its container come from the images
+    // node-images.service loaded; its address from the image's bridge CNI.
+    let status = running.status.unwrap_or_default();
+    let images: Vec<String> =
+        status.container_statuses.unwrap_or_default().into_iter().map(|c| c.image).collect();
+    ensure!(images == [WORKLOAD_IMAGE], "the pod runs {images:?}");
+    let ip = status.pod_ip.unwrap_or_default();
+    ensure!(ip.starts_with("10.244."), "the pod's address {ip:?} is not the CNI's");
+    timeline.mark("a pod Running on the Node");
+    Ok(name)
+}
+
+/// The appliance is killed (`kill -9`: no shutdown code runs) while the ramdisk of `s`'s host
+/// reports `step`, and started again: the ramdisk's operation goes on under the same id and the
+/// same token (none minted again), as its next report after the restart shows, or it finished
+/// meanwhile and its completion was taken. Every other scenario's ramdisk and BMC requests
+/// live through the crash too.
+async fn crash_during(env: &Env<'_>, s: &Scenario, step: &str, timeline: &Timeline) -> Result<()> {
+    let hosts = env.lab.hosts();
+    let at_step = |h: &Host| {
+        h.status.as_ref().and_then(|s| s.operation.as_ref()).and_then(|o| o.step.as_deref())
+            == Some(step)
+    };
+    let host =
+        until_host(&hosts, s.name, &format!("at step {step:?}"), PHASE_TIMEOUT, at_step).await?;
+    let before = host.status.and_then(|s| s.operation).context("no operation")?;
+    timeline.keep_appliance(&env.lab.siteboot, s.mac);
+    env.lab.siteboot.kill9();
+    timeline.mark(&format!("appliance killed (kill -9) while the ramdisk is {step}"));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let restarted = k8s_openapi::jiff::Timestamp::now();
+    env.lab.siteboot.restart()?;
+    timeline.mark("appliance restarted");
+    let heard_since = |h: &Host| {
+        let op = h.status.as_ref().and_then(|s| s.operation.as_ref());
+        op.and_then(|o| o.last_heard.as_ref()).is_some_and(|t| t.0 > restarted)
+    };
+    let host =
+        until_host(&hosts, s.name, "the ramdisk heard after the restart", PHASE_TIMEOUT, |h| {
+            heard_since(h) || h.status.as_ref().is_some_and(|s| s.operation.is_none())
+        })
+        .await?;
+    let status = host.status.unwrap_or_default();
+    let Some(after) = status.operation else {
+        // It finished during the restart: the completion it sent with the token it booted
+        // with was taken after the restart.
+        ensure!(
+            status.state != Some(HostState::Quarantined),
+            "the operation failed across the restart: {:?}",
+            status.quarantine_reason
+        );
+        return Ok(());
+    };
+    ensure!(
+        (&after.id, &after.token_hash) == (&before.id, &before.token_hash),
+        "the operation {} (token {:?}) became {} (token {:?}) across the restart",
+        before.id,
+        before.token_hash,
+        after.id,
+        after.token_hash
+    );
+    Ok(())
+}
+
+/// Cluster API drained Node `node` before the host was wiped: its pod was evicted while the
+/// Node was still registered (the pod garbage collector removes pods only once their Node is
+/// gone).
+async fn drained(env: &Env<'_>, node: &str) -> Result<()> {
+    let client = env.lab.env.client();
+    let (pods, nodes) = (Api::<Pod>::namespaced(client.clone(), NS), Api::<Node>::all(client));
+    let pod = siteboot_tests::wait::for_async("the pod evicted", PHASE_TIMEOUT, || async {
+        let pod_left = pods
+            .list(&Default::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .any(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node));
+        let node_left = nodes.get_opt(node).await.ok()?.is_some();
+        (!pod_left).then_some(node_left)
+    })
+    .await?;
+    ensure!(pod, "the Node went before its pod: deleted, not drained");
+    Ok(())
 }
 
 /// What goes wrong, on one BIOS VM: a BMC that does not answer (a clear condition, nothing
@@ -456,7 +742,7 @@ async fn run(env: &Env<'_>, s: &Scenario) -> Result<()> {
 /// (Quarantined with the reason, nothing written, nothing booted), and a ramdisk that dies
 /// during an operation (Quarantined as silent once the timeout passes).
 async fn failures(env: &Env<'_>) -> Result<()> {
-    let machine = Machine { firmware: Firmware::Bios, disks_mib: &[512] };
+    let machine = Machine { firmware: Firmware::Bios, disks_mib: &[512], memory_mib: 512, cpus: 1 };
     let domain =
         env.libvirt.define_with(FAILURES, "52:54:00:00:09:04", appliance::BRIDGE, &machine)?;
     let empty = sha256_file(&domain.disks[0])?;
@@ -565,6 +851,81 @@ async fn failures(env: &Env<'_>) -> Result<()> {
         hosts.get_opt(FAILURES).await.ok()?.is_none().then_some(())
     })
     .await
+}
+
+/// A scenario's timeline: what the test saw happen, and the appliance's own record of the
+/// host's boots (`GET /timeline/<mac>`: DHCP, scripts, files, the ramdisk's reports), printed
+/// together in order, in seconds since the scenario started.
+struct Timeline {
+    started: std::time::SystemTime,
+    marks: std::sync::Mutex<Vec<(std::time::SystemTime, String)>>,
+    /// The appliance's events, kept before each crash (its record lives in its memory).
+    kept: std::sync::Mutex<Vec<Value>>,
+}
+
+impl Timeline {
+    fn start() -> Self {
+        Self {
+            started: std::time::SystemTime::now(),
+            marks: Default::default(),
+            kept: Default::default(),
+        }
+    }
+
+    fn mark(&self, what: &str) {
+        self.marks.lock().unwrap().push((std::time::SystemTime::now(), what.to_owned()));
+    }
+
+    /// Keeps the appliance's record of `mac`'s boots so far (before it is killed).
+    fn keep_appliance(&self, appliance: &siteboot_tests::appliance::Appliance, mac: &str) {
+        if let Ok(record) = appliance.timeline(mac) {
+            self.kept
+                .lock()
+                .unwrap()
+                .extend(record["events"].as_array().cloned().unwrap_or_default());
+        }
+    }
+
+    fn print(&self, name: &str, appliance: &Value) {
+        let ms = |at: std::time::SystemTime| {
+            at.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+        };
+        let start = ms(self.started);
+        let mut lines: Vec<(u64, String)> = self
+            .marks
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(at, what)| (ms(*at), format!("test       {what}")))
+            .collect();
+        // The boot stages, each run of one stage with one detail once (the ramdisk reports
+        // its progress many times).
+        let mut last = None;
+        let kept = self.kept.lock().unwrap().clone();
+        let now = appliance["events"].as_array().cloned().unwrap_or_default();
+        for event in kept.iter().chain(&now) {
+            let stage = event["stage"].as_str().unwrap_or_default();
+            if stage.starts_with("dhcp-") && stage != "dhcp-ack" {
+                continue;
+            }
+            let detail = event["detail"].as_str().unwrap_or_default();
+            let key = (stage.to_owned(), detail.split_whitespace().next().map(str::to_owned));
+            if last.as_ref() == Some(&key) {
+                continue;
+            }
+            last = Some(key);
+            let at = event["at_ms"].as_u64().unwrap_or_default();
+            lines.push((at, format!("appliance  {stage} {detail}")));
+        }
+        lines.sort_by_key(|(at, _)| *at);
+        let mut out = format!("timeline of {name} (seconds since its Host was created):\n");
+        for (at, line) in &lines {
+            out += &format!("{:>6}  {line}\n", at.saturating_sub(start) / 1000);
+        }
+        let total = lines.last().map_or(0, |(at, _)| at.saturating_sub(start) / 1000);
+        out += &format!("{name}: {total} s in all");
+        eprintln!("{out}");
+    }
 }
 
 fn state(host: &Host) -> Option<HostState> {
@@ -725,8 +1086,9 @@ fn sha256_file(path: &Path) -> Result<String> {
 }
 
 /// The disk holds the image: byte for byte over its BIOS boot partition and ESP (MiB 1 to 18
-/// of scripts/build-test-os-image's layout), which the test OS never writes; its root file
-/// system changes once mounted, and the partition tables got the seed.
+/// of scripts/lib/bootable-disk.sh's layout, the test OS's and the node image's), which
+/// neither OS writes; its root file system changes once mounted, and the partition tables got
+/// the seed.
 fn same_bytes(disk: &Path, image: &Path) -> Result<()> {
     use std::io::{Read, Seek, SeekFrom};
     let (mut a, mut b) = (std::fs::File::open(disk)?, std::fs::File::open(image)?);

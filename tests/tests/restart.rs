@@ -79,7 +79,7 @@ fn lease_all(hosts: &[ClientHost], bindings: &mut Bindings) -> BTreeMap<String, 
 
 #[test]
 fn leases_survive_kill9_and_restart() {
-    let (ns, mut siteboot) = siteboot("restart");
+    let (ns, siteboot) = siteboot("restart");
     let hosts = attach_hosts(&ns, 0x10, 6);
     let newcomers = attach_hosts(&ns, 0x30, 3);
     let mut bindings = Bindings::default();
@@ -98,7 +98,7 @@ fn leases_survive_kill9_and_restart() {
 
 #[test]
 fn kill9_during_a_burst_loses_no_lease() {
-    let (ns, mut siteboot) = siteboot("burst");
+    let (ns, siteboot) = siteboot("burst");
     let hosts = attach_hosts(&ns, 0x20, 10);
     let newcomers = attach_hosts(&ns, 0x40, 3);
     let mut bindings = Bindings::default();

@@ -212,7 +212,7 @@ fn a_listed_host_is_provisioned_and_wiped_without_kubernetes() {
     let dir = tempfile::tempdir().unwrap();
     let hosts = provisionable(dir.path());
     let (image, checksum) = (image(), hosts[0]["image"]["checksum"].clone());
-    let (lab, mut app, config_path) = standalone_lab("standalone-prov", dir.path(), hosts);
+    let (lab, app, config_path) = standalone_lab("standalone-prov", dir.path(), hosts);
     std::fs::write(app.http_root().join("os.img"), &image).unwrap();
 
     let sim = SimHost::start_manual(&lab, BRIDGE, MAC, app.base_url()).unwrap();

@@ -89,7 +89,7 @@ async fn a_passive_listener_reads_no_join_secret_and_plain_http_gets_none() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_impersonating_appliance_gets_no_token() {
     let ns = appliance::lab_network("rogue").unwrap();
-    let mut siteboot = Appliance::start(&ns, appliance::lab_config("off")).unwrap();
+    let siteboot = Appliance::start(&ns, appliance::lab_config("off")).unwrap();
     let mac = "52:54:00:00:0f:01";
     let host = ClientHost::attach(&ns, appliance::BRIDGE, mac).unwrap();
     host.ns.ip(&["addr", "add", "10.99.0.50/24", "dev", ClientHost::IFACE]).unwrap();

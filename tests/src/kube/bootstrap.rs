@@ -49,11 +49,7 @@ pub async fn create_workers(
 ) -> Result<()> {
     let pp = PostParams::default();
     let object = |value: Value| -> Result<DynamicObject> { Ok(serde_json::from_value(value)?) };
-    let template = object(json!({
-        "apiVersion": BOOTSTRAP, "kind": "SitebootConfigTemplate", "metadata": { "name": name },
-        "spec": { "template": { "spec": config_spec } },
-    }))?;
-    env.api(BOOTSTRAP, "SitebootConfigTemplate", Some(ns)).create(&pp, &template).await?;
+    let bootstrap = create_config_template(env, ns, name, config_spec).await?;
     let infra_template = object(json!({
         "apiVersion": TEST_INFRA, "kind": "TestMachineTemplate", "metadata": { "name": name },
         "spec": { "template": { "spec": {} } },
@@ -66,13 +62,32 @@ pub async fn create_workers(
             "replicas": replicas,
             "template": { "spec": {
                 "clusterName": cluster,
-                "bootstrap": { "configRef": { "apiGroup": BOOTSTRAP_GROUP, "kind": "SitebootConfigTemplate", "name": name } },
+                "bootstrap": bootstrap,
                 "infrastructureRef": { "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "TestMachineTemplate", "name": name },
             } },
         },
     }))?;
     env.api(CAPI, "MachineDeployment", Some(ns)).create(&pp, &md).await?;
     Ok(())
+}
+
+/// A SitebootConfigTemplate `name` with `config_spec`; returns a Machine's `spec.bootstrap`
+/// that uses it.
+pub async fn create_config_template(
+    env: &KubeEnv,
+    ns: &str,
+    name: &str,
+    config_spec: Value,
+) -> Result<Value> {
+    let template: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": BOOTSTRAP, "kind": "SitebootConfigTemplate", "metadata": { "name": name },
+        "spec": { "template": { "spec": config_spec } },
+    }))?;
+    let templates = env.api(BOOTSTRAP, "SitebootConfigTemplate", Some(ns));
+    templates.create(&PostParams::default(), &template).await?;
+    Ok(
+        json!({ "configRef": { "apiGroup": BOOTSTRAP_GROUP, "kind": "SitebootConfigTemplate", "name": name } }),
+    )
 }
 
 /// Waits until `ns` has exactly `count` Machines, none being deleted, each with its bootstrap
@@ -93,6 +108,49 @@ pub async fn machines_with_data(
         (live.len() == count && named).then_some(live)
     })
     .await
+}
+
+/// A Machine's bootstrap token: the id its SitebootConfig's status records, the token its data
+/// carries, and when the workload cluster's token Secret says it expires.
+#[derive(Debug, Clone)]
+pub struct MachineToken {
+    pub config: String,
+    pub id: String,
+    /// `<id>.<secret>`, from the data's bootstrap kubeconfig.
+    pub token: String,
+    /// Seconds since the epoch; None: no such token Secret.
+    pub expiration: Option<u64>,
+}
+
+/// The bootstrap token of `machine`, which has its data. Fails unless the data carries the
+/// token the config's status records: one token per config (a status written from a stale
+/// read once recorded a second token in its place, so the data's was never extended).
+pub async fn machine_token(
+    env: &KubeEnv,
+    ns: &str,
+    machine: &DynamicObject,
+) -> Result<MachineToken> {
+    let bootstrap = &machine.data["spec"]["bootstrap"];
+    let (config, secret) = (&bootstrap["configRef"]["name"], &bootstrap["dataSecretName"]);
+    let (config, secret) =
+        (config.as_str().context("no configRef")?, secret.as_str().context("no data yet")?);
+    let read = env.api(BOOTSTRAP, "SitebootConfig", Some(ns)).get(config).await?;
+    let id = read.data["status"]["tokenId"].as_str().context("no tokenId")?.to_owned();
+    let data = kube::Api::<Secret>::namespaced(env.client(), ns).get(secret).await?;
+    let token = bootstrap_token(&secret_text(&data, "value"))?;
+    anyhow::ensure!(
+        token.starts_with(&format!("{id}.")),
+        "the data's token is {token}, the status's id {id}"
+    );
+    let tokens = kube::Api::<Secret>::namespaced(env.client(), "kube-system");
+    let expiration = match tokens.get_opt(&format!("bootstrap-token-{id}")).await? {
+        Some(secret) => {
+            let at: k8s_openapi::jiff::Timestamp = secret_text(&secret, "expiration").parse()?;
+            Some(u64::try_from(at.as_second())?)
+        }
+        None => None,
+    };
+    Ok(MachineToken { config: config.to_owned(), id, token, expiration })
 }
 
 /// The bootstrap kubeconfig the cloud-config writes, decoded.

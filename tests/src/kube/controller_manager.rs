@@ -3,7 +3,8 @@
 //! when its requester may (the `kubeadm:node-autoapprove-*` bindings), the signer signs it with
 //! the environment's CA (which the apiserver trusts for client certificates), the CSR cleaner
 //! removes old ones, and the token cleaner deletes expired bootstrap tokens, so an expired token
-//! is gone as in a real cluster.
+//! is gone as in a real cluster. The service account controller gives each namespace its
+//! `default` ServiceAccount, without which admission refuses every pod.
 
 use std::path::Path;
 
@@ -14,8 +15,9 @@ use anyhow::{Context, Result};
 use super::{Procs, free_port, peer_command, peers, start_with_retry, until_ready};
 use crate::process::Supervised;
 
-/// Node bootstrap's controllers (kube-controller-manager's names).
-const CONTROLLERS: &str = "csrapproving,csrsigning,csrcleaner,tokencleaner";
+/// Node bootstrap's controllers and the service account controller (kube-controller-manager's
+/// names).
+const CONTROLLERS: &str = "csrapproving,csrsigning,csrcleaner,tokencleaner,serviceaccount";
 
 /// Files the environment wrote at boot that kube-controller-manager reads.
 pub(super) struct Files<'a> {

@@ -296,7 +296,9 @@ async fn boot(peers: &Peers, dir: &Path, procs: &mut Procs) -> Result<Booted> {
     write(&pki_dir.join("ca.key"), pki.ca_key_pem())?;
     write(&pki_dir.join("sa.key"), &sa_key)?;
     write(&pki_dir.join("sa.pub"), &sa_pub)?;
-    let apiserver_cert = pki.server("kube-apiserver", &[VM_HOST_ADDRESS])?;
+    // Where VMs reach it: QEMU's user-mode host, the lab appliance's address on its segment.
+    let apiserver_cert =
+        pki.server("kube-apiserver", &[VM_HOST_ADDRESS, crate::appliance::ADDRESS])?;
     write(&pki_dir.join("apiserver.crt"), &apiserver_cert.cert_pem)?;
     write(&pki_dir.join("apiserver.key"), &apiserver_cert.key_pem)?;
     // For kube-controller-manager, if a test starts it.

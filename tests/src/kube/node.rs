@@ -1,7 +1,7 @@
 //! Kubernetes nodes as VMs: the Debian 12 node image `scripts/build-node-image` builds (cached
-//! under `$SITEBOOT_CACHE/images/`) with the peers' kubelet, booted by QEMU straight into a
-//! copy-on-write overlay of its disk with a NoCloud seed (a `cidata` volume holding user-data and
-//! meta-data), as a cloud would boot it.
+//! under `$SITEBOOT_CACHE/images/`) with the peers' kubelet, booted by QEMU through SeaBIOS and
+//! the image's GRUB from a copy-on-write overlay of its disk with a NoCloud seed (a `cidata`
+//! volume holding user-data and meta-data), as a cloud would boot it.
 //!
 //! The image prints one `NODE-CHECKLIST key=value ...` line on the console once cloud-init is
 //! done (`tests/fixtures/node-image/rootfs/usr/local/sbin/node-checklist`) and writes its whole
@@ -16,18 +16,22 @@ use anyhow::{Context, Result, bail};
 
 use super::{Peers, peers};
 use crate::netns::Netns;
-use crate::vm::{Drive, KernelBoot, KernelVm};
+use crate::vm::{DiskBoot, DiskVm, Drive};
 
 /// The image's own files, and the builder.
 const BUILDER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/build-node-image");
-const CHECKLIST: &str = "NODE-CHECKLIST";
+/// What starts the image's checklist line on the console.
+pub const CHECKLIST: &str = "NODE-CHECKLIST";
 const MEMORY_MB: u32 = 2048;
 const CPUS: u32 = 2;
 
-/// A built node image: `disk.raw` (ext4, the whole disk), `vmlinuz`, `initrd.img`.
+/// A built node image: `disk.raw` (a GPT disk that boots under BIOS and UEFI) and
+/// `disk.raw.zst`, whose SHA-256 is `sha256`.
 #[derive(Debug, Clone)]
 pub struct NodeImage {
     dir: PathBuf,
+    /// SHA-256 of `disk.raw.zst`, hex.
+    pub sha256: String,
 }
 
 impl NodeImage {
@@ -44,16 +48,23 @@ impl NodeImage {
         }
         let stdout = String::from_utf8(output.stdout)?;
         let dir = PathBuf::from(stdout.lines().last().context("the builder printed no path")?);
-        for file in ["disk.raw", "vmlinuz", "initrd.img", ".complete"] {
+        for file in ["disk.raw", "disk.raw.zst", "sha256", ".complete"] {
             if !dir.join(file).is_file() {
                 bail!("{} has no {file}; builder output:\n{stderr}", dir.display());
             }
         }
-        Ok(Self { dir })
+        let sha256 = std::fs::read_to_string(dir.join("sha256"))?.trim().to_owned();
+        Ok(Self { dir, sha256 })
     }
 
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// The image's raw disk (sparse).
+    pub fn disk(&self) -> PathBuf {
+        self.dir.join("disk.raw")
+    }
+
+    /// The image as siteboot serves it: zstd-compressed.
+    pub fn compressed(&self) -> PathBuf {
+        self.dir.join("disk.raw.zst")
     }
 }
 
@@ -79,10 +90,10 @@ impl MetaData {
     }
 }
 
-/// A node VM: the image's kernel, its disk under a throwaway overlay, the seed; QEMU runs in
-/// `ns`, so the guest reaches that namespace's loopback at 10.0.2.2 (see [`KernelVm`]).
+/// A node VM: the image's disk under a throwaway overlay, the seed; QEMU runs in `ns`, so the
+/// guest reaches that namespace's loopback at 10.0.2.2 (see [`DiskVm`]).
 pub struct NodeVm {
-    vm: KernelVm,
+    vm: DiskVm,
     _dir: tempfile::TempDir,
 }
 
@@ -98,17 +109,12 @@ impl NodeVm {
         let overlay = dir.path().join("disk.qcow2");
         run(Command::new("qemu-img")
             .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
-            .arg(image.dir.join("disk.raw"))
+            .arg(image.disk())
             .arg(&overlay))?;
         let seed = dir.path().join("seed.img");
         nocloud_seed(&seed, dir.path(), user_data, &meta_data.yaml()?)?;
-        let boot = KernelBoot {
+        let boot = DiskBoot {
             name: name.to_owned(),
-            kernel: image.dir.join("vmlinuz"),
-            initrd: image.dir.join("initrd.img"),
-            // No partition table: the disk is the root filesystem. panic=-1 with -no-reboot:
-            // a panic ends QEMU at once.
-            append: "root=/dev/vda rw console=ttyS0 net.ifnames=0 noresume panic=-1".into(),
             drives: vec![
                 Drive { path: overlay, format: "qcow2", read_only: false },
                 Drive { path: seed, format: "raw", read_only: true },
@@ -116,23 +122,61 @@ impl NodeVm {
             memory_mb: MEMORY_MB,
             cpus: CPUS,
         };
-        Ok(Self { vm: KernelVm::start(ns, &boot)?, _dir: dir })
+        Ok(Self { vm: DiskVm::start(ns, &boot)?, _dir: dir })
     }
 
-    pub fn vm(&mut self) -> &mut KernelVm {
+    pub fn vm(&mut self) -> &mut DiskVm {
         &mut self.vm
     }
 
     /// Waits for the image's checklist line and returns its `key=value` pairs.
     pub fn checklist(&mut self, timeout: Duration) -> Result<BTreeMap<String, String>> {
-        let line = self.vm.wait_for_console(CHECKLIST, timeout)?;
-        Ok(line
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|pair| pair.split_once('='))
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect())
+        Ok(checklist(&self.vm.wait_for_console(CHECKLIST, timeout)?))
     }
+}
+
+/// The `key=value` pairs of a console line from [`CHECKLIST`] on.
+pub fn checklist(line: &str) -> BTreeMap<String, String> {
+    let from = line.find(CHECKLIST).map_or(line.len(), |i| i + CHECKLIST.len());
+    line[from..]
+        .split_whitespace()
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// Where a joined host's kubelet runs.
+pub enum KubeletOn {
+    /// `kubelet.service` on the host.
+    Host,
+    /// In the nspawn mode's container, run by the host's `kubelet-container.service`.
+    Container,
+}
+
+/// The checklist of a host that joined: the sentinel written, the bootstrap kubeconfig gone,
+/// the kubelet's own there, `/opt/cni/bin` linked to Debian's plugins, the image's container
+/// images loaded, no siteboot process.
+pub fn joined_checklist(kubelet_on: KubeletOn) -> BTreeMap<String, String> {
+    // The host's kubelet unit, the container's unit, systemd-detect-virt in the kubelet's mounts.
+    let (kubelet, container, runs_in) = match kubelet_on {
+        KubeletOn::Host => ("active", "inactive", "none"),
+        KubeletOn::Container => ("inactive", "active", "systemd-nspawn"),
+    };
+    [
+        ("cloud-init", "done"),
+        ("sentinel", "yes"),
+        ("bootstrap-kubeconfig", "no"),
+        ("kubelet-kubeconfig", "yes"),
+        ("kubelet", kubelet),
+        ("kubelet-container", container),
+        ("kubelet-runs-in", runs_in),
+        ("cni-bin-bridge", "yes"),
+        ("node-images", "active"),
+        ("siteboot-processes", "0"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
 }
 
 /// A NoCloud seed: a FAT volume labelled `cidata` with `user-data` and `meta-data`, made by
@@ -156,4 +200,51 @@ fn run(command: &mut Command) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The workload image the node image carries (`scripts/build-node-image`): busybox, serving
+/// HTTP on port 8080 by default.
+pub const WORKLOAD_IMAGE: &str = "siteboot.test/workload:1";
+
+/// A Pod of [`WORKLOAD_IMAGE`] on node `node` (None: wherever the scheduler puts it), never
+/// pulled (no registry is reachable), tolerating every taint and with no service account token
+/// (nothing in it talks to the apiserver).
+pub fn workload_pod(name: &str, node: Option<&str>) -> k8s_openapi::api::core::v1::Pod {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": { "name": name, "labels": { "app": "workload" } },
+        "spec": {
+            "nodeName": node,
+            "automountServiceAccountToken": false,
+            "tolerations": [{ "operator": "Exists" }],
+            "terminationGracePeriodSeconds": 5,
+            "containers": [{
+                "name": "workload",
+                "image": WORKLOAD_IMAGE,
+                "imagePullPolicy": "Never",
+                "ports": [{ "containerPort": 8080 }],
+            }],
+        },
+    }))
+    .expect("a Pod")
+}
+
+/// The uninitialized taint, which Cluster API removes once the Node is its Machine's.
+pub const UNINITIALIZED: &str = "node.cluster.x-k8s.io/uninitialized";
+
+/// The Node `name` once it is Ready and Cluster API removed its uninitialized taint.
+pub async fn ready_and_matched(
+    nodes: &kube::Api<k8s_openapi::api::core::v1::Node>,
+    name: &str,
+    timeout: Duration,
+) -> Result<k8s_openapi::api::core::v1::Node> {
+    super::capi::wait_object(nodes, name, "Ready, the uninitialized taint gone", timeout, |n| {
+        let status = n.status.clone().unwrap_or_default();
+        let conditions = status.conditions.unwrap_or_default();
+        let ready = conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+        let taints = n.spec.clone().unwrap_or_default().taints.unwrap_or_default();
+        ready && !taints.iter().any(|t| t.key == UNINITIALIZED)
+    })
+    .await
 }
