@@ -1,7 +1,7 @@
 //go:build tools
 
 // Package tools pins the programs the Rust test harness runs as real peers: kube-apiserver,
-// kube-controller-manager, the kubelet and etcd (built from their Go modules), the upstream
+// kube-controller-manager, kube-scheduler, the kubelet and etcd (built from their Go modules), the upstream
 // Cluster API managers and clusterctl. Nothing here is
 // compiled into siteboot; scripts/build-test-peers builds each program with
 // `go build -o <cache>/bin/<name> <package>`, and the blank imports keep `go mod tidy` from
@@ -12,6 +12,7 @@ import (
 	_ "go.etcd.io/etcd/server/v3"
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubelet"
 	_ "sigs.k8s.io/cluster-api/bootstrap/kubeadm"
 	_ "sigs.k8s.io/cluster-api/cmd/clusterctl"

@@ -20,6 +20,7 @@ pub mod process;
 pub mod provider;
 pub mod redfish;
 pub mod sim;
+pub mod timeline;
 pub mod tls;
 pub mod venv;
 pub mod vm;

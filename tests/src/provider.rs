@@ -3,7 +3,7 @@
 //! own ServiceAccount with the RBAC siteboot ships), and simulated hosts on the lab bridge.
 //!
 //! A background "operator" plays what the simulated hosts cannot: it power-cycles a host whose
-//! Host object needs the ramdisk while the host runs its OS (the BMC driver comes later), and
+//! Host object needs the ramdisk while the host runs its OS (a simulated host has no BMC), and
 //! runs the kubelet of every provisioned host (a Node with the host's providerID, Ready unless
 //! the test says otherwise).
 //!
@@ -414,6 +414,28 @@ impl ProviderLab {
 
     pub fn hosts(&self) -> Api<Host> {
         Api::namespaced(self.management().client(), NS)
+    }
+
+    /// Writes the BMC credentials Secret `<host>-bmc`: `user` (name, password) for the BMC at
+    /// `address`, which siteboot sends them to and nowhere else. Returns its name.
+    pub async fn bmc_credentials(
+        &self,
+        host: &str,
+        address: &str,
+        user: (&str, &str),
+    ) -> Result<String> {
+        let name = format!("{host}-bmc");
+        let data = [("username", user.0), ("password", user.1), ("address", address)]
+            .map(|(k, v)| (k.to_owned(), k8s_openapi::ByteString(v.as_bytes().to_vec())));
+        let secret = Secret {
+            metadata: kube::api::ObjectMeta { name: Some(name.clone()), ..Default::default() },
+            data: Some(BTreeMap::from(data)),
+            ..Default::default()
+        };
+        let secrets = Api::<Secret>::namespaced(self.management().client(), NS);
+        let apply = PatchParams::apply("siteboot-tests").force();
+        secrets.patch(&name, &apply, &Patch::Apply(&secret)).await?;
+        Ok(name)
     }
 
     pub fn api(&self, kind: &str) -> Api<DynamicObject> {
@@ -973,4 +995,47 @@ async fn kubelet(
     ] } });
     nodes.patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch)).await?;
     Ok(())
+}
+
+/// The Host's state, if it has one yet.
+pub fn host_state(host: &Host) -> Option<HostState> {
+    host.status.as_ref()?.state
+}
+
+/// Waits until Host `name` satisfies `done`; a Quarantined Host that does not is an error at
+/// once, with its reason.
+pub async fn wait_host(
+    hosts: &Api<Host>,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    done: impl Fn(&Host) -> bool,
+) -> Result<Host> {
+    let quarantined = |h: &Host| host_state(h) == Some(HostState::Quarantined);
+    let host = until_host(hosts, name, what, timeout, |h| done(h) || quarantined(h)).await?;
+    if !done(&host) {
+        let reason = host.status.as_ref().and_then(|s| s.quarantine_reason.clone());
+        bail!("Host {name} Quarantined: {reason:?}");
+    }
+    Ok(host)
+}
+
+/// Waits until Host `name` satisfies `done`, whatever its state on the way; the error says
+/// what its status was last.
+pub async fn until_host(
+    hosts: &Api<Host>,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    done: impl Fn(&Host) -> bool,
+) -> Result<Host> {
+    let last = Mutex::new(None);
+    let result = wait::for_async(&format!("Host {name} {what}"), timeout, || async {
+        let host = hosts.get(name).await.ok()?;
+        *last.lock().expect("not poisoned") = Some(host.clone());
+        done(&host).then_some(host)
+    })
+    .await;
+    let last = last.into_inner().expect("not poisoned");
+    result.with_context(|| format!("the Host last: {:?}", last.map(|h| h.status)))
 }

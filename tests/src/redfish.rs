@@ -79,12 +79,29 @@ impl Libvirt {
         let libvirtd = Supervised::spawn("libvirtd", &mut ns.command("libvirtd"), &logs)?;
         let lab = Self { dir, domains: Mutex::default(), libvirtd, virtlogd, _lock: lock };
         crate::wait::for_("libvirtd to answer", READY_TIMEOUT, || lab.virsh(&["version"]).ok())?;
+        lab.clear_stale()?;
         // sushy-tools uploads an inserted virtual media image into the pool named `default`.
         // Transient: it goes with this libvirtd, leaving nothing in the machine's config.
         let pool = lab.dir.path().join("pool");
         std::fs::create_dir(&pool)?;
         lab.virsh(&["pool-create-as", "default", "dir", "--target", &pool.to_string_lossy()])?;
         Ok(lab)
+    }
+
+    /// Removes what a lab killed before its drop left in libvirt's runtime state, which
+    /// libvirtd reloads when it starts: its domains and its pool. The machine lock is held, so
+    /// nothing else's.
+    fn clear_stale(&self) -> Result<()> {
+        for name in self.virsh(&["list", "--all", "--name"])?.lines().filter(|l| !l.is_empty()) {
+            eprintln!("redfish lab: removing the domain {name} a killed run left");
+            let _ = self.virsh(&["destroy", name]);
+            self.virsh(&["undefine", "--nvram", name])?;
+        }
+        if self.virsh(&["pool-info", "default"]).is_ok() {
+            eprintln!("redfish lab: removing the pool a killed run left");
+            self.virsh(&["pool-destroy", "default"])?;
+        }
+        Ok(())
     }
 
     /// Runs `virsh -c qemu:///system <args>`; returns its stdout.

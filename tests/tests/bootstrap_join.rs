@@ -52,7 +52,7 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     let image = NodeImage::build(&Peers::locate().unwrap()).unwrap();
     progress("node image ready");
     let mut lab = ProviderLab::start(0, |_| {}).await.unwrap();
-    lab.env.start_controller_manager().await.unwrap();
+    lab.env.start_control_plane().await.unwrap();
     let env = &lab.env;
     env.install_crd_yaml(capi::TEST_MACHINE_CRDS).await.unwrap();
     capi::create_cluster_at(env, NS, CLUSTER, None, VM_HOST_ADDRESS).await.unwrap();

@@ -1,19 +1,27 @@
-//! Issue 9's proof: whole machines provisioned end to end, through Redfish only. QEMU (TCG)
-//! VMs with empty raw disks, driven by sushy-tools' Redfish emulator, run the real deploy
-//! ramdisk (`scripts/build-ramdisk`: the agent of `images/agent`) and get the real test OS
-//! image (`scripts/build-test-os-image`) from siteboot in Kubernetes mode:
+//! Issues 9 and 23's proof: whole machines provisioned end to end, through Redfish only. QEMU
+//! (TCG) VMs with empty raw disks, driven by sushy-tools' Redfish emulator, run the real deploy
+//! ramdisk (`scripts/build-ramdisk`: the agent of `images/agent`) and get an image from siteboot
+//! in Kubernetes mode:
 //!
 //! registered (BMC checked) -> powered on, network boot, inspected by the ramdisk (MAC, disk
 //! sizes, system UUID on the Host) -> Available -> claimed by a MachineDeployment -> the image
 //! (from the appliance's cache) and a NoCloud seed with the bootstrap data written -> the VM
-//! boots its disk, the OS reads its provider ID and runs the user-data -> scaled to 0 ->
-//! wiped (the disk files hold no partition table or signature) -> Host deleted -> powered off.
+//! boots its disk -> its Machine deleted -> wiped (the disk files hold no partition table or
+//! signature) -> Host deleted -> powered off.
 //!
-//! One lab (one management cluster, one libvirt + sushy-tools) for every VM, and the VMs run
-//! at once: a BIOS VM, a UEFI (OVMF) VM, and a UEFI VM with two disks whose Host's root
-//! device hints pick the second (the first stays byte for byte as it was). A fourth BIOS VM
-//! goes through what fails ([`failures`]): an unreachable BMC, an image that does not match
-//! its sha256, a ramdisk that dies during an operation.
+//! One lab (one management cluster that is also the workload cluster, with its controller
+//! manager and scheduler; one libvirt + sushy-tools) for every VM, and the VMs run at once:
+//!
+//! - `workers`: a BIOS VM and a UEFI (OVMF) VM, the two hosts of a MachineDeployment of 2 with
+//!   siteboot's bootstrap provider, get the node image: each joins as a Node with the Host's
+//!   providerID. A Deployment's pod runs on one; that worker's Machine is deleted, the Node is
+//!   drained and the pod comes back on the other; then the other goes too. The appliance is
+//!   killed once while a ramdisk writes the image and once while one wipes.
+//! - `two-disks`: a UEFI VM with two disks whose Host's root device hints pick the second (the
+//!   first stays byte for byte as it was) gets the test OS, which prints the provider ID it read
+//!   and runs the cluster's bootstrap Secret (a script).
+//! - `failures`: a BIOS VM goes through what fails: an unreachable BMC, an image that does not
+//!   match its sha256, a ramdisk that dies during an operation.
 //!
 //! The two-disk VM boots from virtual media (`spec.bootMethod: VirtualMedia`, issue 22 item
 //! 3): each operation's ramdisk comes in an ISO the emulator fetches from the appliance and
@@ -31,10 +39,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use sha2::Digest;
@@ -51,11 +59,12 @@ use siteboot_tests::kube::bootstrap;
 use siteboot_tests::kube::capi::{wait_gone, wait_object};
 use siteboot_tests::kube::node::{
     CHECKLIST, KubeletOn, NodeImage, WORKLOAD_IMAGE, checklist, joined_checklist,
-    ready_and_matched, workload_pod,
+    ready_and_matched, workload_deployment,
 };
 use siteboot_tests::os_images;
-use siteboot_tests::provider::{NS, ProviderLab, SITE};
+use siteboot_tests::provider::{NS, ProviderLab, SITE, host_state, until_host, wait_host};
 use siteboot_tests::redfish::{Domain, Libvirt, Machine, Sushy, SushyOptions};
+use siteboot_tests::timeline::Timeline;
 use siteboot_tests::vm::Firmware;
 
 const USER: (&str, &str) = ("admin", "correct horse");
@@ -65,7 +74,13 @@ const BOOTSTRAP: &str = "#!/bin/sh\necho \"user-data on $(hostname)\"\nexit 7\n"
 const USER_DATA_EXIT: &str = "siteboot-test-os: user-data exit=7";
 /// Labels a Host so only its own scenario's MachineDeployment claims it.
 const VM_LABEL: &str = "e2e.siteboot.dev/vm";
-/// One network boot plus an operation under TCG, three VMs sharing two cores: a few minutes.
+/// The MachineDeployment (and its templates) of the node hosts, and their Hosts' [`VM_LABEL`].
+const WORKERS: &str = "workers";
+/// The worker the appliance is killed under while its ramdisk writes the image.
+const CRASHED_WHILE_IMAGING: &str = "uefi";
+/// The workload's Deployment, and its pods' `app` label.
+const WORKLOAD: &str = "workload";
+/// One network boot plus an operation under TCG, four VMs sharing two cores: a few minutes.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(12 * 60);
 const POWER_TIMEOUT: Duration = Duration::from_secs(120);
 const MIB: u64 = 1 << 20;
@@ -77,7 +92,7 @@ const FAILURES: &str = "failures";
 
 /// One VM's run through the whole lifecycle.
 struct Scenario {
-    /// Host, domain, template and MachineDeployment name.
+    /// Host and domain name; the template's and MachineDeployment's too, unless a worker.
     name: &'static str,
     mac: &'static str,
     firmware: Firmware,
@@ -99,10 +114,20 @@ enum Os {
     /// The test OS with the cluster's bootstrap Secret (a script): it prints what it read and
     /// powers off.
     TestOs,
-    /// The node image with SitebootConfig bootstrap data: it joins the workload cluster, its
-    /// Node gets the Host's providerID from the meta-data and runs a pod, and the scale-down
-    /// drains it before the host is wiped.
+    /// The node image with SitebootConfig bootstrap data, as one of the [`WORKERS`]: it joins
+    /// the workload cluster, its Node gets the Host's providerID from the meta-data and runs
+    /// pods, and its Machine's deletion drains it before the host is wiped.
     Node,
+}
+
+impl Scenario {
+    /// Its Host's [`VM_LABEL`], which its MachineDeployment's template selects.
+    fn pool(&self) -> &'static str {
+        match self.os {
+            Os::TestOs => self.name,
+            Os::Node => WORKERS,
+        }
+    }
 }
 
 /// The routed segment: its own bridge and subnet, dnsmasq handing out addresses with the lab's
@@ -113,19 +138,19 @@ const ROUTED_RANGE: &str = "10.98.0.100,10.98.0.150,255.255.255.0,1h";
 
 fn scenarios() -> [Scenario; 3] {
     [
+        // The node image (1.5 GiB) on a larger disk: the agent grows its root partition.
         Scenario {
             name: "bios",
             mac: "52:54:00:00:09:01",
             firmware: Firmware::Bios,
-            disks_mib: &[1024],
+            disks_mib: &[3072],
             hints: None,
             root: 0,
             boot_mode: Some(BootMode::Legacy),
             boot_method: BootMethod::Network,
             bridge: appliance::BRIDGE,
-            os: Os::TestOs,
+            os: Os::Node,
         },
-        // The node image (1.5 GiB) on a larger disk: the agent grows its root partition.
         Scenario {
             name: "uefi",
             mac: "52:54:00:00:09:02",
@@ -166,8 +191,8 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     })
     .await
     .unwrap();
-    // The workload cluster's CSR approval and signing, for the node's kubelet.
-    lab.env.start_controller_manager().await.unwrap();
+    // The workload cluster's CSR approval and signing, Deployments and scheduling.
+    lab.env.start_control_plane().await.unwrap();
     lab.install_ramdisk(&ramdisk).unwrap();
     let image = lab.serve_image("test-os", &os).unwrap();
     let node_image =
@@ -186,7 +211,9 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     lab.create_cluster(CLUSTER, BOOTSTRAP).await.unwrap();
 
     let scenarios = scenarios();
+    let timelines: Vec<Timeline> = scenarios.iter().map(|_| Timeline::start()).collect();
     let env = Env {
+        timelines: scenarios.iter().map(|s| s.mac).zip(&timelines).collect(),
         lab: &lab,
         libvirt: &libvirt,
         sushy: &sushy,
@@ -196,20 +223,15 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
         node: &node,
         routed_dhcp: &routed_dhcp,
     };
-    let timelines: Vec<Timeline> = scenarios.iter().map(|_| Timeline::start()).collect();
-    let lifecycles = scenarios.iter().zip(&timelines).map(|(s, timeline)| {
-        Box::pin(async {
-            let started = Instant::now();
-            (s.name, run(&env, s, timeline).await, started.elapsed())
-        }) as std::pin::Pin<Box<dyn std::future::Future<Output = _>>>
-    });
-    let failures = Box::pin(async {
-        let started = Instant::now();
-        (FAILURES, failures(&env).await, started.elapsed())
-    });
-    let results = futures_util::future::join_all(lifecycles.chain([failures as _])).await;
+    let (workers, alone): (Vec<_>, Vec<_>) =
+        scenarios.iter().zip(&timelines).partition(|(s, _)| s.os == Os::Node);
+    let runs = alone
+        .into_iter()
+        .map(|(s, timeline)| timed(s.name, run(&env, s, timeline)))
+        .chain([timed(WORKERS, workers_run(&env, &workers)), timed(FAILURES, failures(&env))]);
+    let results = futures_util::future::join_all(runs).await;
     for (s, timeline) in scenarios.iter().zip(&timelines) {
-        timeline.print(s.name, &lab.siteboot.timeline(s.mac).unwrap_or_default());
+        eprintln!("{}", timeline.render(s.name, &lab.siteboot.timeline(s.mac).unwrap_or_default()));
     }
     let mut failed = Vec::new();
     for (name, result, took) in &results {
@@ -228,10 +250,21 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     // Every Machine was deleted: nothing of theirs is left (the Hosts stay, as inventory).
     let leftovers = lab.leftovers().await.unwrap();
     assert!(leftovers.is_empty(), "left behind: {leftovers:#?}");
-    // Each of the three images written (128 MiB) was cut twice and resumed.
+    // Each of the three images written (128 MiB or more) was cut twice and resumed.
     let cut = resets.count().unwrap();
     eprintln!("image downloads reset mid-stream: {cut}");
     assert!(cut >= 6, "only {cut} image downloads were reset: the resume went untested");
+}
+
+/// A scenario's run, named and timed (they run at once, in one task).
+fn timed<'a>(
+    name: &'a str,
+    run: impl std::future::Future<Output = Result<()>> + 'a,
+) -> futures_util::future::LocalBoxFuture<'a, (&'a str, Result<()>, Duration)> {
+    Box::pin(async move {
+        let started = Instant::now();
+        (name, run.await, started.elapsed())
+    })
 }
 
 /// Every connection from the VMs to the appliance's HTTP port is reset once the appliance has
@@ -312,25 +345,9 @@ impl<'a> ResetRule<'a> {
 }
 
 /// What every scenario shares.
-/// Writes the BMC credentials Secret `<host>-bmc`, for the BMC at `address` (siteboot sends
-/// them nowhere else); returns its name.
-async fn credentials(lab: &ProviderLab, host: &str, address: &str) -> Result<String> {
-    let name = format!("{host}-bmc");
-    let secret = Secret {
-        metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() },
-        data: Some(BTreeMap::from(
-            [("username", USER.0), ("password", USER.1), ("address", address)]
-                .map(|(k, v)| (k.to_owned(), ByteString(v.as_bytes().to_vec()))),
-        )),
-        ..Default::default()
-    };
-    let secrets = Api::<Secret>::namespaced(lab.env.client(), NS);
-    let patch = PatchParams::apply("provision-vm").force();
-    secrets.patch(&name, &patch, &Patch::Apply(&secret)).await?;
-    Ok(name)
-}
-
 struct Env<'a> {
+    /// Each scenario's timeline, by its VM's MAC.
+    timelines: Vec<(&'a str, &'a Timeline)>,
     lab: &'a ProviderLab,
     /// The DHCP server of the routed segment.
     routed_dhcp: &'a Dnsmasq,
@@ -345,18 +362,28 @@ struct Env<'a> {
     node: &'a NodeImage,
 }
 
-async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
+/// A VM registered as a Host and inspected: Available.
+struct Vm {
+    domain: Domain,
+    /// Its packets on its segment, if the scenario checks where its tokens went.
+    capture: Option<PacketCapture>,
+    /// The disks the root device hints rule out, with their sha256 before the claim.
+    others: Vec<(usize, String)>,
+}
+
+/// Defines `s`'s VM and registers its Host (the BMC checked, powered on with a network boot);
+/// returns once the ramdisk inspected it and the Host is Available with its hardware.
+async fn inspected(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<Vm> {
     let (memory_mib, cpus) = match s.os {
         Os::TestOs => (512, 1),
         Os::Node => (2048, 2),
     };
     let machine = Machine { firmware: s.firmware, disks_mib: s.disks_mib, memory_mib, cpus };
     let domain = env.libvirt.define_with(s.name, s.mac, s.bridge, &machine)?;
-    let media = s.boot_method == BootMethod::VirtualMedia;
     // All the VM's packets on the segment but the image's bulk (full-size segments from the
     // HTTP port): where a token in clear would be. The BIOS VM's network boots are the
     // control: the capture must see their tokens.
-    let capture = (media || s.name == "bios")
+    let capture = (s.boot_method == BootMethod::VirtualMedia || s.name == "bios")
         .then(|| {
             let filter = format!(
                 "ether host {} and not (tcp src port {} and greater 1400)",
@@ -375,16 +402,15 @@ async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
         })
         .collect::<Result<_>>()?;
 
-    // Registered (the BMC checked), powered on with a network boot, inspected.
     let hosts = env.lab.hosts();
     let mut host = Host::new(s.name, HostSpec::new(s.mac));
     host.metadata.labels = Some(BTreeMap::from([
         (SITE_LABEL.to_owned(), SITE.to_owned()),
-        (VM_LABEL.to_owned(), s.name.to_owned()),
+        (VM_LABEL.to_owned(), s.pool().to_owned()),
     ]));
     let address = env.sushy.address(&domain);
     host.spec.bmc = Some(Bmc {
-        credentials_name: credentials(env.lab, s.name, &address).await?,
+        credentials_name: env.lab.bmc_credentials(s.name, &address, USER).await?,
         address,
         certificate_fingerprint: None,
         boot_mode: s.boot_mode,
@@ -394,7 +420,7 @@ async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
     hosts.create(&PostParams::default(), &host).await?;
     timeline.mark("Host created (its BMC checked, then powered on with a network boot)");
     let host = wait_host(&hosts, s.name, "Available", PHASE_TIMEOUT, |h| {
-        state(h) == Some(HostState::Available)
+        host_state(h) == Some(HostState::Available)
     })
     .await
     .map_err(|e| with_console(e, &domain))?;
@@ -421,118 +447,270 @@ async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
         .map(|(i, mib)| (format!("/dev/vd{}", char::from(b'a' + i as u8)), mib * MIB))
         .collect();
     ensure!(disks == want, "disks {disks:?}, want {want:?}");
+    Ok(Vm { domain, capture, others })
+}
 
-    // Claimed and provisioned; the VM boots its disk.
-    let (image, bootstrap, written) = match s.os {
-        Os::TestOs => {
-            let data = json!({ "dataSecretName": format!("{CLUSTER}-bootstrap") });
-            (env.image, data, env.os.to_path_buf())
-        }
-        Os::Node => {
-            let config = bootstrap::create_config_template(&env.lab.env, NS, s.name, node_config());
-            (env.node_image, config.await?, env.node.disk())
-        }
-    };
-    let spec = json!({ "image": image, "hostSelector": { "matchLabels": { VM_LABEL: s.name } } });
+/// A test OS scenario: its own MachineDeployment of 1 with the cluster's bootstrap Secret; the
+/// test OS runs it; scaled to 0, the host is wiped, then deleted (or, booted from virtual
+/// media, left powered off with the media ejected).
+async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
+    let vm = inspected(env, s, timeline).await?;
+    let data = json!({ "dataSecretName": format!("{CLUSTER}-bootstrap") });
+    let spec =
+        json!({ "image": env.image, "hostSelector": { "matchLabels": { VM_LABEL: s.name } } });
     env.lab.create_template_spec(s.name, spec).await?;
-    env.lab.create_machine_deployment_with(NS, s.name, CLUSTER, s.name, 1, bootstrap).await?;
+    env.lab.create_machine_deployment_with(NS, s.name, CLUSTER, s.name, 1, data).await?;
     timeline.mark("MachineDeployment of 1 created");
-    let provider_id = format!("siteboot://{NS}/{}", s.name);
-    let node = match s.os {
-        Os::TestOs => {
-            test_os_ran(&domain, &provider_id).await?;
-            timeline.mark("first boot of the disk: the test OS ran the data");
-            None
+    test_os_ran(&vm.domain, &provider_id(s)).await?;
+    timeline.mark("first boot of the disk: the test OS ran the data");
+    // The test OS powers off after its last line.
+    wait_domain(env.libvirt, &vm.domain, "shut off").await?;
+    provisioned(env, s, &vm, env.os).await?;
+
+    env.lab.scale(s.name, 0).await?;
+    timeline.mark("scaled to 0");
+    wiped(env, s, &vm, None, timeline).await?;
+    match &vm.capture {
+        Some(capture) if s.boot_method == BootMethod::VirtualMedia => {
+            media_only(&vm.domain, capture)?;
+            // The media ejected, the wiped host is powered off: no stale ramdisk left running.
+            wait_domain(env.libvirt, &vm.domain, "shut off").await?;
+            timeline.mark("media ejected, powered off");
+            Ok(())
         }
-        Os::Node => {
-            let machine = wait_machine_with_data(env, s.name).await?;
-            let token = bootstrap::machine_token(&env.lab.env, NS, &machine).await?;
-            crash_during(env, s, "writing image", timeline).await?;
-            Some(node_joined(env, s, &domain, &provider_id, &token, timeline).await?)
-        }
+        _ => deleted(env, s, &vm.domain, timeline).await,
+    }
+}
+
+/// The two workers: one MachineDeployment of 2 with a SitebootConfigTemplate claims both
+/// hosts, and each joins as a Node. A Deployment's pod runs on one of them; that worker's
+/// Machine is deleted (chosen with Cluster API's delete-machine annotation, the MachineDeployment
+/// scaled to 1): its Node is drained and the pod comes back on the other Node; its host is
+/// wiped and Available again, its Host kept. Then the MachineDeployment is scaled to 0, the
+/// other worker is drained and wiped, and both Hosts are deleted.
+async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Result<()> {
+    let [(a, a_timeline), (b, b_timeline)] = workers else {
+        bail!("{} workers, want 2", workers.len())
     };
-    let host = hosts.get(s.name).await?;
-    ensure!(state(&host) == Some(HostState::Provisioned), "Host state {:?}", state(&host));
+    let (a_vm, b_vm) =
+        futures_util::try_join!(inspected(env, a, a_timeline), inspected(env, b, b_timeline))?;
+    let config = bootstrap::create_config_template(&env.lab.env, NS, WORKERS, node_config());
+    let config = config.await?;
+    let spec = json!({ "image": env.node_image, "hostSelector": { "matchLabels": { VM_LABEL: WORKERS } } });
+    env.lab.create_template_spec(WORKERS, spec).await?;
+    env.lab.create_machine_deployment_with(NS, WORKERS, CLUSTER, WORKERS, 2, config).await?;
+    for timeline in [a_timeline, b_timeline] {
+        timeline.mark("MachineDeployment of 2 created");
+    }
+    let join = |s: &Scenario| Join { crash: s.name == CRASHED_WHILE_IMAGING, console_from: 0 };
+    let (a_node, b_node) = futures_util::try_join!(
+        joined(env, a, &a_vm, a_timeline, join(a)),
+        joined(env, b, &b_vm, b_timeline, join(b))
+    )?;
+
+    // A Deployment's pod, placed by the scheduler on either Node.
+    let client = env.lab.env.client();
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let tolerations = json!([{ "key": "dedicated", "value": "ml", "effect": "NoSchedule" }]);
+    let deployment = workload_deployment(WORKLOAD, tolerations);
+    deployments.create(&PostParams::default(), &deployment).await?;
+    let (_, on) = workload_running(env, None).await?;
+    let mut workers = [(a, &a_vm, *a_timeline, a_node), (b, &b_vm, *b_timeline, b_node)];
+    if workers[1].3 == on {
+        workers.swap(0, 1);
+    }
+    let [
+        (first, first_vm, first_timeline, first_node),
+        (second, second_vm, second_timeline, second_node),
+    ] = workers;
+    first_timeline.mark("the Deployment's pod Running on the Node");
+
+    // That worker's Machine deleted: drained, the pod back on the other Node, the host wiped.
+    let machine = claiming_machine(env, first.name).await?;
+    let delete =
+        json!({ "metadata": { "annotations": { "cluster.x-k8s.io/delete-machine": "" } } });
+    let machines = env.lab.api("Machine");
+    machines.patch(&machine.name_any(), &PatchParams::default(), &Patch::Merge(&delete)).await?;
+    env.lab.scale(WORKERS, 1).await?;
+    first_timeline.mark("its Machine chosen for deletion, the MachineDeployment scaled to 1");
+    drained(env, &first_node).await?;
+    first_timeline.mark("drained: the pod evicted, the Node still there");
+    workload_running(env, Some(&second_node)).await?;
+    second_timeline.mark("the Deployment's pod Running here, moved from the drained Node");
+    crash_during(env, first, "wiping", first_timeline).await?;
+    wiped(env, first, first_vm, Some(&first_node), first_timeline).await?;
+    let still = env.lab.running_machines(WORKERS).await?;
+    let names: Vec<&Value> = still.iter().map(|m| &m.data["status"]["nodeRef"]["name"]).collect();
+    ensure!(names == [&json!(second_node)], "the Machines left Running: {names:?}");
+
+    // The other worker's VM powered off behind Cluster API's back (libvirt, not its BMC): the
+    // MachineHealthCheck finds its Node unreachable and its Machine is deleted; its host is
+    // powered on through its BMC and wiped, and the replacement Machine gets the first host
+    // again, imaged anew, where the pod then runs.
+    let console_from = first_vm.domain.console().lines().count();
+    let unhealthy = claiming_machine(env, second.name).await?;
+    create_health_check(env).await?;
+    env.libvirt.virsh(&["destroy", &second_vm.domain.name])?;
+    second_timeline.mark("its VM powered off through libvirt, behind Cluster API's back");
+    wait_gone(&machines, &unhealthy.name_any(), PHASE_TIMEOUT).await?;
+    second_timeline.mark("its Machine remediated: deleted by the MachineHealthCheck");
+    let join = Join { crash: false, console_from };
+    let (replacement, ()) = futures_util::try_join!(
+        joined(env, first, first_vm, first_timeline, join),
+        wiped(env, second, second_vm, Some(&second_node), second_timeline),
+    )?;
+    workload_running(env, Some(&replacement)).await?;
+    first_timeline.mark("the Deployment's pod Running on the replacement");
+
+    env.lab.scale(WORKERS, 0).await?;
+    first_timeline.mark("scaled to 0");
+    drained(env, &replacement).await?;
+    first_timeline.mark("drained: the pod evicted, the Node still there");
+    wiped(env, first, first_vm, Some(&replacement), first_timeline).await?;
+    deleted(env, first, &first_vm.domain, first_timeline).await?;
+    deleted(env, second, &second_vm.domain, second_timeline).await
+}
+
+/// A MachineHealthCheck for the workers: a Node unreachable (Ready Unknown) for 20 s is
+/// unhealthy; a new Machine's Node may take as long as imaging under TCG does.
+async fn create_health_check(env: &Env<'_>) -> Result<()> {
+    let check: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineHealthCheck",
+        "metadata": { "name": WORKERS },
+        "spec": {
+            "clusterName": CLUSTER,
+            "selector": { "matchLabels": { "pool": WORKERS } },
+            "checks": {
+                "nodeStartupTimeoutSeconds": 2 * PHASE_TIMEOUT.as_secs(),
+                "unhealthyNodeConditions": [
+                    { "type": "Ready", "status": "Unknown", "timeoutSeconds": 20 },
+                ],
+            },
+        },
+    }))?;
+    env.lab.api("MachineHealthCheck").create(&PostParams::default(), &check).await?;
+    Ok(())
+}
+
+/// `siteboot://<namespace>/<host>`: the providerID of the Machine on `s`'s host.
+fn provider_id(s: &Scenario) -> String {
+    format!("siteboot://{NS}/{}", s.name)
+}
+
+/// How a worker's host gets imaged and joins.
+#[derive(Clone, Copy)]
+struct Join {
+    /// Whether the appliance is killed once while the ramdisk writes the image.
+    crash: bool,
+    /// The console's lines before this imaging (an earlier one's checklist does not count).
+    console_from: usize,
+}
+
+/// A worker's host imaged and joined: the Machine that claimed it has its data (one token for
+/// its config), the appliance is killed while the ramdisk writes the image if `join.crash`, and
+/// the node joins (see [`node_joined`]). Returns its Node's name.
+async fn joined(
+    env: &Env<'_>,
+    s: &Scenario,
+    vm: &Vm,
+    timeline: &Timeline,
+    join: Join,
+) -> Result<String> {
+    let machine = claiming_machine(env, s.name).await?;
+    let token = bootstrap::machine_token(&env.lab.env, NS, &machine).await?;
+    if join.crash {
+        crash_during(env, s, "writing image", timeline).await?;
+    }
+    let console = (&vm.domain, join.console_from);
+    let node = node_joined(env, s, &machine.name_any(), console, &token, timeline).await?;
+    provisioned(env, s, vm, &env.node.disk()).await?;
+    Ok(node)
+}
+
+/// The host is Provisioned with the image on its root disk (and the disks ruled out as they
+/// were); on the routed segment, with dnsmasq's address; the capture holds no token it booted
+/// with from virtual media, or (the control) those of its network boots.
+async fn provisioned(env: &Env<'_>, s: &Scenario, vm: &Vm, written: &Path) -> Result<()> {
+    let host = env.lab.hosts().get(s.name).await?;
+    ensure!(
+        host_state(&host) == Some(HostState::Provisioned),
+        "Host state {:?}",
+        host_state(&host)
+    );
     if s.bridge == ROUTED_BRIDGE {
         routed(env, s, &host)?;
     }
-    if s.os == Os::TestOs {
-        // The test OS powers off after its last line.
-        wait_domain(env.libvirt, &domain, "shut off").await?;
+    same_bytes(&vm.domain.disks[s.root], written)?;
+    for (i, digest) in &vm.others {
+        ensure!(sha256_file(&vm.domain.disks[*i])? == *digest, "disk {i}, ruled out, was written");
     }
-    same_bytes(&domain.disks[s.root], &written)?;
-    for (i, digest) in &others {
-        ensure!(sha256_file(&domain.disks[*i])? == *digest, "disk {i}, ruled out, was written");
-    }
-
-    match &capture {
-        Some(capture) if media => {
-            media_only(&domain, capture)?;
+    match &vm.capture {
+        Some(capture) if s.boot_method == BootMethod::VirtualMedia => {
+            media_only(&vm.domain, capture)?;
             // The emulator was made to check the appliance's certificate when it fetched the
             // ISO (and fetched it: a mismatch would have failed the insertion).
-            let cd = emulator(env, &domain, "/VirtualMedia/Cd")?;
+            let cd = emulator(env, &vm.domain, "/VirtualMedia/Cd")?;
             ensure!(cd["VerifyCertificate"] == true, "the BMC's CD does not check: {cd}");
-            let trusted = emulator(env, &domain, "/VirtualMedia/Cd/Certificates")?;
+            let trusted = emulator(env, &vm.domain, "/VirtualMedia/Cd/Certificates")?;
             let members = trusted["Members"].as_array().map_or(0, Vec::len);
             ensure!(members == 1, "the BMC's CD trusts {members} certificates: {trusted}");
         }
         Some(capture) => {
             let bytes = capture.bytes()?;
-            let seen = tokens(&domain.console()).into_iter().any(|t| captured(&bytes, t));
+            let seen = tokens(&vm.domain.console()).into_iter().any(|t| captured(&bytes, t));
             ensure!(seen, "the control: no token of a network boot is in the capture");
         }
         None => {}
     }
+    Ok(())
+}
 
-    // Scaled to 0: drained, released, wiped, Available again.
-    env.lab.scale(s.name, 0).await?;
-    timeline.mark("scaled to 0");
-    if let Some(node) = &node {
-        drained(env, node).await?;
-        timeline.mark("drained: the pod evicted, the Node still there");
-        crash_during(env, s, "wiping", timeline).await?;
-    }
-    wait_host(&hosts, s.name, "wiped and Available", PHASE_TIMEOUT, |h| {
+/// Once its Machine is gone: the host wiped and Available again, nothing on its disks, and
+/// `node` (if it joined) deleted by Cluster API.
+async fn wiped(
+    env: &Env<'_>,
+    s: &Scenario,
+    vm: &Vm,
+    node: Option<&str>,
+    timeline: &Timeline,
+) -> Result<()> {
+    wait_host(&env.lab.hosts(), s.name, "wiped and Available", PHASE_TIMEOUT, |h| {
         let status = h.status.as_ref();
         h.spec.consumer_ref.is_none()
-            && state(h) == Some(HostState::Available)
+            && host_state(h) == Some(HostState::Available)
             && status.is_some_and(|s| !s.wipe_required && s.installed.is_none())
     })
     .await
-    .map_err(|e| with_console(e, &domain))?;
+    .map_err(|e| with_console(e, &vm.domain))?;
     timeline.mark("wiped: Available again");
-    for disk in &domain.disks {
+    for disk in &vm.domain.disks {
         no_signature(disk)?;
     }
-    if let Some(node) = &node {
-        // Cluster API deletes the Node of a deleted Machine.
+    if let Some(node) = node {
         let nodes: Api<Node> = Api::all(env.lab.env.client());
         wait_gone(&nodes, node, POWER_TIMEOUT).await?;
         timeline.mark("Node deleted");
     }
-    if let Some(capture) = capture.as_ref().filter(|_| media) {
-        media_only(&domain, capture)?;
-        // The media ejected, the wiped host is powered off: no stale ramdisk left running.
-        wait_domain(env.libvirt, &domain, "shut off").await?;
-        timeline.mark("media ejected, powered off");
-        return Ok(());
-    }
+    Ok(())
+}
 
-    // Deleted: powered off.
-    ensure!(env.libvirt.state(&domain)? == "running", "the ramdisk should still run");
+/// The Host deleted: its ramdisk (still running after the wipe) is powered off.
+async fn deleted(env: &Env<'_>, s: &Scenario, domain: &Domain, timeline: &Timeline) -> Result<()> {
+    let hosts = env.lab.hosts();
+    ensure!(env.libvirt.state(domain)? == "running", "the ramdisk should still run");
     hosts.delete(s.name, &DeleteParams::default()).await?;
     siteboot_tests::wait::for_async("the Host to go", POWER_TIMEOUT, || async {
         hosts.get_opt(s.name).await.ok()?.is_none().then_some(())
     })
     .await?;
-    wait_domain(env.libvirt, &domain, "shut off").await?;
+    wait_domain(env.libvirt, domain, "shut off").await?;
     timeline.mark("Host deleted: powered off");
     Ok(())
 }
 
 /// The test OS booted, read its provider ID from the meta-data and ran the bootstrap data.
 async fn test_os_ran(domain: &Domain, provider_id: &str) -> Result<()> {
-    let outcome = wait_console(domain, &["siteboot-test-os: done", "siteboot-test-os: failed"])
+    let outcome = wait_console(domain, 0, &["siteboot-test-os: done", "siteboot-test-os: failed"])
         .await
         .map_err(|e| with_console(e, domain))?;
     let console = domain.console();
@@ -554,15 +732,21 @@ fn node_config() -> Value {
     })
 }
 
-/// The Machine of MachineDeployment `deployment` once it has its bootstrap data.
-async fn wait_machine_with_data(env: &Env<'_>, deployment: &str) -> Result<DynamicObject> {
-    let machines = env.lab.api("Machine");
-    let lp =
-        ListParams::default().labels(&format!("cluster.x-k8s.io/deployment-name={deployment}"));
-    siteboot_tests::wait::for_async("the Machine's bootstrap data", POWER_TIMEOUT, || async {
-        let list = machines.list(&lp).await.ok()?.items;
-        list.into_iter().find(|m| m.data["spec"]["bootstrap"]["dataSecretName"].is_string())
-    })
+/// The Machine whose SitebootMachine claimed Host `host`, once it has its bootstrap data.
+async fn claiming_machine(env: &Env<'_>, host: &str) -> Result<DynamicObject> {
+    let (hosts, machines) = (env.lab.hosts(), env.lab.api("Machine"));
+    siteboot_tests::wait::for_async(
+        &format!("the Machine on {host}, with its bootstrap data"),
+        POWER_TIMEOUT,
+        || async {
+            let claim = hosts.get(host).await.ok()?.spec.consumer_ref?;
+            let list = machines.list(&ListParams::default()).await.ok()?.items;
+            list.into_iter().find(|m| {
+                m.data["spec"]["infrastructureRef"]["name"] == json!(claim.name)
+                    && m.data["spec"]["bootstrap"]["dataSecretName"].is_string()
+            })
+        },
+    )
     .await
 }
 
@@ -571,17 +755,21 @@ async fn wait_machine_with_data(env: &Env<'_>, deployment: &str) -> Result<Dynam
 /// bootstrap token after that token's first lifetime (siteboot extended it) and approved and
 /// signed; the Node is Ready with the Host's providerID from the meta-data and the config's
 /// labels and taints; Cluster API matched it to the Machine (nodeRef, the uninitialized taint
-/// removed); the token is then deleted and refused, the config Ready; and a pod runs on the Node
-/// from the images the node image carries. Returns the Node's name.
+/// removed) and Machine `machine` is Running with it as its nodeRef; the token is then deleted
+/// and refused, the config Ready. The checklist is looked for after the console's first
+/// `console_from` lines. Returns the Node's name.
 async fn node_joined(
     env: &Env<'_>,
     s: &Scenario,
-    domain: &Domain,
-    provider_id: &str,
+    machine: &str,
+    (domain, console_from): (&Domain, usize),
     token: &bootstrap::MachineToken,
     timeline: &Timeline,
 ) -> Result<String> {
-    let line = wait_console(domain, &[CHECKLIST]).await.map_err(|e| with_console(e, domain))?;
+    let provider_id = provider_id(s);
+    let provider_id = provider_id.as_str();
+    let line = wait_console(domain, console_from, &[CHECKLIST]);
+    let line = line.await.map_err(|e| with_console(e, domain))?;
     timeline.mark("first boot of the disk: cloud-init ran the data, the kubelet joined");
     let found = checklist(&line);
     ensure!(found == joined_checklist(KubeletOn::Host), "the node's checklist: {line}");
@@ -628,12 +816,11 @@ async fn node_joined(
     ensure!(labels.get("example.com/pool").map(String::as_str) == Some("workers"), "{labels:?}");
     let taints = node.spec.and_then(|s| s.taints).unwrap_or_default();
     ensure!(taints.iter().any(|t| t.key == "dedicated" && t.value.as_deref() == Some("ml")));
-    let machine = env.lab.wait_running(s.name, 1, POWER_TIMEOUT).await?.remove(0);
-    ensure!(
-        machine.data["status"]["nodeRef"]["name"] == json!(name),
-        "the Machine's nodeRef: {}",
-        machine.data["status"]["nodeRef"]
-    );
+    let machines = env.lab.api("Machine");
+    wait_object(&machines, machine, "Running with the Node as its nodeRef", POWER_TIMEOUT, |m| {
+        m.data["status"]["phase"] == "Running" && m.data["status"]["nodeRef"]["name"] == json!(name)
+    })
+    .await?;
 
     let tokens: Api<Secret> = Api::namespaced(client.clone(), "kube-system");
     wait_gone(&tokens, &format!("bootstrap-token-{}", token.id), POWER_TIMEOUT).await?;
@@ -642,25 +829,38 @@ async fn node_joined(
         kube.api(bootstrap::BOOTSTRAP, "SitebootConfig", Some(NS)).get(&token.config).await?;
     ensure!(bootstrap::condition(&config, "Ready").0 == json!("True"), "the config is not Ready");
 
-    let pods: Api<Pod> = Api::namespaced(client, NS);
-    let pod = format!("workload-{}", s.name);
-    pods.create(&PostParams::default(), &workload_pod(&pod, Some(&name))).await?;
-    let running = wait_object(&pods, &pod, "Running and ready", PHASE_TIMEOUT, |p| {
-        let status = p.status.clone().unwrap_or_default();
-        let ready = status.container_statuses.unwrap_or_default().iter().all(|c| c.ready);
-        status.phase.as_deref() == Some("Running") && ready
+    Ok(name)
+}
+
+/// The workload Deployment's pod once one is Running and ready (on `node`, if given), not
+/// being deleted; returns its name and Node. No registry is reachable: its sandbox (pause) and
+/// its container come from the images node-images.service loaded; its address from the image's
+/// bridge CNI.
+async fn workload_running(env: &Env<'_>, node: Option<&str>) -> Result<(String, String)> {
+    let pods: Api<Pod> = Api::namespaced(env.lab.env.client(), NS);
+    let lp = ListParams::default().labels(&format!("app={WORKLOAD}"));
+    let what = format!("the {WORKLOAD} pod Running on {}", node.unwrap_or("a Node"));
+    let pod = siteboot_tests::wait::for_async(&what, PHASE_TIMEOUT, || async {
+        let list = pods.list(&lp).await.ok()?.items;
+        list.into_iter().find(|p| {
+            let on = p.spec.as_ref().and_then(|s| s.node_name.as_deref());
+            let status = p.status.clone().unwrap_or_default();
+            let ready = status.container_statuses.unwrap_or_default().iter().all(|c| c.ready);
+            p.metadata.deletion_timestamp.is_none()
+                && node.is_none_or(|n| on == Some(n))
+                && status.phase.as_deref() == Some("Running")
+                && ready
+        })
     })
     .await?;
-    // No registry is reachable: its sandbox (pause) and its container come from the images
-    // node-images.service loaded; its address from the image's bridge CNI.
-    let status = running.status.unwrap_or_default();
+    let on = pod.spec.and_then(|s| s.node_name).context("a Running pod with no Node")?;
+    let status = pod.status.unwrap_or_default();
     let images: Vec<String> =
         status.container_statuses.unwrap_or_default().into_iter().map(|c| c.image).collect();
     ensure!(images == [WORKLOAD_IMAGE], "the pod runs {images:?}");
     let ip = status.pod_ip.unwrap_or_default();
     ensure!(ip.starts_with("10.244."), "the pod's address {ip:?} is not the CNI's");
-    timeline.mark("a pod Running on the Node");
-    Ok(name)
+    Ok((pod.metadata.name.unwrap_or_default(), on))
 }
 
 /// The appliance is killed (`kill -9`: no shutdown code runs) while the ramdisk of `s`'s host
@@ -677,7 +877,9 @@ async fn crash_during(env: &Env<'_>, s: &Scenario, step: &str, timeline: &Timeli
     let host =
         until_host(&hosts, s.name, &format!("at step {step:?}"), PHASE_TIMEOUT, at_step).await?;
     let before = host.status.and_then(|s| s.operation).context("no operation")?;
-    timeline.keep_appliance(&env.lab.siteboot, s.mac);
+    for (mac, timeline) in &env.timelines {
+        timeline.keep_appliance(&env.lab.siteboot, mac);
+    }
     env.lab.siteboot.kill9();
     timeline.mark(&format!("appliance killed (kill -9) while the ramdisk is {step}"));
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -758,7 +960,7 @@ async fn failures(env: &Env<'_>) -> Result<()> {
         (VM_LABEL.to_owned(), FAILURES.to_owned()),
     ]));
     host.spec.bmc = Some(Bmc {
-        credentials_name: credentials(env.lab, FAILURES, &dead).await?,
+        credentials_name: env.lab.bmc_credentials(FAILURES, &dead, USER).await?,
         address: dead,
         certificate_fingerprint: None,
         boot_mode: None,
@@ -794,15 +996,15 @@ async fn failures(env: &Env<'_>) -> Result<()> {
         "{during} connection attempts in 40 s, {per_check} per check: want 1 to 5 checks"
     );
     let host = hosts.get(FAILURES).await?;
-    ensure!(state(&host) == Some(HostState::Registering), "state {:?}", state(&host));
+    ensure!(host_state(&host) == Some(HostState::Registering), "state {:?}", host_state(&host));
     ensure!(env.libvirt.state(&domain)? == "shut off", "powered on through a BMC that failed");
     // The operator gives the BMC's right address to the Secret and the Host.
     let address = env.sushy.address(&domain);
-    credentials(env.lab, FAILURES, &address).await?;
+    env.lab.bmc_credentials(FAILURES, &address, USER).await?;
     let fixed = json!({ "spec": { "bmc": { "address": address } } });
     hosts.patch(FAILURES, &PatchParams::default(), &Patch::Merge(&fixed)).await?;
     wait_host(&hosts, FAILURES, "Available", PHASE_TIMEOUT, |h| {
-        state(h) == Some(HostState::Available)
+        host_state(h) == Some(HostState::Available)
     })
     .await
     .map_err(|e| with_console(e, &domain))?;
@@ -814,7 +1016,7 @@ async fn failures(env: &Env<'_>) -> Result<()> {
     env.lab.create_template_spec(FAILURES, spec).await?;
     env.lab.create_machine_deployment(FAILURES, CLUSTER, FAILURES, 1).await?;
     let host = until_host(&hosts, FAILURES, "Quarantined", PHASE_TIMEOUT, |h| {
-        state(h) == Some(HostState::Quarantined)
+        host_state(h) == Some(HostState::Quarantined)
     })
     .await
     .map_err(|e| with_console(e, &domain))?;
@@ -837,7 +1039,7 @@ async fn failures(env: &Env<'_>) -> Result<()> {
     .map_err(|e| with_console(e, &domain))?;
     env.libvirt.virsh(&["destroy", &domain.name])?;
     let host = until_host(&hosts, FAILURES, "Quarantined", SILENCE + POWER_TIMEOUT, |h| {
-        state(h) == Some(HostState::Quarantined)
+        host_state(h) == Some(HostState::Quarantined)
     })
     .await?;
     let reason = host.status.and_then(|s| s.quarantine_reason).unwrap_or_default();
@@ -853,132 +1055,15 @@ async fn failures(env: &Env<'_>) -> Result<()> {
     .await
 }
 
-/// A scenario's timeline: what the test saw happen, and the appliance's own record of the
-/// host's boots (`GET /timeline/<mac>`: DHCP, scripts, files, the ramdisk's reports), printed
-/// together in order, in seconds since the scenario started.
-struct Timeline {
-    started: std::time::SystemTime,
-    marks: std::sync::Mutex<Vec<(std::time::SystemTime, String)>>,
-    /// The appliance's events, kept before each crash (its record lives in its memory).
-    kept: std::sync::Mutex<Vec<Value>>,
-}
-
-impl Timeline {
-    fn start() -> Self {
-        Self {
-            started: std::time::SystemTime::now(),
-            marks: Default::default(),
-            kept: Default::default(),
-        }
-    }
-
-    fn mark(&self, what: &str) {
-        self.marks.lock().unwrap().push((std::time::SystemTime::now(), what.to_owned()));
-    }
-
-    /// Keeps the appliance's record of `mac`'s boots so far (before it is killed).
-    fn keep_appliance(&self, appliance: &siteboot_tests::appliance::Appliance, mac: &str) {
-        if let Ok(record) = appliance.timeline(mac) {
-            self.kept
-                .lock()
-                .unwrap()
-                .extend(record["events"].as_array().cloned().unwrap_or_default());
-        }
-    }
-
-    fn print(&self, name: &str, appliance: &Value) {
-        let ms = |at: std::time::SystemTime| {
-            at.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-        };
-        let start = ms(self.started);
-        let mut lines: Vec<(u64, String)> = self
-            .marks
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(at, what)| (ms(*at), format!("test       {what}")))
-            .collect();
-        // The boot stages, each run of one stage with one detail once (the ramdisk reports
-        // its progress many times).
-        let mut last = None;
-        let kept = self.kept.lock().unwrap().clone();
-        let now = appliance["events"].as_array().cloned().unwrap_or_default();
-        for event in kept.iter().chain(&now) {
-            let stage = event["stage"].as_str().unwrap_or_default();
-            if stage.starts_with("dhcp-") && stage != "dhcp-ack" {
-                continue;
-            }
-            let detail = event["detail"].as_str().unwrap_or_default();
-            let key = (stage.to_owned(), detail.split_whitespace().next().map(str::to_owned));
-            if last.as_ref() == Some(&key) {
-                continue;
-            }
-            last = Some(key);
-            let at = event["at_ms"].as_u64().unwrap_or_default();
-            lines.push((at, format!("appliance  {stage} {detail}")));
-        }
-        lines.sort_by_key(|(at, _)| *at);
-        let mut out = format!("timeline of {name} (seconds since its Host was created):\n");
-        for (at, line) in &lines {
-            out += &format!("{:>6}  {line}\n", at.saturating_sub(start) / 1000);
-        }
-        let total = lines.last().map_or(0, |(at, _)| at.saturating_sub(start) / 1000);
-        out += &format!("{name}: {total} s in all");
-        eprintln!("{out}");
-    }
-}
-
-fn state(host: &Host) -> Option<HostState> {
-    host.status.as_ref()?.state
-}
-
-/// Waits until Host `name` satisfies `done`; a Quarantined Host that does not is an error
-/// at once, with its reason.
-async fn wait_host(
-    hosts: &Api<Host>,
-    name: &str,
-    what: &str,
-    timeout: Duration,
-    done: impl Fn(&Host) -> bool,
-) -> Result<Host> {
-    let quarantined = |h: &Host| state(h) == Some(HostState::Quarantined);
-    let host = until_host(hosts, name, what, timeout, |h| done(h) || quarantined(h)).await?;
-    if !done(&host) {
-        let reason = host.status.as_ref().and_then(|s| s.quarantine_reason.clone());
-        bail!("Host {name} Quarantined: {reason:?}");
-    }
-    Ok(host)
-}
-
-/// Waits until Host `name` satisfies `done`, whatever its state on the way.
-async fn until_host(
-    hosts: &Api<Host>,
-    name: &str,
-    what: &str,
-    timeout: Duration,
-    done: impl Fn(&Host) -> bool,
-) -> Result<Host> {
-    let last = std::sync::Mutex::new(None);
-    let result =
-        siteboot_tests::wait::for_async(&format!("Host {name} {what}"), timeout, || async {
-            let host = hosts.get(name).await.ok()?;
-            *last.lock().unwrap() = Some(host.clone());
-            done(&host).then_some(host)
-        })
-        .await;
-    let last = last.into_inner().unwrap();
-    result.with_context(|| format!("the Host last: {:?}", last.map(|h| h.status)))
-}
-
-/// Waits for the first console line containing one of `patterns`; returns it from there.
-/// (Async: the scenarios share one task.)
-async fn wait_console(domain: &Domain, patterns: &[&str]) -> Result<String> {
+/// Waits for the first console line after the first `from` lines containing one of
+/// `patterns`; returns it from there. (Async: the scenarios share one task.)
+async fn wait_console(domain: &Domain, from: usize, patterns: &[&str]) -> Result<String> {
     siteboot_tests::wait::until_async(
         &format!("{patterns:?} on {}'s console", domain.name),
         PHASE_TIMEOUT,
         Duration::from_secs(1),
         || async {
-            domain.console().lines().find_map(|line| {
+            domain.console().lines().skip(from).find_map(|line| {
                 patterns.iter().find_map(|p| line.find(p).map(|i| line[i..].trim().to_owned()))
             })
         },

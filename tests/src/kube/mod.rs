@@ -17,15 +17,15 @@
 //! What is installed, as in a real management cluster: the 13 CRDs of CAPI's
 //! `core/config/crd/bases`, with conversion through the manager's `/convert`, and its mutating and
 //! validating webhook configurations, so CAPI's defaulting and validation apply to every write.
-//! Missing compared to a real cluster: a scheduler and kubelets (tests create Nodes, or boot a
-//! VM whose kubelet joins), and kube-controller-manager unless a test starts it
-//! ([`KubeEnv::start_controller_manager`]: node bootstrap's controllers only, so no garbage
-//! collection of owner references and no namespace finalization).
+//! Missing compared to a real cluster: kubelets (tests create Nodes, or boot a VM whose kubelet
+//! joins), and kube-controller-manager and kube-scheduler unless a test starts them
+//! ([`KubeEnv::start_control_plane`]: node bootstrap's and Deployments' controllers only, so no
+//! garbage collection of owner references and no namespace finalization).
 
 pub mod bootstrap;
 pub mod capi;
 pub mod clusterctl;
-mod controller_manager;
+mod control_plane;
 mod manifests;
 pub mod node;
 pub mod peers;
@@ -229,17 +229,17 @@ impl KubeEnv {
         Ok(())
     }
 
-    /// Starts kube-controller-manager with node bootstrap's controllers (CSR approving and
-    /// signing with this environment's CA, the CSR cleaner, the bootstrap token cleaner); it
-    /// stops first when the environment drops.
-    pub async fn start_controller_manager(&mut self) -> Result<()> {
-        let files = controller_manager::Files {
+    /// Starts kube-controller-manager, with node bootstrap's controllers (CSR approving and
+    /// signing with this environment's CA, the CSR cleaner, the bootstrap token cleaner) and
+    /// those of Deployments, and kube-scheduler; they stop first when the environment drops.
+    pub async fn start_control_plane(&mut self) -> Result<()> {
+        let files = control_plane::Files {
             kubeconfig: &self.kubeconfig_path,
             admin_kubeconfig: &self.admin_kubeconfig,
             pki_dir: &self.dir.path().join("pki"),
             logs: &self.dir.path().join("logs"),
         };
-        let started = controller_manager::start(&self.peers, &files, &mut self.procs).await;
+        let started = control_plane::start(&self.peers, &files, &mut self.procs).await;
         if started.is_err() {
             self.procs.print_logs();
         }
@@ -301,10 +301,12 @@ async fn boot(peers: &Peers, dir: &Path, procs: &mut Procs) -> Result<Booted> {
         pki.server("kube-apiserver", &[VM_HOST_ADDRESS, crate::appliance::ADDRESS])?;
     write(&pki_dir.join("apiserver.crt"), &apiserver_cert.cert_pem)?;
     write(&pki_dir.join("apiserver.key"), &apiserver_cert.key_pem)?;
-    // For kube-controller-manager, if a test starts it.
-    let controller_manager_cert = pki.server("kube-controller-manager", &[])?;
-    write(&pki_dir.join("controller-manager.crt"), &controller_manager_cert.cert_pem)?;
-    write(&pki_dir.join("controller-manager.key"), &controller_manager_cert.key_pem)?;
+    // For kube-controller-manager and kube-scheduler, if a test starts them.
+    for name in control_plane::SERVING_CERTIFICATES {
+        let cert = pki.server(name, &[])?;
+        write(&pki_dir.join(format!("{name}.crt")), &cert.cert_pem)?;
+        write(&pki_dir.join(format!("{name}.key")), &cert.key_pem)?;
+    }
     let webhook_cert = pki.server("capi-webhook", &[])?;
     write(&webhook_dir.join("tls.crt"), &webhook_cert.cert_pem)?;
     write(&webhook_dir.join("tls.key"), &webhook_cert.key_pem)?;

@@ -206,28 +206,38 @@ fn run(command: &mut Command) -> Result<()> {
 /// HTTP on port 8080 by default.
 pub const WORKLOAD_IMAGE: &str = "siteboot.test/workload:1";
 
-/// A Pod of [`WORKLOAD_IMAGE`] on node `node` (None: wherever the scheduler puts it), never
-/// pulled (no registry is reachable), tolerating every taint and with no service account token
-/// (nothing in it talks to the apiserver).
-pub fn workload_pod(name: &str, node: Option<&str>) -> k8s_openapi::api::core::v1::Pod {
+/// A Deployment of one Pod of [`WORKLOAD_IMAGE`] (label `app: <name>`), placed by the
+/// scheduler, never pulled (no registry is reachable), with `tolerations` and no service
+/// account token (nothing in it talks to the apiserver). Tolerating every taint would tolerate
+/// a cordon's too, and the scheduler would place it back on the node being drained.
+pub fn workload_deployment(
+    name: &str,
+    tolerations: serde_json::Value,
+) -> k8s_openapi::api::apps::v1::Deployment {
     serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": { "name": name, "labels": { "app": "workload" } },
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": { "name": name },
         "spec": {
-            "nodeName": node,
-            "automountServiceAccountToken": false,
-            "tolerations": [{ "operator": "Exists" }],
-            "terminationGracePeriodSeconds": 5,
-            "containers": [{
-                "name": "workload",
-                "image": WORKLOAD_IMAGE,
-                "imagePullPolicy": "Never",
-                "ports": [{ "containerPort": 8080 }],
-            }],
+            "replicas": 1,
+            "selector": { "matchLabels": { "app": name } },
+            "template": {
+                "metadata": { "labels": { "app": name } },
+                "spec": {
+                    "automountServiceAccountToken": false,
+                    "tolerations": tolerations,
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [{
+                        "name": "workload",
+                        "image": WORKLOAD_IMAGE,
+                        "imagePullPolicy": "Never",
+                        "ports": [{ "containerPort": 8080 }],
+                    }],
+                },
+            },
         },
     }))
-    .expect("a Pod")
+    .expect("a Deployment")
 }
 
 /// The uninitialized taint, which Cluster API removes once the Node is its Machine's.

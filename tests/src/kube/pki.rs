@@ -1,6 +1,6 @@
 //! Throwaway certificates for one environment: a CA (whose key kube-controller-manager signs
-//! kubelet certificates with), serving certificates for the apiserver, kube-controller-manager
-//! and the Cluster API webhook server (valid for 127.0.0.1 and localhost; the apiserver's also
+//! kubelet certificates with), serving certificates for the apiserver, kube-controller-manager,
+//! kube-scheduler and the Cluster API webhook server (valid for 127.0.0.1 and localhost; the apiserver's also
 //! for the address VMs reach it at), the admin client certificate (O=system:masters) and the
 //! service-account signing key.
 
