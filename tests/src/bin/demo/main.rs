@@ -2,8 +2,13 @@
 //! happened: the boot timeline siteboot recorded for the VM's MAC (relative times) and the tail
 //! of the VM's serial console. Exits non-zero if the VM did not boot and call back.
 //!
+//! `demo cluster` shows the headline path instead: a VM behind a Redfish BMC imaged and joined
+//! as a Node through Cluster API, then drained and wiped ([`cluster`]).
+//!
 //! Run by `scripts/demo` (which builds siteboot first). Needs root: it creates a network
 //! namespace, a bridge and a tap. Nothing leaves the namespace.
+
+mod cluster;
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -19,7 +24,14 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(240);
 const CONSOLE_LINES: usize = 25;
 
 fn main() -> ExitCode {
-    match run() {
+    let result = match std::env::args().nth(1).as_deref() {
+        None => run(),
+        Some("cluster") => {
+            root().and_then(|()| tokio::runtime::Runtime::new()?.block_on(cluster::run()))
+        }
+        Some(other) => Err(anyhow::anyhow!("unknown demo {other:?}: run `demo` or `demo cluster`")),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("\ndemo failed: {err:#}");
@@ -28,11 +40,16 @@ fn main() -> ExitCode {
     }
 }
 
-fn run() -> Result<()> {
+fn root() -> Result<()> {
     // SAFETY: geteuid(2) has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("run as root: the demo creates a network namespace, a bridge and a tap");
     }
+    Ok(())
+}
+
+fn run() -> Result<()> {
+    root()?;
     vm::check_installed()?;
     let started = Instant::now();
 
