@@ -380,13 +380,15 @@ fn idle_from_cache(ctx: &Ctx, req: &AgentRequest) -> Option<AgentResponse> {
 
 /// Whether a ramdisk without a good token should reboot: an operation waits (boot again for
 /// its token), or the host is Provisioned (the ramdisk that just wrote its disk: the boot
-/// script now says the local disk). Not for an operation whose bootstrap data was delivered:
-/// it gets no new token, so booting again would only loop until the silence timeout.
+/// script now says the local disk), once its BMC was asked to boot that disk next if it is to
+/// be. Not for an operation whose bootstrap data was delivered: it gets no new token, so
+/// booting again would only loop until the silence timeout.
 fn boots_again(host: &Host) -> bool {
     let status = host.status.as_ref();
     let pending =
         status.and_then(|s| s.operation.as_ref()).is_some_and(|op| !op.bootstrap_delivered);
-    pending || status.and_then(|s| s.state) == Some(HostState::Provisioned)
+    let provisioned = status.and_then(|s| s.state) == Some(HostState::Provisioned);
+    pending || (provisioned && !crate::host::lifecycle::disk_boot_due(host))
 }
 
 /// The NoCloud meta-data written beside the bootstrap data.
@@ -792,6 +794,34 @@ mod tests {
         assert_eq!(task_without_token(boots_again(&delivered))["action"], "wait");
         assert_eq!(with(HostState::Available, false), "wait");
         assert_eq!(with(HostState::Quarantined, false), "wait");
+
+        // With a BMC, the ramdisk that wrote the disk waits until the BMC was asked to boot it.
+        let mut host = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
+        host.spec.bmc = Some(crate::crd::Bmc {
+            address: "redfish+https://10.0.0.5/redfish/v1/Systems/1".into(),
+            credentials_name: "c".into(),
+            certificate_fingerprint: None,
+            boot_mode: None,
+        });
+        let transition = Transition {
+            to: HostState::Provisioned,
+            operation: None,
+            reason: "Test",
+            message: String::new(),
+        };
+        let mut status = apply(&host, &transition, &Fresh::now());
+        status.installed = Some(crate::crd::Installed {
+            image: serde_json::from_value(
+                json!({ "url": "http://x/i.raw", "checksum": "sha256:00" }),
+            )
+            .unwrap(),
+            consumer: "ns/m".into(),
+            disk_boot_requested: false,
+        });
+        host.status = Some(status);
+        assert_eq!(task_without_token(boots_again(&host))["action"], "wait");
+        host.status.as_mut().unwrap().installed.as_mut().unwrap().disk_boot_requested = true;
+        assert_eq!(task_without_token(boots_again(&host))["action"], "reboot");
     }
 
     /// The two sides of docs/agent-api.md agree: what this side sends, the agent reads, and

@@ -623,6 +623,10 @@ async fn joined(
     }
     let console = (&vm.domain, join.console_from);
     let node = node_joined(env, s, &machine.name_any(), console, &token, timeline).await?;
+    // Before the ramdisk rebooted, siteboot made the disk the BMC's next boot: the host went
+    // there without a network boot (which on UEFI tries PXE and HTTP over IPv6 first).
+    let boot = &emulator(env, &vm.domain, "")?["Boot"];
+    ensure!(boot["BootSourceOverrideTarget"] == "Hdd", "the BMC's next boot: {boot}");
     provisioned(env, s, vm, &env.node.disk()).await?;
     Ok(node)
 }

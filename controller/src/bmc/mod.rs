@@ -182,6 +182,9 @@ pub trait BmcDriver: Send + Sync {
     fn power(&self) -> BoxFuture<'_, Result<PowerState, BmcError>>;
     /// Boots the host from the network now (once): an operation needs the ramdisk.
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>>;
+    /// Makes the host's next boot its local disk, without restarting it: the ramdisk that
+    /// just wrote the disk reboots into it.
+    fn boot_disk_next(&self) -> BoxFuture<'_, Result<(), BmcError>>;
     /// Inserts the ISO at `url` as the host's virtual CD and boots it now (once): an operation
     /// whose ramdisk comes in virtual media. With `certificate` (PEM: the server of `url`), a
     /// BMC that can check its image server trusts exactly that certificate. Returns whether
@@ -211,6 +214,12 @@ impl BmcDriver for SelfBooting {
 
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>> {
         // Nothing to do: the next time the host restarts it boots the ramdisk.
+        Box::pin(async { Ok(()) })
+    }
+
+    fn boot_disk_next(&self) -> BoxFuture<'_, Result<(), BmcError>> {
+        // Nothing siteboot can do: the boot script of a Provisioned host exits to the firmware,
+        // which goes on to the disk.
         Box::pin(async { Ok(()) })
     }
 

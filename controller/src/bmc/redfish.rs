@@ -577,6 +577,10 @@ impl BmcDriver for Redfish {
         })
     }
 
+    fn boot_disk_next(&self) -> BoxFuture<'_, Result<(), BmcError>> {
+        Box::pin(self.client.boot_once(BootTarget::Hdd, self.boot_mode))
+    }
+
     fn boot_from_media<'a>(
         &'a self,
         url: &'a str,

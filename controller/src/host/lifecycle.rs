@@ -367,6 +367,7 @@ pub fn completed(
         status.installed = Some(Installed {
             image: image.clone(),
             consumer: format!("{}/{}", c.namespace, c.name),
+            disk_boot_requested: false,
         });
     }
     status
@@ -421,6 +422,19 @@ pub fn bmc_recheck_after(host: &Host, now: i64) -> Duration {
         .map(|c| c.last_transition_time.0.as_second());
     let failing_for = since.map_or(0, |since| now.saturating_sub(since).max(0) as u64);
     Duration::from_secs(failing_for).clamp(BMC_RECHECK_MIN, BMC_RECHECK_MAX)
+}
+
+/// Whether to ask the host's BMC to boot the disk just written next: a Provisioned host with a
+/// BMC that boots its ramdisk from the network, not asked yet for this installation. The
+/// ramdisk waits for it before it reboots, so the host goes straight to its disk instead of
+/// through a network boot whose script exits to the firmware, which on UEFI tries PXE and HTTP
+/// over IPv6 first (minutes).
+pub fn disk_boot_due(host: &Host) -> bool {
+    let status = host.status.as_ref();
+    host.spec.bmc.is_some()
+        && host.spec.boot_method == BootMethod::Network
+        && status.and_then(|s| s.state) == Some(HostState::Provisioned)
+        && status.and_then(|s| s.installed.as_ref()).is_some_and(|i| !i.disk_boot_requested)
 }
 
 /// Whether virtual media siteboot inserted for an operation that has ended is still in.
@@ -799,6 +813,31 @@ mod tests {
         assert!(media_to_eject(&h));
         h.status.as_mut().unwrap().media_inserted = false;
         assert!(!media_to_eject(&h));
+    }
+
+    #[test]
+    fn the_disk_is_made_the_next_boot_once_per_installation_of_a_network_booted_host_with_a_bmc() {
+        let installed = |bmc: bool, method: BootMethod| {
+            let mut h = provisioned();
+            h.spec.bmc = bmc.then(|| with_bmc().spec.bmc).flatten();
+            h.spec.boot_method = method;
+            assert!(!disk_boot_due(&h), "not while the image is written");
+            h.status = Some(completed(&h, OperationKind::Provision, true, "", None, &fresh()));
+            assert_eq!(h.status.as_ref().unwrap().state, Some(HostState::Provisioned));
+            h
+        };
+        let mut h = installed(true, BootMethod::Network);
+        assert!(disk_boot_due(&h));
+        h.status.as_mut().unwrap().installed.as_mut().unwrap().disk_boot_requested = true;
+        assert!(!disk_boot_due(&h), "asked once");
+        // The next installation asks again.
+        let mut again = installed(true, BootMethod::Network);
+        again.status.as_mut().unwrap().installed.as_mut().unwrap().consumer = "ns/m2".into();
+        assert!(disk_boot_due(&again));
+        // Without a BMC the boot script exits to the firmware; virtual media is ejected and
+        // the host restarted by its own step.
+        assert!(!disk_boot_due(&installed(false, BootMethod::Network)));
+        assert!(!disk_boot_due(&installed(true, BootMethod::VirtualMedia)));
     }
 
     fn with_bmc() -> Host {

@@ -70,6 +70,9 @@ async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
         if lifecycle::boot_due(host, fresh.now.0.as_second()) {
             return request_boot(host, ctx, &api, &fresh).await;
         }
+        if lifecycle::disk_boot_due(host) {
+            return request_disk_boot(host, ctx, &api).await;
+        }
         if lifecycle::media_to_eject(host) {
             return eject_media(host, ctx, &api).await;
         }
@@ -167,6 +170,34 @@ async fn request_boot(
     .await?
     .ok();
     Ok(Action::requeue(SILENCE_CHECK))
+}
+
+/// Asks the BMC to boot the disk just written next, and records that it asked (the ramdisk
+/// waits for that before it reboots). Asked once: if the BMC refuses, the ramdisk reboots
+/// anyway, into the boot script, which exits to the firmware's boot order.
+async fn request_disk_boot(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error> {
+    let asked = async { bmc::driver_for(host, &ctx.client).await?.boot_disk_next().await };
+    match asked.await {
+        Ok(()) => tracing::info!(host = %key(host), "asked the BMC to boot the disk next"),
+        Err(e) => {
+            tracing::warn!(host = %key(host), error = %e, "cannot make the disk the next boot; the ramdisk reboots into the boot script, which exits to the firmware");
+            ctx.event(host, true, "DiskBootFailed", format!("making the disk the next boot: {e}"))
+                .await;
+        }
+    }
+    let installed = host.status.as_ref().and_then(|s| s.installed.clone());
+    update_host_status(api, &host.name_any(), |current| {
+        let mut status = current.status.clone().unwrap_or_default();
+        let Some(now) = status.installed.as_mut().filter(|now| Some(&**now) == installed.as_ref())
+        else {
+            return Ok::<_, ()>(None);
+        };
+        now.disk_boot_requested = true;
+        Ok(Some(status))
+    })
+    .await?
+    .ok();
+    Ok(Action::requeue(Duration::ZERO))
 }
 
 /// Records on the Host whether it is paused (the `cluster.x-k8s.io/paused` annotation, as

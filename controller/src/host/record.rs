@@ -154,7 +154,11 @@ mod tests {
         h.spec.provisioning = Some(Provisioning { image: image(1) });
         h.status = Some(HostStatus {
             state: Some(HostState::Provisioned),
-            installed: Some(Installed { image: image(1), consumer: "ns/m".into() }),
+            installed: Some(Installed {
+                image: image(1),
+                consumer: "ns/m".into(),
+                disk_boot_requested: false,
+            }),
             hardware: Some(Hardware {
                 cpus: 4,
                 system: Some(SystemInfo {

@@ -929,7 +929,8 @@ mod tests {
         let mut h = claimed_for(host("h1", "52:54:00:00:00:01", HostState::Provisioned), &m);
         h.spec.provisioning = Some(Provisioning { image: image() });
         let status = h.status.as_mut().unwrap();
-        status.installed = Some(Installed { image: image(), consumer: "ns/m".into() });
+        status.installed =
+            Some(Installed { image: image(), consumer: "ns/m".into(), disk_boot_requested: false });
         status.hardware = uuid.map(|uuid| Hardware {
             system: Some(SystemInfo { uuid: uuid.into(), vendor: None, model: None, serial: None }),
             ..Default::default()
@@ -1115,7 +1116,8 @@ mod tests {
 
         let status = h.status.as_mut().unwrap();
         status.state = Some(HostState::Provisioned);
-        status.installed = Some(Installed { image: image(), consumer: "ns/m".into() });
+        status.installed =
+            Some(Installed { image: image(), consumer: "ns/m".into(), disk_boot_requested: false });
         status.addresses =
             vec![MachineAddress { kind: "InternalIP".into(), address: "10.0.0.5".into() }];
         let w = World::new(m.clone(), vec![h.clone()]);

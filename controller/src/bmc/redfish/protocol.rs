@@ -42,6 +42,8 @@ pub enum BootTarget {
     Pxe,
     /// The virtual CD: inserted virtual media.
     Cd,
+    /// The local disk.
+    Hdd,
 }
 
 /// The PATCH of the system that makes its next boot, and only that one, from `target` (in
@@ -50,6 +52,7 @@ pub fn boot_once_body(target: BootTarget, mode: Option<BootMode>) -> Value {
     let target = match target {
         BootTarget::Pxe => "Pxe",
         BootTarget::Cd => "Cd",
+        BootTarget::Hdd => "Hdd",
     };
     let mut boot = json!({
         "BootSourceOverrideTarget": target,
