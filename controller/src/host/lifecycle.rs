@@ -1,6 +1,9 @@
-//! The Host lifecycle, as pure functions: from a Host (spec and status) to the one next step.
-//! The reconciler and the agent API apply the steps; both write with the Host's
-//! resourceVersion, so a step computed from a stale Host is refused and recomputed.
+//! The Host lifecycle: from a Host (spec and status) to the one next step. The pass's time and
+//! a new operation's id come in as [`Fresh`]; two places still read for themselves: [`Fresh::now`]
+//! (the clock and the RNG, once per pass) and [`apply`], whose Ready condition takes its
+//! transition time from the clock. The reconciler and the agent API apply the steps; both write
+//! with the Host's resourceVersion, so a step computed from a stale Host is refused and
+//! recomputed.
 //!
 //! ```text
 //! Registering -> Inspecting -> Available -> Provisioning -> Provisioned -> Deprovisioning -> Available
@@ -233,9 +236,9 @@ pub fn retry_requested(host: &Host) -> bool {
     host.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(RETRY_ANNOTATION))
 }
 
-/// What a step may not read for itself, so that every function here is a pure function of what
-/// was read: the time of the pass, and the id a new operation would get. The reconciler makes
-/// one per pass ([`Fresh::now`]); tests pass their own.
+/// What a step does not read for itself: the time of the pass, and the id a new operation would
+/// get. The reconciler makes one per pass ([`Fresh::now`]); tests pass their own. (The Ready
+/// condition [`apply`] sets still stamps its transition time from the clock.)
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fresh {
     pub now: Time,
