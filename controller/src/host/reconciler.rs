@@ -28,8 +28,11 @@ use crate::crd::{Host, HostState, SITE_LABEL, now, set_condition};
 use crate::pools::MacStanding;
 use crate::token;
 
-/// How soon a reboot the BMC failed is tried again.
+/// How soon a boot or reboot the BMC failed is tried again.
 const REBOOT_RETRY: Duration = Duration::from_secs(60);
+/// How soon an ejection of virtual media (and the boot or power-off after it) the BMC failed is
+/// tried again: the same 60 s as [`REBOOT_RETRY`], named apart so either can change alone.
+const EJECT_RETRY: Duration = Duration::from_secs(60);
 
 pub async fn run(ctx: Arc<Ctx>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
     let api: Api<Host> = Api::all(ctx.client.clone());
@@ -469,7 +472,7 @@ async fn eject_media(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, 
     if let Err(e) = done.await {
         tracing::warn!(host = %key(host), error = %e, "cannot eject the virtual media");
         ctx.event(host, true, "MediaEjectFailed", e.to_string()).await;
-        return Ok(Action::requeue(REBOOT_RETRY));
+        return Ok(Action::requeue(EJECT_RETRY));
     }
     update_host_status(api, &host.name_any(), |current| {
         let mut status = current.status.clone().unwrap_or_default();
