@@ -2,6 +2,17 @@
 
 use super::*;
 
+/// What the file routes (`/files/`, `/images/`, `/ipxe/`) take from their request besides the
+/// path, passed whole down to [`HttpServer::serve`].
+pub(super) struct FileRequest<'a> {
+    pub req: &'a Request<Incoming>,
+    /// A HEAD: headers only, and no timeline entry.
+    pub head: bool,
+    pub remote: SocketAddr,
+    /// The connection's sendfile queue; only plain HTTP connections have one.
+    pub chunks: Option<Arc<FileChunks>>,
+}
+
 impl HttpServer {
     /// 200 once the inventory can answer (in Kubernetes mode: the Host cache has synced),
     /// else 503 with why. Liveness is `/healthz`.
@@ -49,14 +60,7 @@ impl HttpServer {
         }
     }
 
-    pub(super) async fn file(
-        &self,
-        path: &str,
-        req: &Request<Incoming>,
-        head: bool,
-        remote: SocketAddr,
-        chunks: Option<Arc<FileChunks>>,
-    ) -> Response<Body> {
+    pub(super) async fn file(&self, path: &str, request: FileRequest<'_>) -> Response<Body> {
         let Some(root) = &self.files else {
             return text(StatusCode::NOT_FOUND, "no http.root configured\n");
         };
@@ -64,17 +68,10 @@ impl HttpServer {
         let Some(decoded) = decoded else {
             return text(StatusCode::BAD_REQUEST, "bad percent-encoding\n");
         };
-        self.serve(root.open_file(&decoded), &decoded, req, head, remote, chunks).await
+        self.serve(root.open_file(&decoded), &decoded, request).await
     }
 
-    pub(super) async fn image(
-        &self,
-        path: &str,
-        req: &Request<Incoming>,
-        head: bool,
-        remote: SocketAddr,
-        chunks: Option<Arc<FileChunks>>,
-    ) -> Response<Body> {
+    pub(super) async fn image(&self, path: &str, request: FileRequest<'_>) -> Response<Body> {
         let Some(images) = &self.images else {
             return text(StatusCode::NOT_FOUND, "this appliance serves no images\n");
         };
@@ -84,32 +81,23 @@ impl HttpServer {
             return text(StatusCode::NOT_FOUND, "expected /images/sha256/<64 lower-case hex>\n");
         };
         // The digest is the only key to a tenant's image: timelines and logs name the route only.
-        self.serve(images.open_file(&digest.hex()), IMAGE_STEP, req, head, remote, chunks).await
+        self.serve(images.open_file(&digest.hex()), IMAGE_STEP, request).await
     }
 
-    pub(super) async fn ipxe_binary(
-        &self,
-        name: &str,
-        req: &Request<Incoming>,
-        head: bool,
-        remote: SocketAddr,
-        chunks: Option<Arc<FileChunks>>,
-    ) -> Response<Body> {
+    pub(super) async fn ipxe_binary(&self, name: &str, request: FileRequest<'_>) -> Response<Body> {
         if !self.plane.binaries.is_binary(name) {
             return text(StatusCode::NOT_FOUND, "not an iPXE binary served here\n");
         }
-        self.serve(self.ipxe_root.open_file(name), name, req, head, remote, chunks).await
+        self.serve(self.ipxe_root.open_file(name), name, request).await
     }
 
     pub(super) async fn serve(
         &self,
         opened: Result<(std::fs::File, u64), FileError>,
         name: &str,
-        req: &Request<Incoming>,
-        head: bool,
-        remote: SocketAddr,
-        chunks: Option<Arc<FileChunks>>,
+        request: FileRequest<'_>,
     ) -> Response<Body> {
+        let FileRequest { req, head, remote, chunks } = request;
         // Files are routes of the plain HTTP port, whose connections all have a chunk queue.
         let Some(chunks) = chunks else {
             return text(StatusCode::NOT_FOUND, "files are served over plain HTTP only\n");

@@ -80,6 +80,7 @@ use crate::tls::{ServerIdentity, TlsFiles};
 use crate::{AgentEndpoint, BootPlane, MacAddr};
 
 use deadline::WriteDeadline;
+use handlers::FileRequest;
 use sendfile::{FileChunks, SendfileStream};
 pub use static_files::{RangeRequest, parse_range};
 pub use status_page::StatusPage;

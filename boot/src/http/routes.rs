@@ -69,13 +69,16 @@ impl HttpServer {
                 (HttpRoute::Script, self.script(file, remote).await)
             }
             (Port::Http, &Method::GET | &Method::HEAD, ["files", rest]) => {
-                (HttpRoute::File, self.file(rest, &req, head, remote, chunks).await)
+                let request = FileRequest { req: &req, head, remote, chunks };
+                (HttpRoute::File, self.file(rest, request).await)
             }
             (Port::Http, &Method::GET | &Method::HEAD, ["images", rest]) => {
-                (HttpRoute::Image, self.image(rest, &req, head, remote, chunks).await)
+                let request = FileRequest { req: &req, head, remote, chunks };
+                (HttpRoute::Image, self.image(rest, request).await)
             }
             (Port::Http, &Method::GET | &Method::HEAD, ["ipxe", name]) => {
-                (HttpRoute::IpxeBinary, self.ipxe_binary(name, &req, head, remote, chunks).await)
+                let request = FileRequest { req: &req, head, remote, chunks };
+                (HttpRoute::IpxeBinary, self.ipxe_binary(name, request).await)
             }
             (Port::Http, &Method::POST, ["report", rest]) => {
                 (HttpRoute::Report, self.report(rest, remote))
