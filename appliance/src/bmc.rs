@@ -92,7 +92,7 @@ pub fn read_credentials(path: &Path) -> Result<Credentials, BmcFailure> {
             mode & 0o777
         )));
     }
-    let parsed: CredentialsFile = serde_yaml::from_reader(file)
+    let parsed: CredentialsFile = serde_norway::from_reader(file)
         .map_err(|e| fail(format!("is not YAML with username and password: {e}")))?;
     Credentials::new(&parsed.username, &parsed.password).map_err(|e| fail(e.to_string()))
 }

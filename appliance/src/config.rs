@@ -446,7 +446,7 @@ impl Config {
     /// Parses and checks the text of a configuration file.
     pub fn parse(text: &str) -> Result<Self, FieldError> {
         let file: ConfigFile = serde_path_to_error::deserialize(
-            serde_yaml::Deserializer::from_str(text),
+            serde_norway::Deserializer::from_str(text),
         )
         .map_err(|e| {
             let field = e.path().to_string();
@@ -1290,7 +1290,7 @@ unknown_hosts:
             .replace("/srv/siteboot", here);
         let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
         let on_node = |addresses: Vec<Ipv4Addr>| {
-            let file: ConfigFile = serde_yaml::from_str(&config).unwrap();
+            let file: ConfigFile = serde_norway::from_str(&config).unwrap();
             assert_eq!(file.interface, "eth1");
             Config::check(file, move |interface| {
                 assert_eq!(interface, "eth1");
@@ -1380,9 +1380,9 @@ unknown_hosts:
         assert!(missing.is_empty(), "fields no example shows: {}", missing.join(", "));
 
         for name in ["standalone.yaml", "kubernetes.yaml"] {
-            let doc: serde_yaml::Value = serde_yaml::from_str(&example(name)).unwrap();
-            let parsed = |doc: &serde_yaml::Value| {
-                format!("{:?}", serde_yaml::from_value::<ConfigFile>(doc.clone()).unwrap())
+            let doc: serde_norway::Value = serde_norway::from_str(&example(name)).unwrap();
+            let parsed = |doc: &serde_norway::Value| {
+                format!("{:?}", serde_norway::from_value::<ConfigFile>(doc.clone()).unwrap())
             };
             let shown = parsed(&doc);
             let mut leaves = Vec::new();
@@ -1404,7 +1404,11 @@ unknown_hosts:
     }
 
     /// The paths of the values in `value`, but for [`EXAMPLE_VALUES`].
-    fn collect_leaves(value: &serde_yaml::Value, at: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+    fn collect_leaves(
+        value: &serde_norway::Value,
+        at: &mut Vec<String>,
+        out: &mut Vec<Vec<String>>,
+    ) {
         let Some(mapping) = value.as_mapping() else { return out.push(at.clone()) };
         for (key, value) in mapping {
             at.push(key.as_str().unwrap().to_owned());

@@ -21,9 +21,9 @@ pub struct Keys {
 }
 
 /// Deserializes a `T` from YAML `text`, recording the keys.
-pub fn keys<T: DeserializeOwned>(text: &str) -> Result<Keys, serde_yaml::Error> {
+pub fn keys<T: DeserializeOwned>(text: &str) -> Result<Keys, serde_norway::Error> {
     let keys = RefCell::new(Keys::default());
-    let tracer = Tracer { inner: serde_yaml::Deserializer::from_str(text), at: At::root(&keys) };
+    let tracer = Tracer { inner: serde_norway::Deserializer::from_str(text), at: At::root(&keys) };
     T::deserialize(tracer)?;
     Ok(keys.into_inner())
 }

@@ -407,7 +407,7 @@ pub fn default_secret_access() -> SecretAccess {
 /// Multi-document YAML.
 pub fn to_yaml<T: serde::Serialize>(docs: &[T]) -> String {
     docs.iter()
-        .map(|d| serde_yaml::to_string(d).expect("manifests serialize"))
+        .map(|d| serde_norway::to_string(d).expect("manifests serialize"))
         .collect::<Vec<_>>()
         .join("---\n")
 }
@@ -936,7 +936,7 @@ mod tests {
         assert_eq!(release.version, format!("v{}", env!("CARGO_PKG_VERSION")));
         let components = &release.files[1].1;
         let mut kinds = Vec::new();
-        for document in serde_yaml::Deserializer::from_str(components) {
+        for document in serde_norway::Deserializer::from_str(components) {
             let object: Value = serde::Deserialize::deserialize(document).unwrap();
             assert_eq!(
                 object["metadata"]["labels"]["cluster.x-k8s.io/provider"], CLUSTERCTL_PROVIDER,
@@ -966,7 +966,7 @@ mod tests {
             let next = components[at + 1..].chars().next().unwrap();
             assert!(next == '{' || !(next.is_ascii_alphanumeric() || next == '_'), "at {at}");
         }
-        let metadata: Value = serde_yaml::from_str(&release.files[0].1).unwrap();
+        let metadata: Value = serde_norway::from_str(&release.files[0].1).unwrap();
         assert_eq!(metadata["releaseSeries"][0]["contract"], "v1beta2");
     }
 
@@ -974,7 +974,7 @@ mod tests {
     fn each_replica_serves_at_its_own_node_s_address() {
         let objects = appliance(&ApplianceSite::example("img:1"));
         let config = objects[0]["data"]["siteboot.yaml"].as_str().unwrap();
-        let config: Value = serde_yaml::from_str(config).unwrap();
+        let config: Value = serde_norway::from_str(config).unwrap();
         assert_eq!(config["interface"], "eth1");
         assert!(config.get("address").is_none(), "one address for both replicas: {config}");
         let deployment = &objects[1]["spec"];

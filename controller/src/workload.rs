@@ -133,7 +133,7 @@ pub enum BadKubeconfig {
     #[error("it has no key `value`")]
     NoValue,
     #[error("not a kubeconfig: {0}")]
-    NotYaml(serde_yaml::Error),
+    NotYaml(serde_norway::Error),
     #[error("it has no context")]
     NoContext,
     #[error("its context names cluster {0:?}, which it lacks")]
@@ -174,7 +174,7 @@ const USER_FIELDS: [&str; 3] = ["token", "client-certificate-data", "client-key-
 /// The context a kubeconfig selects (its current one, else its first), as a kubeconfig of its
 /// own that holds only [`CLUSTER_FIELDS`] and [`USER_FIELDS`], and its cluster's CA (PEM).
 fn inline_only(yaml: &[u8]) -> Result<(kube::config::Kubeconfig, String), BadKubeconfig> {
-    let doc: Value = serde_yaml::from_slice(yaml).map_err(BadKubeconfig::NotYaml)?;
+    let doc: Value = serde_norway::from_slice(yaml).map_err(BadKubeconfig::NotYaml)?;
     let list = |key: &str| doc.get(key).and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
     let contexts = list("contexts");
     let context = doc
@@ -326,7 +326,7 @@ mod tests {
     /// What the reconcilers do with a `<cluster>-kubeconfig` Secret holding `kubeconfig`:
     /// connect, then list the Nodes.
     async fn attempt(kubeconfig: &Value) -> Result<(), String> {
-        let value = ByteString(serde_yaml::to_string(kubeconfig).unwrap().into_bytes());
+        let value = ByteString(serde_norway::to_string(kubeconfig).unwrap().into_bytes());
         let secret = Secret { data: Some([("value".into(), value)].into()), ..Default::default() };
         let workload = Workload::connect("c", &secret).await.map_err(|e| e.to_string())?;
         workload.nodes().await.map(drop)

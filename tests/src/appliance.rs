@@ -109,7 +109,7 @@ impl Appliance {
         let base_url = format!("http://{address}:{port}");
 
         let config_path = dir.path().join("siteboot.yaml");
-        std::fs::write(&config_path, serde_yaml::to_string(&config)?)?;
+        std::fs::write(&config_path, serde_norway::to_string(&config)?)?;
 
         let appliance = Self {
             ns: ns.name().to_owned(),

@@ -403,7 +403,7 @@ impl ProviderLab {
 
     async fn client_as(&self, token: &str) -> Result<kube::Client> {
         let yaml = service_account_kubeconfig(&self.env, self.env.apiserver_port(), token)?;
-        let kubeconfig: kube::config::Kubeconfig = serde_yaml::from_str(&yaml)?;
+        let kubeconfig: kube::config::Kubeconfig = serde_norway::from_str(&yaml)?;
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
         Ok(kube::Client::try_from(config)?)
     }
@@ -873,11 +873,11 @@ async fn service_account_token(env: &KubeEnv, account: &str) -> Result<String> {
 
 /// A kubeconfig for the siteboot ServiceAccount, with the apiserver at `port` on loopback.
 fn service_account_kubeconfig(env: &KubeEnv, port: u16, token: &str) -> Result<String> {
-    let admin: Value = serde_yaml::from_str(env.admin_kubeconfig())?;
+    let admin: Value = serde_norway::from_str(env.admin_kubeconfig())?;
     let ca = admin["clusters"][0]["cluster"]["certificate-authority-data"]
         .as_str()
         .context("admin kubeconfig has no CA data")?;
-    Ok(serde_yaml::to_string(&json!({
+    Ok(serde_norway::to_string(&json!({
         "apiVersion": "v1", "kind": "Config",
         "clusters": [{ "name": "lab", "cluster": { "server": format!("https://127.0.0.1:{port}"), "certificate-authority-data": ca } }],
         "users": [{ "name": "siteboot", "user": { "token": token } }],

@@ -112,7 +112,7 @@ async fn sitebootconfig_data_token_lifecycle_and_pause() {
         assert_eq!(secret_half.len(), 16);
         // The data carries the token; the config's status does not.
         let kubeconfig: Value =
-            serde_yaml::from_str(&bootstrap_kubeconfig(&value).unwrap()).unwrap();
+            serde_norway::from_str(&bootstrap_kubeconfig(&value).unwrap()).unwrap();
         assert_eq!(kubeconfig["users"][0]["user"]["token"], json!(format!("{id}.{secret_half}")));
         assert!(!config.data["status"].to_string().contains(&secret_half));
         token_secrets.insert(config_name.clone(), (id, secret_half));

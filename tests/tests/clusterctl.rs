@@ -186,7 +186,7 @@ fn generate_cluster(
 async fn apply(env: &KubeEnv, generated: &[u8]) -> Result<Vec<String>> {
     let params = PatchParams::apply("clusterctl-test").force();
     let mut applied = Vec::new();
-    for document in serde_yaml::Deserializer::from_slice(generated) {
+    for document in serde_norway::Deserializer::from_slice(generated) {
         let object: Value = serde::Deserialize::deserialize(document)?;
         let (api_version, kind) = (
             object["apiVersion"].as_str().context("apiVersion")?,

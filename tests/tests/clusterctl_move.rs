@@ -373,7 +373,7 @@ fn ready(object: &DynamicObject) -> Value {
 /// The TestControlPlane CRD with clusterctl's label, which `clusterctl init` would have put on
 /// a real control plane provider's CRDs.
 fn movable_test_control_plane_crd() -> Result<Value> {
-    let mut crd: Value = serde_yaml::from_str(TEST_CONTROL_PLANE_CRD)?;
+    let mut crd: Value = serde_norway::from_str(TEST_CONTROL_PLANE_CRD)?;
     crd["metadata"]["labels"]["clusterctl.cluster.x-k8s.io"] = json!("");
     Ok(crd)
 }

@@ -28,14 +28,14 @@ async fn an_exec_kubeconfig_is_refused_and_its_command_never_runs() {
     // The tenant rewrites its kubeconfig: same apiserver and CA, the user an exec plugin.
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("ran");
-    let mut kubeconfig: Value = serde_yaml::from_str(env.admin_kubeconfig()).unwrap();
+    let mut kubeconfig: Value = serde_norway::from_str(env.admin_kubeconfig()).unwrap();
     kubeconfig["users"][0]["user"] = json!({ "exec": {
         "apiVersion": "client.authentication.k8s.io/v1",
         "command": "/bin/sh",
         "args": ["-c", format!("touch {}", marker.display())],
         "interactiveMode": "Never",
     }});
-    let value = serde_yaml::to_string(&kubeconfig).unwrap();
+    let value = serde_norway::to_string(&kubeconfig).unwrap();
     let secrets: Api<Secret> = Api::namespaced(env.client(), NS);
     let patch = json!({ "stringData": { "value": value } });
     let name = format!("{CLUSTER}-kubeconfig");

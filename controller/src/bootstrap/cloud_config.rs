@@ -9,7 +9,7 @@
 //! one the Node registers without it, for the infrastructure provider to set): everything a user
 //! or the workload cluster supplies is either base64 (file contents, the join script with the
 //! user's commands, the kubeconfig) or checked against a syntax without braces (label and taint
-//! words, paths, owners, modes). The YAML is built by serde_yaml, never by string pasting, and
+//! words, paths, owners, modes). The YAML is built by serde_norway, never by string pasting, and
 //! each user command runs in its own `sh -c` with its text single-quoted, so no input can leave
 //! its place in the YAML, the template or the script.
 
@@ -389,7 +389,7 @@ pub fn render(spec: &SitebootConfigSpec, join: &JoinData) -> Result<BootstrapDat
     }));
     files.push(b64_file(JOIN_SCRIPT, "0700", &join_script(spec, placement)));
     let document = json!({ "write_files": files, "runcmd": [["/bin/sh", JOIN_SCRIPT]] });
-    let yaml = serde_yaml::to_string(&document).expect("a JSON value serializes as YAML");
+    let yaml = serde_norway::to_string(&document).expect("a JSON value serializes as YAML");
     Ok(BootstrapData(format!("## template: jinja\n#cloud-config\n{yaml}")))
 }
 
@@ -401,7 +401,7 @@ fn bootstrap_kubeconfig(join: &JoinData) -> String {
         "contexts": [{ "name": "bootstrap", "context": { "cluster": "workload", "user": "kubelet-bootstrap" } }],
         "current-context": "bootstrap",
     });
-    serde_yaml::to_string(&config).expect("a JSON value serializes as YAML")
+    serde_norway::to_string(&config).expect("a JSON value serializes as YAML")
 }
 
 fn kubelet_config(taints: &[NodeTaint], dns: &ClusterDns) -> String {
@@ -434,7 +434,7 @@ fn kubelet_config(taints: &[NodeTaint], dns: &ClusterDns) -> String {
         "clusterDNS": dns.servers.iter().map(IpAddr::to_string).collect::<Vec<_>>(),
         "clusterDomain": dns.domain,
     });
-    serde_yaml::to_string(&config).expect("a JSON value serializes as YAML")
+    serde_norway::to_string(&config).expect("a JSON value serializes as YAML")
 }
 
 /// containerd's CRI with the systemd cgroup driver, as the kubelet is configured.
@@ -608,7 +608,7 @@ mod tests {
     /// The document as cloud-init would parse it after jinja, with `provider_id` substituted.
     fn parsed(data: &BootstrapData, provider_id: &str) -> Value {
         let text = data.0.replace(PROVIDER_ID_JINJA, provider_id);
-        serde_yaml::from_str(&text).expect("the cloud-config is YAML")
+        serde_norway::from_str(&text).expect("the cloud-config is YAML")
     }
 
     fn file<'a>(doc: &'a Value, path: &str) -> &'a Value {
@@ -646,10 +646,12 @@ mod tests {
         let doc = parsed(&data, "siteboot://metal/host-0");
         assert_eq!(content(&doc, CA_PATH), join().ca_pem);
         assert_eq!(file(&doc, BOOTSTRAP_KUBECONFIG)["permissions"], "0600");
-        let kubeconfig: Value = serde_yaml::from_str(&content(&doc, BOOTSTRAP_KUBECONFIG)).unwrap();
+        let kubeconfig: Value =
+            serde_norway::from_str(&content(&doc, BOOTSTRAP_KUBECONFIG)).unwrap();
         assert_eq!(kubeconfig["clusters"][0]["cluster"]["server"], join().server);
         assert_eq!(kubeconfig["users"][0]["user"]["token"], "abcdef.0123456789abcdef");
-        let kubelet: Value = serde_yaml::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
+        let kubelet: Value =
+            serde_norway::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
         assert!(kubelet.get("providerID").is_none(), "the join script adds the checked id");
         assert_eq!(kubelet["cgroupDriver"], "systemd");
         assert_eq!(kubelet["clusterDNS"], json!(["10.96.0.10"]), "kubeadm's default");
@@ -719,7 +721,7 @@ mod tests {
                 .unwrap();
             let kubelet: Option<Value> = std::fs::read_to_string(&config)
                 .ok()
-                .map(|text| serde_yaml::from_str(&text).expect("the configuration stays YAML"));
+                .map(|text| serde_norway::from_str(&text).expect("the configuration stays YAML"));
             (
                 out.status.success(),
                 String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -849,7 +851,8 @@ mod tests {
         };
         let join = JoinData { dns: &dns, ..join() };
         let doc = parsed(&render(&SitebootConfigSpec::default(), &join).unwrap(), "p");
-        let kubelet: Value = serde_yaml::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
+        let kubelet: Value =
+            serde_norway::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
         assert_eq!(kubelet["clusterDNS"], json!(["10.0.0.53", "fd00::53"]));
         assert_eq!(kubelet["clusterDomain"], "corp.internal");
     }
@@ -992,7 +995,8 @@ mod tests {
         let doc = parsed(&render(&spec, &join()).unwrap(), "p");
         let drop_in = content(&doc, "/etc/systemd/system/kubelet.service.d/zz-siteboot.conf");
         assert!(drop_in.contains(" --node-labels=example.com/pool=gpu,tier=\n"), "{drop_in}");
-        let kubelet: Value = serde_yaml::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
+        let kubelet: Value =
+            serde_norway::from_str(&content(&doc, KUBELET_CONFIG_RENDERED)).unwrap();
         assert_eq!(
             kubelet["registerWithTaints"][1],
             json!({ "key": "dedicated", "value": "ml", "effect": "NoExecute" })

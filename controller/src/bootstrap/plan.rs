@@ -555,13 +555,13 @@ mod tests {
     /// The API server the data's bootstrap kubeconfig names.
     fn join_server(data: &BootstrapData) -> String {
         use base64::Engine;
-        let doc: serde_json::Value = serde_yaml::from_str(&data.0).unwrap();
+        let doc: serde_json::Value = serde_norway::from_str(&data.0).unwrap();
         let files = doc["write_files"].as_array().unwrap();
         let file = files.iter().find(|f| f["path"] == cloud_config::BOOTSTRAP_KUBECONFIG).unwrap();
         let text = base64::engine::general_purpose::STANDARD
             .decode(file["content"].as_str().unwrap())
             .unwrap();
-        let kubeconfig: serde_json::Value = serde_yaml::from_slice(&text).unwrap();
+        let kubeconfig: serde_json::Value = serde_norway::from_slice(&text).unwrap();
         kubeconfig["clusters"][0]["cluster"]["server"].as_str().unwrap().to_owned()
     }
 

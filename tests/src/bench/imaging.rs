@@ -226,7 +226,7 @@ impl ImagingLab {
             "hosts": hosts,
         });
         let config_path = scratch.join(format!("siteboot-{run}.yaml"));
-        std::fs::write(&config_path, serde_yaml::to_string(&config)?)?;
+        std::fs::write(&config_path, serde_norway::to_string(&config)?)?;
         // Into the cache before siteboot starts, so no host waits for the fetch.
         let pulled = netns::output(
             server

@@ -156,7 +156,7 @@ pub async fn machine_token(
 /// The bootstrap kubeconfig the cloud-config writes, decoded.
 pub fn bootstrap_kubeconfig(cloud_config: &str) -> Result<String> {
     // The first two lines are `## template: jinja` and `#cloud-config`: YAML comments.
-    let doc: Value = serde_yaml::from_str(cloud_config)?;
+    let doc: Value = serde_norway::from_str(cloud_config)?;
     let file = doc["write_files"]
         .as_array()
         .context("no write_files")?
@@ -170,7 +170,7 @@ pub fn bootstrap_kubeconfig(cloud_config: &str) -> Result<String> {
 
 /// The bootstrap token (`<id>.<secret>`) in a cloud-config's bootstrap kubeconfig.
 pub fn bootstrap_token(cloud_config: &str) -> Result<String> {
-    let kubeconfig: Value = serde_yaml::from_str(&bootstrap_kubeconfig(cloud_config)?)?;
+    let kubeconfig: Value = serde_norway::from_str(&bootstrap_kubeconfig(cloud_config)?)?;
     Ok(kubeconfig["users"][0]["user"]["token"].as_str().context("no token")?.to_owned())
 }
 
@@ -213,7 +213,7 @@ pub async fn wait_token_refused(env: &KubeEnv, token: &str, timeout: Duration) -
 /// `GET /api` with `token` as the bearer token: 200 while the apiserver accepts it, 401 once
 /// it does not (deleted or expired).
 pub async fn token_status(env: &KubeEnv, token: &str) -> Result<u16> {
-    let mut kubeconfig: Value = serde_yaml::from_str(env.admin_kubeconfig())?;
+    let mut kubeconfig: Value = serde_norway::from_str(env.admin_kubeconfig())?;
     kubeconfig["users"][0]["user"] = json!({ "token": token });
     let kubeconfig: kube::config::Kubeconfig = serde_json::from_value(kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;

@@ -200,7 +200,7 @@ impl Clusterctl {
                 },
             ],
         });
-        std::fs::write(dir.join("clusterctl.yaml"), serde_yaml::to_string(&config)?)?;
+        std::fs::write(dir.join("clusterctl.yaml"), serde_norway::to_string(&config)?)?;
         Ok(Self {
             binary: env.peers().bin(peers::CLUSTERCTL),
             kubeconfig: env.kubeconfig_path().to_owned(),

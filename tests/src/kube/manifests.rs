@@ -29,7 +29,7 @@ impl WebhookEndpoint {
 /// Every document of a (multi-document) YAML file, as JSON.
 pub fn yaml_documents(text: &str) -> Result<Vec<Value>> {
     let mut documents = Vec::new();
-    for document in serde_yaml::Deserializer::from_str(text) {
+    for document in serde_norway::Deserializer::from_str(text) {
         let value: Value = serde::Deserialize::deserialize(document)?;
         if !value.is_null() {
             documents.push(value);

@@ -131,7 +131,7 @@ impl KubeEnv {
     /// A client that acts as `user` (the admin impersonating it), with only the rights RBAC
     /// grants that user.
     pub async fn client_as_user(&self, user: &str) -> anyhow::Result<Client> {
-        let kubeconfig: kube::config::Kubeconfig = serde_yaml::from_str(&self.admin_kubeconfig)?;
+        let kubeconfig: kube::config::Kubeconfig = serde_norway::from_str(&self.admin_kubeconfig)?;
         let mut config =
             kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
         config.auth_info.impersonate = Some(user.to_owned());
@@ -577,7 +577,7 @@ async fn install_crds(client: &Client, crds: &[Value]) -> Result<()> {
 /// A self-contained kubeconfig (certificates inline), usable from another host's view too.
 fn kubeconfig(server: &str, ca_pem: &str, cert_pem: &str, key_pem: &str) -> Result<String> {
     let b64 = |pem: &str| base64::engine::general_purpose::STANDARD.encode(pem);
-    Ok(serde_yaml::to_string(&json!({
+    Ok(serde_norway::to_string(&json!({
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{

@@ -86,7 +86,7 @@ impl MetaData {
         if let Some(provider_id) = &self.provider_id {
             map.insert("provider-id", provider_id.clone());
         }
-        Ok(serde_yaml::to_string(&map)?)
+        Ok(serde_norway::to_string(&map)?)
     }
 }
 
