@@ -5,9 +5,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 use siteboot_controller::crd::OperationKind;
 
 use crate::control::{Answer, Request, call};
+use crate::image::mib_per_sec;
+use crate::operations::Operation;
 use crate::standalone::HostView;
 
 /// How often the operation is looked at while following it.
@@ -42,10 +45,10 @@ pub fn run(state_dir: &Path, name: &str, kind: OperationKind, timeout: Duration)
     let boot = op.network_boot.as_deref().unwrap_or("power-cycle the host into PXE if it is on");
     println!("{name}: {kind:?} operation {} started; {boot}", op.id);
     let deadline = Instant::now() + timeout;
-    let mut shown = String::new();
-    let mut rate = Rate::default();
+    let mut follow = Follow::new();
     loop {
         if Instant::now() > deadline {
+            follow.end_bar();
             bail!("{name}: operation {} still running after {timeout:?}", op.id);
         }
         std::thread::sleep(POLL);
@@ -53,23 +56,14 @@ pub fn run(state_dir: &Path, name: &str, kind: OperationKind, timeout: Duration)
         let host = match call(state_dir, &Request::Show { host: name.to_owned() }) {
             Ok(answer) => expect_host(answer)?,
             Err(e) => {
-                let line = format!("{name}: waiting for the appliance ({e:#})");
-                if line != shown {
-                    println!("{line}");
-                    shown = line;
-                }
+                follow.line(format!("{name}: waiting for the appliance ({e:#})"));
                 continue;
             }
         };
         match &host.record.operation {
-            Some(current) if current.id == op.id => {
-                let line = progress_line(name, current, &mut rate);
-                if line != shown {
-                    println!("{line}");
-                    shown = line;
-                }
-            }
+            Some(current) if current.id == op.id => follow.operation(name, current),
             _ => {
+                follow.end_bar();
                 let Some(last) = host.record.last.as_ref().filter(|l| l.operation == op.id) else {
                     bail!("{name}: operation {} was replaced", op.id);
                 };
@@ -99,6 +93,73 @@ fn expect_host(answer: Answer) -> Result<HostView> {
     }
 }
 
+/// What `run` shows of the operation it follows, on stdout. Each new line is printed once. On
+/// a terminal, a step that reports bytes of a known total is an indicatif bar redrawn in place;
+/// where indicatif hides its bar (stdout piped or logged, TERM dumb), such a step is a line per
+/// report too, as scripts and the tests read it.
+struct Follow {
+    /// Whether indicatif draws on stdout.
+    bars: bool,
+    /// The bar of the step under way; its prefix names the host and the step.
+    bar: Option<ProgressBar>,
+    /// The last line printed.
+    shown: String,
+    rate: Rate,
+}
+
+impl Follow {
+    fn new() -> Self {
+        let bars = !ProgressDrawTarget::stdout().is_hidden();
+        Self { bars, bar: None, shown: String::new(), rate: Rate::default() }
+    }
+
+    /// Prints `line` unless it is the one printed last, below the bar, which it ends.
+    fn line(&mut self, line: String) {
+        if line != self.shown {
+            self.end_bar();
+            println!("{line}");
+            self.shown = line;
+        }
+    }
+
+    fn operation(&mut self, name: &str, op: &Operation) {
+        let (step, bytes) = match (&op.step, op.bytes) {
+            (Some(step), Some(bytes)) if self.bars && bytes.total > 0 => (step, bytes),
+            _ => {
+                let line = progress_line(name, op, &mut self.rate);
+                return self.line(line);
+            }
+        };
+        let prefix = format!("{name}: {step}");
+        if self.bar.as_ref().is_none_or(|bar| bar.prefix() != prefix) {
+            self.end_bar();
+            let template =
+                "{prefix} [{bar:30}] {binary_bytes}/{binary_total_bytes} ({percent}%) {msg}";
+            let style = ProgressStyle::with_template(template).expect("a valid template");
+            // A step that ends before its total leaves its bar where it stopped, not full.
+            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stdout())
+                .with_style(style.progress_chars("#>-"))
+                .with_prefix(prefix)
+                .with_finish(ProgressFinish::Abandon);
+            self.bar = Some(bar);
+            // A line after the bar is printed even if it is the one printed before it.
+            self.shown.clear();
+        }
+        let rate = self.rate.update(bytes.done);
+        let bar = self.bar.as_ref().expect("a bar was just made");
+        bar.set_length(bytes.total);
+        bar.set_position(bytes.done);
+        bar.set_message(rate.map(mib_per_sec).unwrap_or_default());
+    }
+
+    /// Leaves the bar's last state on the terminal, for what is printed next to go below it.
+    fn end_bar(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.abandon();
+        }
+    }
+}
+
 /// Bytes a second, from the last two reports that moved.
 #[derive(Default)]
 struct Rate {
@@ -122,7 +183,7 @@ impl Rate {
     }
 }
 
-fn progress_line(name: &str, op: &crate::operations::Operation, rate: &mut Rate) -> String {
+fn progress_line(name: &str, op: &Operation, rate: &mut Rate) -> String {
     let Some(step) = &op.step else {
         return if op.token_issued.is_some() {
             format!("{name}: the ramdisk booted")
@@ -144,7 +205,7 @@ fn progress_line(name: &str, op: &crate::operations::Operation, rate: &mut Rate)
     let speed = op
         .bytes
         .and_then(|b| rate.update(b.done))
-        .map(|r| format!(" {:.1} MiB/s", r / (1 << 20) as f64))
+        .map(|r| format!(" {}", mib_per_sec(r)))
         .unwrap_or_default();
     format!("{name}: {step}{amount}{speed}")
 }
