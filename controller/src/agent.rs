@@ -380,8 +380,8 @@ fn idle_from_cache(ctx: &Ctx, req: &AgentRequest) -> Option<AgentResponse> {
 
 /// Whether a ramdisk without a good token should reboot: an operation waits (boot again for
 /// its token), or the host is Provisioned (the ramdisk that just wrote its disk: the boot
-/// script now says the local disk), once its BMC was asked to boot that disk next if it is to
-/// be. Not for an operation whose bootstrap data was delivered: it gets no new token, so
+/// script now says the local disk), once its BMC was asked to boot that disk if it is to be
+/// (then only if the BMC did not). Not for an operation whose bootstrap data was delivered: it gets no new token, so
 /// booting again would only loop until the silence timeout.
 fn boots_again(host: &Host) -> bool {
     let status = host.status.as_ref();
@@ -795,7 +795,7 @@ mod tests {
         assert_eq!(with(HostState::Available, false), "wait");
         assert_eq!(with(HostState::Quarantined, false), "wait");
 
-        // With a BMC, the ramdisk that wrote the disk waits until the BMC was asked to boot it.
+        // With a BMC, the ramdisk that wrote the disk waits while the BMC is asked to boot it.
         let mut host = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
         host.spec.bmc = Some(crate::crd::Bmc {
             address: "redfish+https://10.0.0.5/redfish/v1/Systems/1".into(),

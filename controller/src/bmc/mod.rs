@@ -182,9 +182,9 @@ pub trait BmcDriver: Send + Sync {
     fn power(&self) -> BoxFuture<'_, Result<PowerState, BmcError>>;
     /// Boots the host from the network now (once): an operation needs the ramdisk.
     fn boot_from_network(&self) -> BoxFuture<'_, Result<(), BmcError>>;
-    /// Makes the host's next boot its local disk, without restarting it: the ramdisk that
-    /// just wrote the disk reboots into it.
-    fn boot_disk_next(&self) -> BoxFuture<'_, Result<(), BmcError>>;
+    /// Boots the host from its local disk now (once): the ramdisk wrote it, and synced it
+    /// before it reported.
+    fn boot_from_disk(&self) -> BoxFuture<'_, Result<(), BmcError>>;
     /// Inserts the ISO at `url` as the host's virtual CD and boots it now (once): an operation
     /// whose ramdisk comes in virtual media. With `certificate` (PEM: the server of `url`), a
     /// BMC that can check its image server trusts exactly that certificate. Returns whether
@@ -217,9 +217,9 @@ impl BmcDriver for SelfBooting {
         Box::pin(async { Ok(()) })
     }
 
-    fn boot_disk_next(&self) -> BoxFuture<'_, Result<(), BmcError>> {
-        // Nothing siteboot can do: the boot script of a Provisioned host exits to the firmware,
-        // which goes on to the disk.
+    fn boot_from_disk(&self) -> BoxFuture<'_, Result<(), BmcError>> {
+        // Nothing to do: the ramdisk reboots, and the boot script of a Provisioned host exits
+        // to the firmware, which goes on to the disk.
         Box::pin(async { Ok(()) })
     }
 

@@ -577,8 +577,11 @@ impl BmcDriver for Redfish {
         })
     }
 
-    fn boot_disk_next(&self) -> BoxFuture<'_, Result<(), BmcError>> {
-        Box::pin(self.client.boot_once(BootTarget::Hdd, self.boot_mode))
+    fn boot_from_disk(&self) -> BoxFuture<'_, Result<(), BmcError>> {
+        Box::pin(async {
+            self.client.boot_once(BootTarget::Hdd, self.boot_mode).await?;
+            self.restart().await
+        })
     }
 
     fn boot_from_media<'a>(

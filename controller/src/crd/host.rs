@@ -454,9 +454,9 @@ pub struct Installed {
     pub image: Image,
     /// The consumer it was installed for.
     pub consumer: String,
-    /// Whether siteboot asked the host's BMC to boot this disk next, before the ramdisk that
-    /// wrote it reboots (network-booted hosts with a BMC; others go through the boot script,
-    /// which exits to the firmware's boot order).
+    /// Whether siteboot asked the host's BMC to boot this disk (network-booted hosts with a
+    /// BMC, instead of the ramdisk rebooting into the boot script, which exits to the
+    /// firmware's boot order).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub disk_boot_requested: bool,
 }

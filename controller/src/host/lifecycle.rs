@@ -427,11 +427,11 @@ pub fn bmc_recheck_after(host: &Host, now: i64) -> Duration {
     Duration::from_secs(failing_for).clamp(BMC_RECHECK_MIN, BMC_RECHECK_MAX)
 }
 
-/// Whether to ask the host's BMC to boot the disk just written next: a Provisioned host with a
-/// BMC that boots its ramdisk from the network, not asked yet for this installation. The
-/// ramdisk waits for it before it reboots, so the host goes straight to its disk instead of
-/// through a network boot whose script exits to the firmware, which on UEFI tries PXE and HTTP
-/// over IPv6 first (minutes).
+/// Whether to have the host's BMC boot the disk just written (a one-time disk boot and a
+/// restart, as Ironic does): a Provisioned host with a BMC that boots its ramdisk from the
+/// network, not asked yet for this installation. Its ramdisk waits meanwhile, so the host goes
+/// straight to its disk instead of through a network boot whose script exits to the firmware,
+/// which on UEFI tries PXE and HTTP over IPv6 first (minutes).
 pub fn disk_boot_due(host: &Host) -> bool {
     let status = host.status.as_ref();
     host.spec.bmc.is_some()

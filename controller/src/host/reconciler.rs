@@ -175,17 +175,17 @@ async fn request_boot(
     Ok(Action::requeue(SILENCE_CHECK))
 }
 
-/// Asks the BMC to boot the disk just written next, and records that it asked (the ramdisk
-/// waits for that before it reboots). Asked once: if the BMC refuses, the ramdisk reboots
-/// anyway, into the boot script, which exits to the firmware's boot order.
+/// Has the BMC boot the disk just written (its ramdisk waits meanwhile), and records that it
+/// asked. Asked once: if the BMC refuses, the ramdisk is told to reboot, into the boot script,
+/// which exits to the firmware's boot order. (An appliance that dies between the BMC's answer
+/// and the record asks again: a second restart of a host seconds into its boot.)
 async fn request_disk_boot(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Action, Error> {
-    let asked = async { bmc::driver_for(host, &ctx.client).await?.boot_disk_next().await };
+    let asked = async { bmc::driver_for(host, &ctx.client).await?.boot_from_disk().await };
     match asked.await {
-        Ok(()) => tracing::info!(host = %key(host), "asked the BMC to boot the disk next"),
+        Ok(()) => tracing::info!(host = %key(host), "asked the BMC to boot the disk"),
         Err(e) => {
-            tracing::warn!(host = %key(host), error = %e, "cannot make the disk the next boot; the ramdisk reboots into the boot script, which exits to the firmware");
-            ctx.event(host, true, "DiskBootFailed", format!("making the disk the next boot: {e}"))
-                .await;
+            tracing::warn!(host = %key(host), error = %e, "cannot boot the disk through the BMC; the ramdisk reboots into the boot script, which exits to the firmware");
+            ctx.event(host, true, "DiskBootFailed", format!("booting the disk: {e}")).await;
         }
     }
     let installed = host.status.as_ref().and_then(|s| s.installed.clone());
