@@ -544,31 +544,54 @@ async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Resul
     ensure!(names == [&json!(second_node)], "the Machines left Running: {names:?}");
 
     // The other worker's VM powered off behind Cluster API's back (libvirt, not its BMC): the
-    // MachineHealthCheck finds its Node unreachable and its Machine is deleted; its host is
-    // powered on through its BMC and wiped, and the replacement Machine gets the first host
-    // again, imaged anew, where the pod then runs.
-    let console_from = first_vm.domain.console().lines().count();
+    // MachineHealthCheck finds its Node unreachable and its Machine is deleted once its host,
+    // powered on through its BMC, is wiped; the replacement Machine then gets one of the two
+    // hosts, imaged anew, where the pod then runs.
+    let workers = [(first, first_vm, first_timeline), (second, second_vm, second_timeline)];
+    let console_from = workers.map(|(_, vm, _)| vm.domain.console().lines().count());
     let unhealthy = claiming_machine(env, second.name).await?;
     create_health_check(env).await?;
     env.libvirt.virsh(&["destroy", &second_vm.domain.name])?;
     second_timeline.mark("its VM powered off through libvirt, behind Cluster API's back");
-    wait_gone(&machines, &unhealthy.name_any(), PHASE_TIMEOUT).await?;
-    second_timeline.mark("its Machine remediated: deleted by the MachineHealthCheck");
-    let join = Join { crash: false, console_from };
-    let (replacement, ()) = futures_util::try_join!(
-        joined(env, first, first_vm, first_timeline, join),
-        wiped(env, second, second_vm, Some(&second_node), second_timeline),
+    let remediated = async {
+        wait_gone(&machines, &unhealthy.name_any(), PHASE_TIMEOUT).await?;
+        second_timeline.mark("its Machine remediated: deleted by the MachineHealthCheck");
+        Ok(())
+    };
+    futures_util::try_join!(
+        remediated,
+        wiped(env, second, second_vm, Some(&second_node), second_timeline)
     )?;
+    let reused = replacement_host(env, [first.name, second.name]).await?;
+    let (host, vm, timeline) = workers[reused];
+    timeline.mark("claimed by the replacement Machine");
+    let join = Join { crash: false, console_from: console_from[reused] };
+    let replacement = joined(env, host, vm, timeline, join).await?;
     workload_running(env, Some(&replacement)).await?;
-    first_timeline.mark("the Deployment's pod Running on the replacement");
+    timeline.mark("the Deployment's pod Running on the replacement");
 
     env.lab.scale(WORKERS, 0).await?;
-    first_timeline.mark("scaled to 0");
+    timeline.mark("scaled to 0");
     drained(env, &replacement).await?;
-    first_timeline.mark("drained: the pod evicted, the Node still there");
-    wiped(env, first, first_vm, Some(&replacement), first_timeline).await?;
+    timeline.mark("drained: the pod evicted, the Node still there");
+    wiped(env, host, vm, Some(&replacement), timeline).await?;
     deleted(env, first, &first_vm.domain, first_timeline).await?;
     deleted(env, second, &second_vm.domain, second_timeline).await
+}
+
+/// Which of `hosts` the next Machine claims: the remediated one's replacement may get either
+/// wiped host (the reuse policy: its own order over the Available ones).
+async fn replacement_host(env: &Env<'_>, hosts: [&str; 2]) -> Result<usize> {
+    let api = env.lab.hosts();
+    siteboot_tests::wait::for_async("a host claimed by the replacement", PHASE_TIMEOUT, || async {
+        for (i, name) in hosts.iter().enumerate() {
+            if api.get(name).await.ok()?.spec.consumer_ref.is_some() {
+                return Some(i);
+            }
+        }
+        None
+    })
+    .await
 }
 
 /// A MachineHealthCheck for the workers: a Node unreachable (Ready Unknown) for 20 s is
