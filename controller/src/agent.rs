@@ -380,9 +380,10 @@ fn idle_from_cache(ctx: &Ctx, req: &AgentRequest) -> Option<AgentResponse> {
 
 /// Whether a ramdisk without a good token should reboot: an operation waits (boot again for
 /// its token), or the host is Provisioned (the ramdisk that just wrote its disk: the boot
-/// script now says the local disk), once its BMC was asked to boot that disk if it is to be
-/// (then only if the BMC did not). Not for an operation whose bootstrap data was delivered: it gets no new token, so
-/// booting again would only loop until the silence timeout.
+/// script now says the local disk) and no BMC disk boot is pending (if one was asked, the
+/// BMC's restart comes first; the reboot only matters if the BMC refused). Not for an
+/// operation whose bootstrap data was delivered: it gets no new token, so booting again would
+/// only loop until the silence timeout.
 fn boots_again(host: &Host) -> bool {
     let status = host.status.as_ref();
     let pending =
@@ -816,11 +817,11 @@ mod tests {
             )
             .unwrap(),
             consumer: "ns/m".into(),
-            disk_boot_requested: false,
+            disk_boot_pending: true,
         });
         host.status = Some(status);
         assert_eq!(task_without_token(boots_again(&host))["action"], "wait");
-        host.status.as_mut().unwrap().installed.as_mut().unwrap().disk_boot_requested = true;
+        host.status.as_mut().unwrap().installed.as_mut().unwrap().disk_boot_pending = false;
         assert_eq!(task_without_token(boots_again(&host))["action"], "reboot");
     }
 

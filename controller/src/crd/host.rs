@@ -454,11 +454,12 @@ pub struct Installed {
     pub image: Image,
     /// The consumer it was installed for.
     pub consumer: String,
-    /// Whether siteboot asked the host's BMC to boot this disk (network-booted hosts with a
-    /// BMC, instead of the ramdisk rebooting into the boot script, which exits to the
-    /// firmware's boot order).
+    /// Whether siteboot still has to ask the host's BMC to boot this disk: set when a
+    /// network-booted host with a BMC is installed, cleared once asked (instead of the ramdisk
+    /// rebooting into the boot script, which exits to the firmware's boot order). A pending
+    /// flag, so that hosts installed before this step existed are never restarted for it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub disk_boot_requested: bool,
+    pub disk_boot_pending: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

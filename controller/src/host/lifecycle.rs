@@ -370,7 +370,8 @@ pub fn completed(
         status.installed = Some(Installed {
             image: image.clone(),
             consumer: format!("{}/{}", c.namespace, c.name),
-            disk_boot_requested: false,
+            disk_boot_pending: host.spec.bmc.is_some()
+                && host.spec.boot_method == BootMethod::Network,
         });
     }
     status
@@ -429,7 +430,7 @@ pub fn bmc_recheck_after(host: &Host, now: i64) -> Duration {
 
 /// Whether to have the host's BMC boot the disk just written (a one-time disk boot and a
 /// restart, as Ironic does): a Provisioned host with a BMC that boots its ramdisk from the
-/// network, not asked yet for this installation. Its ramdisk waits meanwhile, so the host goes
+/// network, whose installation left the request pending. Its ramdisk waits meanwhile, so the host goes
 /// straight to its disk instead of through a network boot whose script exits to the firmware,
 /// which on UEFI tries PXE and HTTP over IPv6 first (minutes).
 pub fn disk_boot_due(host: &Host) -> bool {
@@ -437,7 +438,7 @@ pub fn disk_boot_due(host: &Host) -> bool {
     host.spec.bmc.is_some()
         && host.spec.boot_method == BootMethod::Network
         && status.and_then(|s| s.state) == Some(HostState::Provisioned)
-        && status.and_then(|s| s.installed.as_ref()).is_some_and(|i| !i.disk_boot_requested)
+        && status.and_then(|s| s.installed.as_ref()).is_some_and(|i| i.disk_boot_pending)
 }
 
 /// Whether virtual media siteboot inserted for an operation that has ended is still in.
@@ -831,7 +832,7 @@ mod tests {
         };
         let mut h = installed(true, BootMethod::Network);
         assert!(disk_boot_due(&h));
-        h.status.as_mut().unwrap().installed.as_mut().unwrap().disk_boot_requested = true;
+        h.status.as_mut().unwrap().installed.as_mut().unwrap().disk_boot_pending = false;
         assert!(!disk_boot_due(&h), "asked once");
         // The next installation asks again.
         let mut again = installed(true, BootMethod::Network);
@@ -841,6 +842,13 @@ mod tests {
         // the host restarted by its own step.
         assert!(!disk_boot_due(&installed(false, BootMethod::Network)));
         assert!(!disk_boot_due(&installed(true, BootMethod::VirtualMedia)));
+        // A host installed before this step existed has no pending flag in its status: an
+        // upgrade restarts none of the hosts that already run their OS.
+        let mut before = installed(true, BootMethod::Network);
+        let mut status = serde_json::to_value(before.status.as_ref().unwrap()).unwrap();
+        assert!(status["installed"].as_object_mut().unwrap().remove("diskBootPending").is_some());
+        before.status = Some(serde_json::from_value(status).unwrap());
+        assert!(!disk_boot_due(&before));
     }
 
     fn with_bmc() -> Host {

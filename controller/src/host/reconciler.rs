@@ -195,7 +195,7 @@ async fn request_disk_boot(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Ac
         else {
             return Ok::<_, ()>(None);
         };
-        now.disk_boot_requested = true;
+        now.disk_boot_pending = false;
         Ok(Some(status))
     })
     .await?

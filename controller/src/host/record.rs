@@ -157,7 +157,7 @@ mod tests {
             installed: Some(Installed {
                 image: image(1),
                 consumer: "ns/m".into(),
-                disk_boot_requested: false,
+                disk_boot_pending: false,
             }),
             hardware: Some(Hardware {
                 cpus: 4,

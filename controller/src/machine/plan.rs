@@ -930,7 +930,7 @@ mod tests {
         h.spec.provisioning = Some(Provisioning { image: image() });
         let status = h.status.as_mut().unwrap();
         status.installed =
-            Some(Installed { image: image(), consumer: "ns/m".into(), disk_boot_requested: false });
+            Some(Installed { image: image(), consumer: "ns/m".into(), disk_boot_pending: false });
         status.hardware = uuid.map(|uuid| Hardware {
             system: Some(SystemInfo { uuid: uuid.into(), vendor: None, model: None, serial: None }),
             ..Default::default()
@@ -1117,7 +1117,7 @@ mod tests {
         let status = h.status.as_mut().unwrap();
         status.state = Some(HostState::Provisioned);
         status.installed =
-            Some(Installed { image: image(), consumer: "ns/m".into(), disk_boot_requested: false });
+            Some(Installed { image: image(), consumer: "ns/m".into(), disk_boot_pending: false });
         status.addresses =
             vec![MachineAddress { kind: "InternalIP".into(), address: "10.0.0.5".into() }];
         let w = World::new(m.clone(), vec![h.clone()]);
