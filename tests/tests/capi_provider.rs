@@ -152,8 +152,9 @@ async fn machine_deployment_claims_provisions_scales_and_releases_hosts() {
 
     // No spare host: a rollout with maxSurge 0 onto exactly the hosts it has (a selector only
     // the current host matches) deletes the old Machine first; its host is wiped, and the
-    // replacement claims it (the reuse policy, README: nothing holds a released host for a
-    // successor, so with no spare the successor gets the host its predecessor released).
+    // replacement claims it (the reuse policy, docs/cluster-api.md: nothing holds a released
+    // host for a successor, so with no spare the successor gets the host its predecessor
+    // released).
     let pinned = json!({ "metadata": { "labels": { "e2e.siteboot.dev/pinned": "yes" } } });
     lab.hosts().patch(&host, &PatchParams::default(), &Patch::Merge(pinned)).await.unwrap();
     let sim = lab.sims().into_iter().find(|s| s.mac() == h.spec.boot_mac_address).unwrap();
