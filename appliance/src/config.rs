@@ -426,20 +426,46 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+impl ConfigError {
+    /// `error`, found in `file`.
+    pub fn in_file(file: &Path, error: FieldError) -> Self {
+        Self { file: file.to_owned(), field: error.field, message: error.message }
+    }
+}
+
+/// A directory the configuration names that is not on this machine.
+#[derive(Debug, PartialEq)]
+pub struct MissingDir {
+    pub field: &'static str,
+    pub path: PathBuf,
+}
+
+impl From<MissingDir> for FieldError {
+    fn from(missing: MissingDir) -> Self {
+        let MissingDir { field, path } = missing;
+        FieldError::new(
+            field,
+            format!(
+                "{}: no such directory (create it, or point {field} elsewhere)",
+                path.display()
+            ),
+        )
+    }
+}
+
 impl Config {
     /// Reads, parses and checks a configuration file, also against this process's
-    /// file-descriptor limit (see [`fd_limit`]).
+    /// file-descriptor limit (see [`fd_limit`]). The served content directories need not exist
+    /// yet ([`Config::missing_content_dirs`]).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let error =
-            |field: String, message: String| ConfigError { file: path.to_owned(), field, message };
+        let error = |e| ConfigError::in_file(path, e);
         let text = std::fs::read_to_string(path)
-            .map_err(|e| error(String::new(), format!("cannot read: {e}")))?;
-        let config = Self::parse(&text).map_err(|e| error(e.field, e.message))?;
+            .map_err(|e| error(FieldError::new("", format!("cannot read: {e}"))))?;
+        let config = Self::parse(&text).map_err(error)?;
         let limit = fd_limit::hard().map_err(|e| {
-            error(String::new(), format!("cannot read the file-descriptor limit: {e}"))
+            error(FieldError::new("", format!("cannot read the file-descriptor limit: {e}")))
         })?;
-        fd_limit::check(&config.http, &config.tftp, limit)
-            .map_err(|e| error(e.field, e.message))?;
+        fd_limit::check(&config.http, &config.tftp, limit).map_err(error)?;
         Ok(config)
     }
 
@@ -653,6 +679,33 @@ impl Config {
 }
 
 impl Config {
+    /// The served content directories (`tftp.root`, `http.root`) this machine does not have.
+    /// The configuration is valid without them: the operator creates them and puts the site's
+    /// files there, so `check-config` only reports them, while `serve` refuses to start
+    /// without them ([`Config::require_content_dirs`]). One that exists but is no directory,
+    /// or cannot be looked at, is an error.
+    pub fn missing_content_dirs(&self) -> Result<Vec<MissingDir>, FieldError> {
+        let roots =
+            [("tftp.root", self.tftp.root.as_deref()), ("http.root", self.http.root.as_deref())];
+        let mut missing = Vec::new();
+        for (field, root) in roots {
+            if let Some(path) = root
+                && !dir_exists(path, field)?
+            {
+                missing.push(MissingDir { field, path: path.to_owned() });
+            }
+        }
+        Ok(missing)
+    }
+
+    /// What `serve` needs before it starts: every served content directory exists.
+    pub fn require_content_dirs(&self) -> Result<(), FieldError> {
+        match self.missing_content_dirs()?.into_iter().next() {
+            Some(missing) => Err(missing.into()),
+            None => Ok(()),
+        }
+    }
+
     /// Opens `kubernetes.ramdisk_media`, if it is set: reads the whole ISO (some 100 MB) once
     /// to find its parameters region. Not part of [`Config::load`], which `siteboot probe`
     /// runs every few seconds; `serve` and `check-config` call it.
@@ -807,17 +860,13 @@ fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
             return Err(FieldError::new(field, "must be longer than 0s"));
         }
     }
-    if let Some(root) = &h.root {
-        check_dir(root, "http.root")?;
-    }
     Ok(())
 }
 
 fn check_tftp(t: &TftpSettings) -> Result<(), FieldError> {
+    // Unlike the content roots, the binaries are read here, and are installed software (Debian's
+    // ipxe package), not the site's files: their directory must exist to be valid.
     check_dir(&t.ipxe_dir, "tftp.ipxe_dir")?;
-    if let Some(root) = &t.root {
-        check_dir(root, "tftp.root")?;
-    }
     t.caps().map_err(|e| {
         let field = match e {
             CapsError::ZeroPerAddress => "tftp.max_transfers_per_address",
@@ -908,17 +957,21 @@ fn resolved(path: &Path) -> PathBuf {
     }
 }
 
-fn check_dir(path: &Path, field: &str) -> Result<(), FieldError> {
+fn check_dir(path: &Path, field: &'static str) -> Result<(), FieldError> {
+    if dir_exists(path, field)? {
+        Ok(())
+    } else {
+        Err(MissingDir { field, path: path.to_owned() }.into())
+    }
+}
+
+/// Whether the directory `path` is on this machine: false if nothing is there; anything else
+/// there, or a failure to look, is an error.
+fn dir_exists(path: &Path, field: &str) -> Result<bool, FieldError> {
     match std::fs::metadata(path) {
-        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) if m.is_dir() => Ok(true),
         Ok(_) => Err(FieldError::new(field, format!("{} is not a directory", path.display()))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(FieldError::new(
-            field,
-            format!(
-                "{}: no such directory (create it, or point {field} elsewhere)",
-                path.display()
-            ),
-        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(FieldError::new(field, format!("{}: {e}", path.display()))),
     }
 }
@@ -1551,6 +1604,53 @@ unknown_hosts:
         let beside = http(state(&inside("state")), &format!("  root: {}\n", inside("www")));
         let (_dir, text) = with_ipxe(&beside);
         Config::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    }
+
+    /// `http.root` and `tftp.root` hold the site's files, which a fresh machine does not have
+    /// yet: the file is valid without them, and what `serve` needs is listed; anything else at
+    /// their path is an error. The iPXE binaries' directory must exist to be valid.
+    #[test]
+    fn content_dirs_may_be_missing_until_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let (http_root, tftp_root) = (dir.path().join("www"), dir.path().join("tftp"));
+        let roots = |http_root: &Path| {
+            GOOD.replace(
+                "  ipxe_dir: IPXE\n",
+                &format!("  ipxe_dir: IPXE\n  root: {}\n", tftp_root.display()),
+            ) + &format!("http:\n  root: {}\n", http_root.display())
+        };
+        let (_ipxe, text) = with_ipxe(&roots(&http_root));
+        let config = Config::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert_eq!(
+            config.missing_content_dirs().unwrap(),
+            [
+                MissingDir { field: "tftp.root", path: tftp_root.clone() },
+                MissingDir { field: "http.root", path: http_root.clone() },
+            ]
+        );
+        let refused = config.require_content_dirs().unwrap_err();
+        assert_eq!(refused.field, "tftp.root");
+        let expected = format!(
+            "{}: no such directory (create it, or point tftp.root elsewhere)",
+            tftp_root.display()
+        );
+        assert_eq!(refused.message, expected);
+
+        std::fs::create_dir(&tftp_root).unwrap();
+        std::fs::create_dir(&http_root).unwrap();
+        assert_eq!(config.missing_content_dirs().unwrap(), []);
+        config.require_content_dirs().unwrap();
+
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, b"").unwrap();
+        let (_ipxe, text) = with_ipxe(&roots(&file));
+        let not_dir = Config::parse(&text).unwrap().missing_content_dirs().unwrap_err();
+        assert_eq!(not_dir.field, "http.root");
+        assert!(not_dir.message.ends_with("is not a directory"), "{not_dir}");
+
+        let no_ipxe = error_of(&GOOD.replace("ipxe_dir: IPXE", "ipxe_dir: /nonexistent"));
+        assert_eq!(no_ipxe.field, "tftp.ipxe_dir");
+        assert!(no_ipxe.message.contains("no such directory"), "{no_ipxe}");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use siteboot_controller::manifests::SecretAccess;
 
-use crate::config::Config;
+use crate::config::{Config, ConfigError, MissingDir};
 
 /// A per-site network-boot appliance: DHCP, TFTP, iPXE scripts and HTTP from one binary.
 #[derive(Parser)]
@@ -95,6 +95,9 @@ enum Command {
     },
     /// Check a configuration file and exit: 0 if it is valid, 1 with the field and the problem
     /// if not.
+    ///
+    /// A served content directory (http.root, tftp.root) this machine does not have yet is a
+    /// warning, not an error: the file is valid, but `serve` refuses to start until it exists.
     CheckConfig {
         /// The configuration file.
         file: PathBuf,
@@ -192,7 +195,7 @@ fn main() -> ExitCode {
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::CheckConfig { file } => {
-            let (config, media) = check_config(&file)?;
+            let CheckedConfig { config, media, missing_dirs } = check_config(&file)?;
             let media = match media {
                 Some(media) => format!(", boot media of {} bytes", media.file_len()),
                 None => String::new(),
@@ -204,6 +207,14 @@ fn run(command: Command) -> anyhow::Result<()> {
                 config.inventory.known_hosts(),
                 config.binaries.platforms().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
             );
+            // A fresh machine has none of the site's own directories yet: the file is valid, so
+            // this passes, and the operator learns what `serve` refuses to start without.
+            for missing in missing_dirs {
+                let missing = ConfigError::in_file(&file, missing.into());
+                eprintln!(
+                    "warning: {missing}; the configuration is valid, but `siteboot serve` needs it"
+                );
+            }
             Ok(())
         }
         Command::Probe { config, check } => {
@@ -246,8 +257,10 @@ fn run(command: Command) -> anyhow::Result<()> {
             };
             manifests(output_dir, &namespace, &secrets, &image)
         }
-        Command::Serve { config, kubeconfig, site, identity, role } => {
-            let config = Config::load(&config)?;
+        Command::Serve { config: file, kubeconfig, site, identity, role } => {
+            let config = Config::load(&file)?;
+            // Strict where check-config only warns: there is nothing to serve from them.
+            config.require_content_dirs().map_err(|e| ConfigError::in_file(&file, e))?;
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
             let served = runtime.block_on(async {
                 let kube = kube_mode(&config, kubeconfig, site, identity).await?;
@@ -268,17 +281,21 @@ fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
-/// `siteboot check-config`: the file, and the boot media it names (read, as `serve` reads it).
-fn check_config(
-    file: &std::path::Path,
-) -> Result<(Config, Option<siteboot_boot::media::BootMedia>), config::ConfigError> {
+/// What `siteboot check-config` found in a valid file.
+struct CheckedConfig {
+    config: Config,
+    /// The boot media it names, read as `serve` reads it.
+    media: Option<siteboot_boot::media::BootMedia>,
+    /// The served content directories `serve` needs that this machine does not have.
+    missing_dirs: Vec<MissingDir>,
+}
+
+/// `siteboot check-config`: the file, the boot media it names and its content directories.
+fn check_config(file: &std::path::Path) -> Result<CheckedConfig, ConfigError> {
     let config = Config::load(file)?;
-    let media = config.open_ramdisk_media().map_err(|e| config::ConfigError {
-        file: file.to_owned(),
-        field: e.field,
-        message: e.message,
-    })?;
-    Ok((config, media))
+    let media = config.open_ramdisk_media().map_err(|e| ConfigError::in_file(file, e))?;
+    let missing_dirs = config.missing_content_dirs().map_err(|e| ConfigError::in_file(file, e))?;
+    Ok(CheckedConfig { config, media, missing_dirs })
 }
 
 /// Kubernetes mode if the config has a `kubernetes:` section or `--site` is given.
