@@ -15,7 +15,9 @@ use serde::Deserialize;
 use siteboot_boot::MacAddr;
 use siteboot_boot::admission::CapsError;
 use siteboot_boot::dhcp::relay_agent::RelayPin;
-use siteboot_boot::dhcp::settings::{FieldError, NetworkPlan, Settings as DhcpSettings};
+use siteboot_boot::dhcp::settings::{
+    FieldError, NetworkPlan, Reservation, Settings as DhcpSettings,
+};
 use siteboot_boot::files::check_relative;
 use siteboot_boot::http::HttpSettings;
 use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
@@ -212,15 +214,28 @@ fn default_images_max_bytes() -> u64 {
     50 << 30
 }
 
-/// This appliance's address: `address`, else the one address of `interface` in `dhcp.subnets`
-/// (its one address when there are none).
+/// This appliance's address, which clients are sent to: `address`, else
+/// [`interface_address`].
 fn server_address(
     file: &ConfigFile,
     on_interface: impl FnOnce(&str) -> std::io::Result<Vec<Ipv4Addr>>,
 ) -> Result<Ipv4Addr, FieldError> {
-    if let Some(address) = file.address {
-        return Ok(address);
+    let address = match file.address {
+        Some(address) => address,
+        None => interface_address(file, on_interface)?,
+    };
+    if address.is_unspecified() || address.is_broadcast() || address.is_multicast() {
+        return Err(FieldError::new("address", format!("{address} cannot be a server address")));
     }
+    Ok(address)
+}
+
+/// For an unset `address`: the one address of `interface` in `dhcp.subnets` (its one address
+/// when there are none).
+fn interface_address(
+    file: &ConfigFile,
+    on_interface: impl FnOnce(&str) -> std::io::Result<Vec<Ipv4Addr>>,
+) -> Result<Ipv4Addr, FieldError> {
     let interface = &file.interface;
     let found = on_interface(interface).map_err(|e| {
         FieldError::new(
@@ -482,180 +497,30 @@ impl Config {
         Self::check(file, crate::interface::ipv4_addresses)
     }
 
-    /// Checks `file`; `on_interface` lists an interface's addresses, for an unset `address`.
+    /// Checks `file`, section by section; `on_interface` lists an interface's addresses, for
+    /// an unset `address`.
     fn check(
         file: ConfigFile,
         on_interface: impl FnOnce(&str) -> std::io::Result<Vec<Ipv4Addr>>,
     ) -> Result<Self, FieldError> {
-        if file.interface.is_empty()
-            || file.interface.len() > 15
-            || file.interface.contains(['/', ' ', '\0'])
-        {
-            return Err(FieldError::new(
-                "interface",
-                format!("{:?} is not a network interface name", file.interface),
-            ));
-        }
+        check_interface(&file.interface)?;
         let address = server_address(&file, on_interface)?;
-        if address.is_unspecified() || address.is_broadcast() || address.is_multicast() {
-            return Err(FieldError::new(
-                "address",
-                format!("{address} cannot be a server address"),
-            ));
-        }
         let plan = NetworkPlan::new(&file.dhcp, address, "dhcp")?;
         check_tftp(&file.tftp)?;
         check_http(&file.http)?;
-        if file.images.max_bytes == 0 {
-            return Err(FieldError::new("images.max_bytes", "must be more than 0"));
-        }
-        if file.drain_timeout.is_zero() {
-            return Err(FieldError::new("drain_timeout", "must be longer than 0s"));
-        }
-        if file.ramdisk_silence_timeout.is_zero() {
-            return Err(FieldError::new("ramdisk_silence_timeout", "must be longer than 0s"));
-        }
-        let binaries = IpxeBinaries::discover(&file.tftp.ipxe_dir);
-        if binaries.platforms().next().is_none() {
-            return Err(FieldError::new(
-                "tftp.ipxe_dir",
-                format!(
-                    "{} holds no iPXE binary (undionly.kpxe, snponly.efi, ipxe.efi); install Debian's ipxe package or point this at a directory that does",
-                    file.tftp.ipxe_dir.display()
-                ),
-            ));
-        }
-
-        let mut profiles: HashMap<String, BootAction> = HashMap::new();
-        for (name, profile) in &file.profiles {
-            let at = format!("profiles.{name}");
-            if name.is_empty()
-                || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-            {
-                return Err(FieldError::new(
-                    at,
-                    "profile names are letters, digits, '-', '_' and '.'",
-                ));
-            }
-            profiles.insert(name.clone(), boot_action(profile, &at)?);
-        }
-        let profile = |name: &str, field: String| {
-            profiles.get(name).cloned().ok_or_else(|| {
-                let known: Vec<&str> = file.profiles.keys().map(String::as_str).collect();
-                FieldError::new(
-                    field,
-                    format!("no profile named {name:?} (profiles: {})", known.join(", ")),
-                )
-            })
-        };
-        let reservations: HashMap<MacAddr, _> =
-            file.dhcp.reservations.iter().map(|r| (r.mac, r)).collect();
-        let ramdisk = match &file.ramdisk_profile {
-            None => None,
-            Some(_) if file.kubernetes.is_some() => {
-                return Err(FieldError::new(
-                    "ramdisk_profile",
-                    "Kubernetes mode takes kubernetes.ramdisk_profile",
-                ));
-            }
-            Some(name) => Some(ramdisk_boot(&profiles, name, "ramdisk_profile")?),
-        };
-        let mut hosts = HashMap::new();
-        let mut names = HashMap::new();
-        for (i, host) in file.hosts.iter().enumerate() {
-            let at = format!("hosts[{i}]");
-            let reservation = reservations.get(&host.mac).map(|r| (*r).clone());
-            let name = match &host.name {
-                Some(name) => {
-                    check_host_name(name, &format!("{at}.name"))?;
-                    name.clone()
-                }
-                None => reservation
-                    .as_ref()
-                    .and_then(|r| r.hostname.clone())
-                    .unwrap_or_else(|| host.mac.to_string()),
-            };
-            if let Some(other) = names.insert(name.clone(), i) {
-                return Err(FieldError::new(
-                    format!("{at}.name"),
-                    format!("{name:?} is also the name of hosts[{other}]"),
-                ));
-            }
-            let operations = host.image.is_some()
-                || host.user_data.is_some()
-                || host.root_device_hints.is_some()
-                || host.bmc.is_some();
-            if operations && ramdisk.is_none() {
-                return Err(FieldError::new(
-                    at.clone(),
-                    "image, user_data, root_device_hints and bmc need a ramdisk_profile (top level) to provision with",
-                ));
-            }
-            if host.user_data.is_some() && host.image.is_none() {
-                return Err(FieldError::new(
-                    format!("{at}.user_data"),
-                    "user_data goes with an image",
-                ));
-            }
-            let provisioning =
-                host.image.as_ref().map(|image| provisioning(image, host, &at)).transpose()?;
-            let listed = ListedHost {
-                action: profile(&host.profile, format!("{at}.profile"))?,
-                profile: host.profile.clone(),
-                name,
-                reservation,
-                provisioning,
-                wipe: host.wipe,
-                bmc: host.bmc.as_ref().map(|b| bmc(b, &format!("{at}.bmc"))).transpose()?,
-                relay_pin: host.relay_agent.clone(),
-            };
-            if hosts.insert(host.mac, listed).is_some() {
-                return Err(FieldError::new(
-                    format!("{at}.mac"),
-                    format!("{} is listed twice", host.mac),
-                ));
-            }
-        }
+        check_images(&file.images)?;
+        check_timeouts(&file)?;
+        let binaries = ipxe_binaries(&file.tftp.ipxe_dir)?;
+        let profiles = profiles(&file.profiles)?;
+        let ramdisk = standalone_ramdisk(&file, &profiles)?;
+        let hosts = hosts(&file, &profiles, ramdisk.is_some())?;
         let default = file
             .unknown_hosts
             .as_ref()
-            .map(|u| profile(&u.profile, "unknown_hosts.profile".into()))
+            .map(|u| profile(&profiles, &u.profile, "unknown_hosts.profile".into()))
             .transpose()?;
-        let kubernetes = match &file.kubernetes {
-            None => None,
-            Some(k) => {
-                if !file.hosts.is_empty() || file.unknown_hosts.is_some() {
-                    return Err(FieldError::new(
-                        "kubernetes",
-                        "hosts and unknown_hosts do not apply in Kubernetes mode: what each host boots follows its Host object",
-                    ));
-                }
-                if let Some(site) = &k.site {
-                    check_site_name(site, "kubernetes.site")?;
-                }
-                let ramdisk =
-                    ramdisk_boot(&profiles, &k.ramdisk_profile, "kubernetes.ramdisk_profile")?;
-                if let Some(path) = &k.ramdisk_media
-                    && !path.is_absolute()
-                {
-                    return Err(FieldError::new(
-                        "kubernetes.ramdisk_media",
-                        format!("{}: give an absolute path", path.display()),
-                    ));
-                }
-                Some(KubernetesConfig {
-                    site: k.site.clone(),
-                    ramdisk,
-                    ramdisk_media: k.ramdisk_media.clone(),
-                    lease_namespace: k.lease_namespace.clone(),
-                    leader_election: k.leader_election,
-                    token_max_age: k.token_max_age,
-                    ramdisk_silence_timeout: k.ramdisk_silence_timeout,
-                    host_pools: host_pools(&k.host_namespaces)?,
-                    min_wipe: k.min_wipe,
-                })
-            }
-        };
+        let kubernetes =
+            file.kubernetes.as_ref().map(|k| kubernetes(k, &file, &profiles)).transpose()?;
         check_served_roots(&file)?;
         let known_hosts_only = file.dhcp.known_hosts_only.unwrap_or(kubernetes.is_some());
         Ok(Self {
@@ -676,6 +541,214 @@ impl Config {
             ramdisk_silence_timeout: file.ramdisk_silence_timeout,
         })
     }
+}
+
+/// `interface`: a name Linux can give a network interface.
+fn check_interface(interface: &str) -> Result<(), FieldError> {
+    if interface.is_empty() || interface.len() > 15 || interface.contains(['/', ' ', '\0']) {
+        return Err(FieldError::new(
+            "interface",
+            format!("{interface:?} is not a network interface name"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_images(images: &ImagesSettings) -> Result<(), FieldError> {
+    if images.max_bytes == 0 {
+        return Err(FieldError::new("images.max_bytes", "must be more than 0"));
+    }
+    Ok(())
+}
+
+/// The top-level timeouts: `drain_timeout` and `ramdisk_silence_timeout`.
+fn check_timeouts(file: &ConfigFile) -> Result<(), FieldError> {
+    if file.drain_timeout.is_zero() {
+        return Err(FieldError::new("drain_timeout", "must be longer than 0s"));
+    }
+    if file.ramdisk_silence_timeout.is_zero() {
+        return Err(FieldError::new("ramdisk_silence_timeout", "must be longer than 0s"));
+    }
+    Ok(())
+}
+
+/// The iPXE binaries in `tftp.ipxe_dir`: at least one.
+fn ipxe_binaries(dir: &Path) -> Result<IpxeBinaries, FieldError> {
+    let binaries = IpxeBinaries::discover(dir);
+    if binaries.platforms().next().is_none() {
+        return Err(FieldError::new(
+            "tftp.ipxe_dir",
+            format!(
+                "{} holds no iPXE binary (undionly.kpxe, snponly.efi, ipxe.efi); install Debian's ipxe package or point this at a directory that does",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(binaries)
+}
+
+/// `profiles`, each checked, by name.
+fn profiles(
+    file: &BTreeMap<String, ProfileFile>,
+) -> Result<BTreeMap<String, BootAction>, FieldError> {
+    let mut profiles = BTreeMap::new();
+    for (name, profile) in file {
+        let at = format!("profiles.{name}");
+        if name.is_empty()
+            || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        {
+            return Err(FieldError::new(at, "profile names are letters, digits, '-', '_' and '.'"));
+        }
+        profiles.insert(name.clone(), boot_action(profile, &at)?);
+    }
+    Ok(profiles)
+}
+
+/// The profile `name`, as `field` names it.
+fn profile(
+    profiles: &BTreeMap<String, BootAction>,
+    name: &str,
+    field: String,
+) -> Result<BootAction, FieldError> {
+    profiles.get(name).cloned().ok_or_else(|| {
+        let known: Vec<&str> = profiles.keys().map(String::as_str).collect();
+        FieldError::new(
+            field,
+            format!("no profile named {name:?} (profiles: {})", known.join(", ")),
+        )
+    })
+}
+
+/// `ramdisk_profile`: the deploy ramdisk of standalone host operations, if there are any.
+fn standalone_ramdisk(
+    file: &ConfigFile,
+    profiles: &BTreeMap<String, BootAction>,
+) -> Result<Option<LinuxBoot>, FieldError> {
+    match &file.ramdisk_profile {
+        None => Ok(None),
+        Some(_) if file.kubernetes.is_some() => Err(FieldError::new(
+            "ramdisk_profile",
+            "Kubernetes mode takes kubernetes.ramdisk_profile",
+        )),
+        Some(name) => ramdisk_boot(profiles, name, "ramdisk_profile").map(Some),
+    }
+}
+
+/// `hosts`, by MAC: each with a name no other host has, its profile, and its provisioning and
+/// BMC, which need a ramdisk (`ramdisk_profile`) to provision it with.
+fn hosts(
+    file: &ConfigFile,
+    profiles: &BTreeMap<String, BootAction>,
+    ramdisk: bool,
+) -> Result<HashMap<MacAddr, ListedHost>, FieldError> {
+    let reservations: HashMap<MacAddr, &Reservation> =
+        file.dhcp.reservations.iter().map(|r| (r.mac, r)).collect();
+    let mut hosts = HashMap::new();
+    let mut names = HashMap::new();
+    for (i, host) in file.hosts.iter().enumerate() {
+        let at = format!("hosts[{i}]");
+        let reservation = reservations.get(&host.mac).map(|r| (*r).clone());
+        let name = host_name(host, reservation.as_ref(), &at)?;
+        if let Some(other) = names.insert(name.clone(), i) {
+            return Err(FieldError::new(
+                format!("{at}.name"),
+                format!("{name:?} is also the name of hosts[{other}]"),
+            ));
+        }
+        check_host_operations(host, ramdisk, &at)?;
+        let provisioning =
+            host.image.as_ref().map(|image| provisioning(image, host, &at)).transpose()?;
+        let listed = ListedHost {
+            action: profile(profiles, &host.profile, format!("{at}.profile"))?,
+            profile: host.profile.clone(),
+            name,
+            reservation,
+            provisioning,
+            wipe: host.wipe,
+            bmc: host.bmc.as_ref().map(|b| bmc(b, &format!("{at}.bmc"))).transpose()?,
+            relay_pin: host.relay_agent.clone(),
+        };
+        if hosts.insert(host.mac, listed).is_some() {
+            return Err(FieldError::new(
+                format!("{at}.mac"),
+                format!("{} is listed twice", host.mac),
+            ));
+        }
+    }
+    Ok(hosts)
+}
+
+/// The host's name: its own, else its reservation's hostname, else its MAC.
+fn host_name(
+    host: &HostFile,
+    reservation: Option<&Reservation>,
+    at: &str,
+) -> Result<String, FieldError> {
+    match &host.name {
+        Some(name) => {
+            check_host_name(name, &format!("{at}.name"))?;
+            Ok(name.clone())
+        }
+        None => {
+            Ok(reservation.and_then(|r| r.hostname.clone()).unwrap_or_else(|| host.mac.to_string()))
+        }
+    }
+}
+
+/// A host's operation fields: all of them need a ramdisk to run the operations, and user-data
+/// goes with an image.
+fn check_host_operations(host: &HostFile, ramdisk: bool, at: &str) -> Result<(), FieldError> {
+    let operations = host.image.is_some()
+        || host.user_data.is_some()
+        || host.root_device_hints.is_some()
+        || host.bmc.is_some();
+    if operations && !ramdisk {
+        return Err(FieldError::new(
+            at,
+            "image, user_data, root_device_hints and bmc need a ramdisk_profile (top level) to provision with",
+        ));
+    }
+    if host.user_data.is_some() && host.image.is_none() {
+        return Err(FieldError::new(format!("{at}.user_data"), "user_data goes with an image"));
+    }
+    Ok(())
+}
+
+/// The `kubernetes:` section, which takes the place of `hosts` and `unknown_hosts`.
+fn kubernetes(
+    k: &KubernetesFile,
+    file: &ConfigFile,
+    profiles: &BTreeMap<String, BootAction>,
+) -> Result<KubernetesConfig, FieldError> {
+    if !file.hosts.is_empty() || file.unknown_hosts.is_some() {
+        return Err(FieldError::new(
+            "kubernetes",
+            "hosts and unknown_hosts do not apply in Kubernetes mode: what each host boots follows its Host object",
+        ));
+    }
+    if let Some(site) = &k.site {
+        check_site_name(site, "kubernetes.site")?;
+    }
+    let ramdisk = ramdisk_boot(profiles, &k.ramdisk_profile, "kubernetes.ramdisk_profile")?;
+    if let Some(path) = &k.ramdisk_media
+        && !path.is_absolute()
+    {
+        return Err(FieldError::new(
+            "kubernetes.ramdisk_media",
+            format!("{}: give an absolute path", path.display()),
+        ));
+    }
+    Ok(KubernetesConfig {
+        site: k.site.clone(),
+        ramdisk,
+        ramdisk_media: k.ramdisk_media.clone(),
+        lease_namespace: k.lease_namespace.clone(),
+        leader_election: k.leader_election,
+        token_max_age: k.token_max_age,
+        ramdisk_silence_timeout: k.ramdisk_silence_timeout,
+        host_pools: host_pools(&k.host_namespaces)?,
+        min_wipe: k.min_wipe,
+    })
 }
 
 impl Config {
@@ -721,7 +794,7 @@ impl Config {
 
 /// The deploy ramdisk's boot: profile `name`, which must boot a kernel.
 fn ramdisk_boot(
-    profiles: &HashMap<String, BootAction>,
+    profiles: &BTreeMap<String, BootAction>,
     name: &str,
     field: &str,
 ) -> Result<LinuxBoot, FieldError> {
@@ -864,8 +937,9 @@ fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
 }
 
 fn check_tftp(t: &TftpSettings) -> Result<(), FieldError> {
-    // Unlike the content roots, the binaries are read here, and are installed software (Debian's
-    // ipxe package), not the site's files: their directory must exist to be valid.
+    // Unlike the content roots, the binaries are read when the file is checked
+    // ([`ipxe_binaries`]), and are installed software (Debian's ipxe package), not the site's
+    // files: their directory must exist to be valid.
     check_dir(&t.ipxe_dir, "tftp.ipxe_dir")?;
     t.caps().map_err(|e| {
         let field = match e {
