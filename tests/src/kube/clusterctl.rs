@@ -58,11 +58,23 @@ impl KubeEnv {
     /// admission webhooks at `https://127.0.0.1:<port>`, the environment's webhook certificate.
     /// Returns once the apiserver calls KCP's validating webhook.
     pub async fn start_kubeadm_providers(&mut self) -> Result<()> {
+        self.start_providers(&KUBEADM_PROVIDERS).await?;
+        self.wait_for_control_plane_webhook().await
+    }
+
+    /// Starts the kubeadm bootstrap manager (CABPK) alone, as
+    /// [`KubeEnv::start_kubeadm_providers`] does: for hosts that join with `kubeadm join` a
+    /// control plane that is not KCP's (see [`super::kubeadm`]).
+    pub async fn start_kubeadm_bootstrap_provider(&mut self) -> Result<()> {
+        self.start_providers(&KUBEADM_PROVIDERS[..1]).await
+    }
+
+    async fn start_providers(&mut self, providers: &[KubeadmProvider]) -> Result<()> {
         let capi_dir = self.peers.capi_module_dir().to_owned();
         let ca_pem = std::fs::read_to_string(self.dir.path().join("pki/ca.crt"))?;
         let (webhook_dir, logs) = (self.dir.path().join("webhook"), self.dir.path().join("logs"));
         let (client, peers, kubeconfig) = (&self.client, &self.peers, &self.kubeconfig_path);
-        for provider in &KUBEADM_PROVIDERS {
+        for provider in providers {
             let (capi_dir, ca_pem, webhook_dir, logs) = (&capi_dir, &ca_pem, &webhook_dir, &logs);
             let webhook_port = start_with_retry(&mut self.procs, provider.binary, || async move {
                 let (webhook_port, health, diagnostics) =
@@ -116,7 +128,7 @@ impl KubeEnv {
                     .with_context(|| format!("applying {kind} {name}"))?;
             }
         }
-        self.wait_for_control_plane_webhook().await
+        Ok(())
     }
 
     /// Dry-run creates a KubeadmControlPlane with an even number of replicas (stacked etcd

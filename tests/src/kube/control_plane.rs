@@ -5,7 +5,8 @@
 //! when its requester may (the `kubeadm:node-autoapprove-*` bindings), the signer signs it with
 //! the environment's CA (which the apiserver trusts for client certificates), the CSR cleaner
 //! removes old ones, and the token cleaner deletes expired bootstrap tokens, so an expired token
-//! is gone as in a real cluster. The service account controller gives each namespace its
+//! is gone as in a real cluster; the bootstrap signer signs the `cluster-info` ConfigMap for each
+//! token, which `kubeadm join` checks before it trusts the cluster ([`super::kubeadm`]). The service account controller gives each namespace its
 //! `default` ServiceAccount, without which admission refuses every pod; the Deployment and
 //! ReplicaSet controllers make a Deployment's pods, and kube-scheduler places them, so a drained
 //! node's pod comes back on another node. The node lifecycle controller marks a Node whose
@@ -22,8 +23,8 @@ use super::{Procs, free_port, peer_command, peers, start_with_retry, until_ready
 use crate::process::Supervised;
 
 /// kube-controller-manager's names of the controllers it runs.
-const CONTROLLERS: &str = "csrapproving,csrsigning,csrcleaner,tokencleaner,serviceaccount,\
-                           deployment,replicaset,nodelifecycle,podgc";
+const CONTROLLERS: &str = "csrapproving,csrsigning,csrcleaner,tokencleaner,bootstrapsigner,\
+                           serviceaccount,deployment,replicaset,nodelifecycle,podgc";
 
 /// Files the environment wrote at boot that the components read.
 pub(super) struct Files<'a> {

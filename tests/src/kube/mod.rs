@@ -26,6 +26,7 @@ pub mod bootstrap;
 pub mod capi;
 pub mod clusterctl;
 mod control_plane;
+pub mod kubeadm;
 mod manifests;
 pub mod node;
 pub mod peers;

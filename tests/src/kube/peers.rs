@@ -11,17 +11,19 @@ pub const KUBE_APISERVER: &str = "kube-apiserver";
 pub const KUBE_CONTROLLER_MANAGER: &str = "kube-controller-manager";
 pub const KUBE_SCHEDULER: &str = "kube-scheduler";
 pub const KUBELET: &str = "kubelet";
+pub const KUBEADM: &str = "kubeadm";
 pub const CAPI_MANAGER: &str = "capi-manager";
 pub const KUBEADM_BOOTSTRAP_MANAGER: &str = "kubeadm-bootstrap-manager";
 pub const KUBEADM_CONTROL_PLANE_MANAGER: &str = "kubeadm-control-plane-manager";
 pub const CLUSTERCTL: &str = "clusterctl";
 
-const ALL: [&str; 9] = [
+const ALL: [&str; 10] = [
     ETCD,
     KUBE_APISERVER,
     KUBE_CONTROLLER_MANAGER,
     KUBE_SCHEDULER,
     KUBELET,
+    KUBEADM,
     CAPI_MANAGER,
     KUBEADM_BOOTSTRAP_MANAGER,
     KUBEADM_CONTROL_PLANE_MANAGER,
