@@ -10,13 +10,18 @@
 //! signature) -> Host deleted -> powered off.
 //!
 //! One lab (one management cluster that is also the workload cluster, with its controller
-//! manager and scheduler; one libvirt + sushy-tools) for every VM, and the VMs run at once:
+//! manager and scheduler, prepared for `kubeadm join`; the CAPI core and kubeadm bootstrap
+//! managers; one libvirt + sushy-tools) for every VM, and the VMs run at once:
 //!
 //! - `workers`: a BIOS VM and a UEFI (OVMF) VM, the two hosts of a MachineDeployment of 2 with
 //!   siteboot's bootstrap provider, get the node image: each joins as a Node with the Host's
 //!   providerID. A Deployment's pod runs on one; that worker's Machine is deleted, the Node is
-//!   drained and the pod comes back on the other; then the other goes too. The appliance is
-//!   killed once while a ramdisk writes the image and once while one wipes.
+//!   drained and the pod comes back on the other; a MachineHealthCheck replaces the other, which
+//!   is powered off behind Cluster API's back, on a wiped host. With the spare deleted, the
+//!   MachineDeployment is rolled out to kubeadm's bootstrap provider with `maxSurge: 0`: its
+//!   host is wiped, imaged again and joins with `kubeadm join`, and siteboot gives the Node its
+//!   providerID by the system UUID. The appliance is killed once while a ramdisk writes the
+//!   image and once while one wipes.
 //! - `two-disks`: a UEFI VM with two disks whose Host's root device hints pick the second (the
 //!   first stays byte for byte as it was) gets the test OS, which prints the provider ID it read
 //!   and runs the cluster's bootstrap Secret (a script).
@@ -78,6 +83,8 @@ const VM_LABEL: &str = "e2e.siteboot.dev/vm";
 const WORKERS: &str = "workers";
 /// The worker the appliance is killed under while its ramdisk writes the image.
 const CRASHED_WHILE_IMAGING: &str = "uefi";
+/// Cluster API's kubeadm bootstrap provider's API.
+const KUBEADM_BOOTSTRAP: &str = "bootstrap.cluster.x-k8s.io/v1beta2";
 /// The workload's Deployment, and its pods' `app` label.
 const WORKLOAD: &str = "workload";
 /// One network boot plus an operation under TCG, four VMs sharing two cores: a few minutes.
@@ -193,6 +200,7 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     .unwrap();
     // The workload cluster's CSR approval and signing, Deployments and scheduling.
     lab.env.start_control_plane().await.unwrap();
+    lab.env.start_kubeadm_bootstrap_provider().await.unwrap();
     lab.install_ramdisk(&ramdisk).unwrap();
     let image = lab.serve_image("test-os", &os).unwrap();
     let node_image =
@@ -209,6 +217,7 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     let sushy =
         Sushy::start(SushyOptions { user: USER, tls: None, netns: Some(&lab.lab) }).unwrap();
     lab.create_cluster(CLUSTER, BOOTSTRAP).await.unwrap();
+    lab.env.prepare_kubeadm_join(&lab.lab, appliance::ADDRESS, NS, CLUSTER).await.unwrap();
 
     let scenarios = scenarios();
     let timelines: Vec<Timeline> = scenarios.iter().map(|_| Timeline::start()).collect();
@@ -486,8 +495,10 @@ async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
 /// hosts, and each joins as a Node. A Deployment's pod runs on one of them; that worker's
 /// Machine is deleted (chosen with Cluster API's delete-machine annotation, the MachineDeployment
 /// scaled to 1): its Node is drained and the pod comes back on the other Node; its host is
-/// wiped and Available again, its Host kept. Then the MachineDeployment is scaled to 0, the
-/// other worker is drained and wiped, and both Hosts are deleted.
+/// wiped and Available again, its Host kept. A MachineHealthCheck then replaces the other
+/// worker, powered off behind Cluster API's back; the spare Host is deleted, the
+/// MachineDeployment rolled out to kubeadm's bootstrap provider on the one host left
+/// ([`kubeadm_rollout`]), then scaled to 0: drained, wiped, and that Host deleted too.
 async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Result<()> {
     let [(a, a_timeline), (b, b_timeline)] = workers else {
         bail!("{} workers, want 2", workers.len())
@@ -570,13 +581,162 @@ async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Resul
     workload_running(env, Some(&replacement)).await?;
     timeline.mark("the Deployment's pod Running on the replacement");
 
+    // The spare goes: the rollout has exactly as many hosts as replicas, so the old Machine's
+    // host is the new one's.
+    let (spare, spare_vm, spare_timeline) = workers[1 - reused];
+    deleted(env, spare, &spare_vm.domain, spare_timeline).await?;
+    let kubeadm_node = kubeadm_rollout(env, host, vm, timeline, &replacement).await?;
+
     env.lab.scale(WORKERS, 0).await?;
     timeline.mark("scaled to 0");
-    drained(env, &replacement).await?;
+    drained(env, &kubeadm_node).await?;
     timeline.mark("drained: the pod evicted, the Node still there");
-    wiped(env, host, vm, Some(&replacement), timeline).await?;
-    deleted(env, first, &first_vm.domain, first_timeline).await?;
-    deleted(env, second, &second_vm.domain, second_timeline).await
+    wiped(env, host, vm, Some(&kubeadm_node), timeline).await?;
+    deleted(env, host, &vm.domain, timeline).await
+}
+
+/// The workers' MachineDeployment rolled out to kubeadm's bootstrap provider (CABPK), with
+/// `maxSurge: 0` on its one host: the old Machine is drained and deleted first and its host
+/// wiped; then the new Machine claims that same host, which is imaged again and joins with
+/// `kubeadm join` (the control plane prepared for it as `kubeadm init` would, see
+/// `siteboot_tests::kube::kubeadm`). Nothing gives that kubelet a provider-id: siteboot sets the
+/// Node's providerID, found by the system UUID the ramdisk read. The pod then runs there.
+/// Returns the new Node's name.
+async fn kubeadm_rollout(
+    env: &Env<'_>,
+    s: &Scenario,
+    vm: &Vm,
+    timeline: &Timeline,
+    old_node: &str,
+) -> Result<String> {
+    let kube = &env.lab.env;
+    let old = claiming_machine(env, s.name).await?;
+    let console_from = vm.domain.console().lines().count();
+    let config = kubeadm_config_template(env).await?;
+    let rollout = json!({ "spec": {
+        "rollout": { "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": { "maxSurge": 0, "maxUnavailable": 1 },
+        } },
+        "template": { "spec": { "bootstrap": config, "version": kube.kubernetes_version()? } },
+    }});
+    let deployments = env.lab.api("MachineDeployment");
+    deployments.patch(WORKERS, &PatchParams::default(), &Patch::Merge(&rollout)).await?;
+    timeline.mark("rolled out to kubeadm's bootstrap provider (maxSurge 0, no spare host)");
+    drained(env, old_node).await?;
+    timeline.mark("drained: the pod evicted, the Node still there");
+    wiped(env, s, vm, Some(old_node), timeline).await?;
+    wait_gone(&env.lab.api("Machine"), &old.name_any(), POWER_TIMEOUT).await?;
+    kubeadm_joined(env, s, vm, timeline, console_from).await
+}
+
+/// The host claimed by a Machine with CABPK's data, imaged, and joined with `kubeadm join`;
+/// the Node gets its providerID from siteboot by the VM's system UUID, the Machine its nodeRef,
+/// and the workload's pod runs there. Returns the Node's name.
+async fn kubeadm_joined(
+    env: &Env<'_>,
+    s: &Scenario,
+    vm: &Vm,
+    timeline: &Timeline,
+    console_from: usize,
+) -> Result<String> {
+    let kube = &env.lab.env;
+    let machine = claiming_machine(env, s.name).await?;
+    let config_ref = &machine.data["spec"]["bootstrap"]["configRef"];
+    ensure!(config_ref["kind"] == "KubeadmConfig", "the new Machine's bootstrap: {config_ref}");
+    timeline.mark("claimed by the rolled-out Machine (kubeadm bootstrap)");
+    let secret = machine.data["spec"]["bootstrap"]["dataSecretName"].as_str().unwrap_or_default();
+    let data = Api::<Secret>::namespaced(kube.client(), NS).get(secret).await?;
+    let data = bootstrap::secret_text(&data, "value");
+    ensure!(data.contains("kubeadm join"), "not kubeadm's bootstrap data:\n{data}");
+    ensure!(!data.contains("provider-id") && !data.contains("provider_id"), "{data}");
+
+    let line = wait_console(&vm.domain, console_from, &[CHECKLIST]);
+    let line = line.await.map_err(|e| with_console(e, &vm.domain))?;
+    timeline.mark("first boot of the disk: cloud-init ran kubeadm join");
+    let found = checklist(&line);
+    ensure!(found == joined_checklist(KubeletOn::Host), "the node's checklist: {line}");
+    let provider_id = provider_id(s);
+    let nodes: Api<Node> = Api::all(kube.client());
+    let name = siteboot_tests::wait::for_async(
+        "a Node with the VM's system UUID",
+        PHASE_TIMEOUT,
+        || async {
+            let list = nodes.list(&Default::default()).await.ok()?.items;
+            list.into_iter()
+                .find(|n| {
+                    let info = n.status.as_ref().and_then(|s| s.node_info.as_ref());
+                    info.is_some_and(|i| i.system_uuid.eq_ignore_ascii_case(&vm.domain.uuid))
+                })
+                .and_then(|n| n.metadata.name)
+        },
+    )
+    .await?;
+    let node = ready_and_matched(&nodes, &name, PHASE_TIMEOUT).await?;
+    timeline.mark("Node Ready, matched to its Machine");
+    let set = node.spec.as_ref().and_then(|s| s.provider_id.as_deref());
+    ensure!(set == Some(provider_id.as_str()), "the Node's providerID: {set:?}");
+    // Who wrote it: not the kubelet (it had no provider-id), but siteboot's patch.
+    let writers: Vec<&str> = node
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|f| f.fields_v1.as_ref().is_some_and(|v| v.0.to_string().contains("f:providerID")))
+        .filter_map(|f| f.manager.as_deref())
+        .collect();
+    ensure!(!writers.is_empty() && !writers.contains(&"kubelet"), "providerID by {writers:?}");
+    wait_object(
+        &env.lab.api("Machine"),
+        &machine.name_any(),
+        "Running with its nodeRef",
+        POWER_TIMEOUT,
+        |m| {
+            m.data["status"]["phase"] == "Running"
+                && m.data["status"]["nodeRef"]["name"] == json!(name)
+        },
+    )
+    .await?;
+    workload_running(env, Some(&name)).await?;
+    timeline.mark("the Deployment's pod Running on the kubeadm-joined Node");
+    Ok(name)
+}
+
+/// A KubeadmConfigTemplate for the node image, as a user writes one for a plain Debian image
+/// with containerd: the systemd cgroup driver (as kubeadm configures the kubelet), forwarding,
+/// Debian's CNI plugins where containerd looks for them, the kubelet enabled; returns a
+/// Machine's `spec.bootstrap` that uses it.
+async fn kubeadm_config_template(env: &Env<'_>) -> Result<Value> {
+    const NAME: &str = "workers-kubeadm";
+    let containerd = r#"version = 2
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+  SystemdCgroup = true
+"#;
+    let template: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": KUBEADM_BOOTSTRAP, "kind": "KubeadmConfigTemplate",
+        "metadata": { "name": NAME },
+        "spec": { "template": { "spec": {
+            "format": "cloud-config",
+            "files": [{ "path": "/etc/containerd/config.toml", "content": containerd }],
+            "preKubeadmCommands": [
+                "modprobe br_netfilter",
+                "sysctl -w net.ipv4.ip_forward=1",
+                "mkdir -p /opt/cni && ln -sfn /usr/lib/cni /opt/cni/bin",
+                "systemctl restart containerd",
+                "systemctl enable kubelet",
+            ],
+            "joinConfiguration": { "nodeRegistration": {
+                "kubeletExtraArgs": [{ "name": "node-labels", "value": "example.com/pool=kubeadm" }],
+            } },
+        } } },
+    }))?;
+    let templates = env.lab.env.api(KUBEADM_BOOTSTRAP, "KubeadmConfigTemplate", Some(NS));
+    templates.create(&PostParams::default(), &template).await?;
+    Ok(json!({ "configRef": {
+        "apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "KubeadmConfigTemplate", "name": NAME,
+    } }))
 }
 
 /// Which of `hosts` the next Machine claims: the remediated one's replacement may get either
