@@ -1,0 +1,18 @@
+//! The deploy ramdisk's agent API (docs/agent-api.md) as types: what `GET v1/task` answers
+//! ([`Task`]) and what the agent posts back ([`Hardware`], [`ProgressReport`], [`Complete`]),
+//! answered with [`Ack`]. The ramdisk's agent and both servers (Kubernetes mode's
+//! `controller/src/agent.rs`, standalone mode's `appliance/src/standalone.rs`) serialize and
+//! parse these, so no side writes the JSON by hand and a renamed field breaks the build, not
+//! the ramdisks.
+//!
+//! The JSON is what ramdisks in the field speak: the tests pin it byte for byte.
+//!
+//! It depends on no Kubernetes client: the ramdisk and standalone mode link it without one.
+
+#![forbid(unsafe_code)]
+
+mod report;
+mod task;
+
+pub use report::{Ack, Complete, Disk, Hardware, Nic, Progress, ProgressReport, System};
+pub use task::{Image, MetaData, Provision, RootDeviceHints, Task, Wipe};
