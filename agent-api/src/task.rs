@@ -40,6 +40,8 @@ pub struct Provision {
     #[serde(default)]
     pub grow_last_partition: bool,
     pub image: Image,
+    /// Absent: empty, which the agent fails for want of an `instance-id`.
+    #[serde(default)]
     pub meta_data: MetaData,
     /// The operation's id.
     pub operation: String,
@@ -91,15 +93,16 @@ pub struct RootDeviceHints {
 
 /// The NoCloud meta-data the agent writes beside the bootstrap data, as the seed's
 /// `meta-data` file.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MetaData {
     /// New with each provisioning (the operation's id), so cloud-init runs the user-data of a
-    /// new instance; cloud-init needs one, and the agent fails a provision whose is empty.
-    #[serde(rename = "instance-id")]
+    /// new instance. cloud-init needs one: the agent fails (through `POST v1/complete`, with
+    /// the reason) a provision whose `instance-id` is missing or empty.
+    #[serde(rename = "instance-id", default)]
     pub instance_id: String,
     /// The host name the installed OS takes.
-    #[serde(rename = "local-hostname")]
-    pub local_hostname: String,
+    #[serde(rename = "local-hostname", skip_serializing_if = "Option::is_none")]
+    pub local_hostname: Option<String>,
     /// `siteboot://<namespace>/<host>`, for a kubelet whose `--provider-id` comes from it.
     #[serde(rename = "provider-id", skip_serializing_if = "Option::is_none")]
     pub provider_id: Option<String>,
@@ -131,7 +134,7 @@ mod tests {
             },
             meta_data: MetaData {
                 instance_id: "op2".into(),
-                local_hostname: "node-1".into(),
+                local_hostname: Some("node-1".into()),
                 provider_id: Some("siteboot://ns/node-1".into()),
             },
             operation: "op2".into(),
@@ -193,7 +196,7 @@ mod tests {
         let Task::Provision(mut p) = provision() else { unreachable!() };
         p.root_device_hints = RootDeviceHints { serial: Some("S2".into()), ..Default::default() };
         p.meta_data.provider_id = None;
-        let json = serde_json::to_string(&Task::Provision(p.clone())).unwrap();
+        let json = serde_json::to_string(&Task::Provision(p)).unwrap();
         assert!(json.contains(r#""metaData":{"instance-id":"op2","local-hostname":"node-1"}"#));
         assert!(json.contains(r#""rootDeviceHints":{"serial":"S2"}"#), "{json}");
         let older = r#"{"action": "provision", "operation": "op2",
@@ -202,6 +205,11 @@ mod tests {
         let Ok(Task::Provision(read)) = serde_json::from_str(older) else { panic!("{older}") };
         assert_eq!((read.image.size_bytes, read.grow_last_partition), (0, false));
         assert_eq!(read.root_device_hints, RootDeviceHints::default());
+        // Left for the agent to refuse, with its reason, rather than unreadable.
+        let bare = r#"{"action": "provision", "operation": "op2",
+            "image": {"url": "u", "checksum": "c"}}"#;
+        let Ok(Task::Provision(read)) = serde_json::from_str(bare) else { panic!("{bare}") };
+        assert_eq!(read.meta_data, MetaData::default());
     }
 
     /// A hint this side does not know is refused rather than ignored (ignoring it could pick a

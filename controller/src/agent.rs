@@ -829,7 +829,7 @@ mod tests {
     /// what the agent sends, this side reads.
     #[test]
     fn the_agent_reads_the_tasks_and_this_side_reads_its_reports() {
-        use siteboot_agent::task::{ProgressReport, Task};
+        use siteboot_agent_api::{ProgressReport, Task};
         let mut host = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
         host.metadata.namespace = Some("metal".into());
         let image = Image {
@@ -864,7 +864,7 @@ mod tests {
             };
             assert_eq!(read.image.size_bytes, 4096);
             assert_eq!(read.root_device_hints.wwn, hints.and_then(|h| h.wwn));
-            assert_eq!(read.meta_data["provider-id"], "siteboot://metal/node-1");
+            assert_eq!(read.meta_data.provider_id.as_deref(), Some("siteboot://metal/node-1"));
         }
         let deprovision = deprovision_task("op-8", WipePolicy::Quick);
         assert!(matches!(
@@ -872,8 +872,8 @@ mod tests {
             Ok(Task::Deprovision { .. })
         ));
         let report = ProgressReport {
-            step: "writing image",
-            bytes: Some(siteboot_agent::progress::Progress { done: 5, total: 9 }),
+            step: "writing image".into(),
+            bytes: Some(siteboot_agent_api::Progress { done: 5, total: 9 }),
         };
         let read: Progress =
             serde_json::from_value(serde_json::to_value(&report).unwrap()).unwrap();
@@ -881,18 +881,18 @@ mod tests {
             (read.step.as_str(), read.bytes),
             ("writing image", Some(ByteCount { done: 5, total: 9 }))
         );
-        use siteboot_agent::inspect;
-        let found = inspect::Hardware {
+        use siteboot_agent_api as api;
+        let found = api::Hardware {
             cpus: 2,
             memory_mib: 2048,
-            arch: "x86_64".into(),
-            system: Some(inspect::System {
+            arch: Some("x86_64".into()),
+            system: Some(api::System {
                 uuid: "u-1".into(),
                 vendor: Some("QEMU".into()),
                 model: None,
                 serial: None,
             }),
-            disks: vec![inspect::Disk {
+            disks: vec![api::Disk {
                 name: "/dev/vda".into(),
                 size_bytes: 1 << 30,
                 model: None,
@@ -900,10 +900,10 @@ mod tests {
                 wwn: Some("0x5000".into()),
                 rotational: false,
             }],
-            nics: vec![inspect::Nic {
+            nics: vec![api::Nic {
                 name: "eth0".into(),
                 mac: "52:54:00:00:00:01".into(),
-                link: true,
+                link: Some(true),
                 speed_mbps: Some(1000),
             }],
         };

@@ -2,28 +2,7 @@
 //! those, the smallest that holds the image. A disk a hint rules out is never chosen, however
 //! well it would fit otherwise: no hint is "best effort".
 
-use serde::Deserialize;
-
-use crate::inspect::Disk;
-
-/// `rootDeviceHints` of a provision task (every field optional; absent = no hint).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct RootDeviceHints {
-    /// `/dev/sdb` or `sdb`.
-    pub name: Option<String>,
-    pub serial: Option<String>,
-    /// `0x5000c500a1b2c3d4`, `naa.5000c500a1b2c3d4` or `eui.…`: compared without the prefix.
-    pub wwn: Option<String>,
-    /// Compared without case and surrounding blanks (sysfs pads models).
-    pub model: Option<String>,
-    /// 0 is no hint, as absent.
-    #[serde(default)]
-    pub min_size_bytes: u64,
-    /// 0 is no hint, as absent.
-    #[serde(default)]
-    pub max_size_bytes: u64,
-}
+use siteboot_agent_api::{Disk, RootDeviceHints};
 
 /// Why no disk was chosen: every disk and what ruled it out.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,48 +20,50 @@ pub enum Refusal {
     TooSmall { size: u64, needed: u64 },
 }
 
-impl RootDeviceHints {
-    /// The first hint `disk` does not match.
-    fn mismatch(&self, disk: &Disk) -> Option<&'static str> {
-        let name = self
-            .name
-            .as_deref()
-            .map(|n| if n.starts_with("/dev/") { n.to_owned() } else { format!("/dev/{n}") });
-        let same = |hint: &Option<String>, actual: &Option<String>, norm: fn(&str) -> String| {
-            hint.as_ref().is_none_or(|h| actual.as_deref().is_some_and(|a| norm(a) == norm(h)))
-        };
-        if name.is_some_and(|n| n != disk.name) {
-            Some("name")
-        } else if !same(&self.serial, &disk.serial, |s| s.trim().to_owned()) {
-            Some("serial")
-        } else if !same(&self.wwn, &disk.wwn, wwn) {
-            Some("wwn")
-        } else if !same(&self.model, &disk.model, |s| s.trim().to_lowercase()) {
-            Some("model")
-        } else if self.min_size_bytes > disk.size_bytes {
-            Some("minSizeBytes")
-        } else if self.max_size_bytes != 0 && self.max_size_bytes < disk.size_bytes {
-            Some("maxSizeBytes")
-        } else {
-            None
-        }
+/// The first of `hints` that `disk` does not match.
+fn mismatch(hints: &RootDeviceHints, disk: &Disk) -> Option<&'static str> {
+    let name = hints
+        .name
+        .as_deref()
+        .map(|n| if n.starts_with("/dev/") { n.to_owned() } else { format!("/dev/{n}") });
+    let same = |hint: &Option<String>, actual: &Option<String>, norm: fn(&str) -> String| {
+        hint.as_ref().is_none_or(|h| actual.as_deref().is_some_and(|a| norm(a) == norm(h)))
+    };
+    if name.is_some_and(|n| n != disk.name) {
+        Some("name")
+    } else if !same(&hints.serial, &disk.serial, |s| s.trim().to_owned()) {
+        Some("serial")
+    } else if !same(&hints.wwn, &disk.wwn, wwn) {
+        Some("wwn")
+    } else if !same(&hints.model, &disk.model, |s| s.trim().to_lowercase()) {
+        Some("model")
+    } else if hints.min_size_bytes.unwrap_or(0) > disk.size_bytes {
+        Some("minSizeBytes")
+    } else if hints.max_size_bytes.is_some_and(|max| max != 0 && max < disk.size_bytes) {
+        Some("maxSizeBytes")
+    } else {
+        None
     }
+}
 
-    /// The smallest disk that matches every hint and holds `needed` bytes.
-    pub fn choose<'a>(&self, disks: &'a [Disk], needed: u64) -> Result<&'a Disk, NoDisk> {
-        let mut refused = Vec::new();
-        let mut fitting = Vec::new();
-        for disk in disks {
-            match self.mismatch(disk) {
-                Some(hint) => refused.push((disk.name.clone(), Refusal::Hint(hint))),
-                None if disk.size_bytes < needed => refused
-                    .push((disk.name.clone(), Refusal::TooSmall { size: disk.size_bytes, needed })),
-                None => fitting.push(disk),
-            }
+/// The smallest disk that matches every one of `hints` and holds `needed` bytes.
+pub fn choose<'a>(
+    hints: &RootDeviceHints,
+    disks: &'a [Disk],
+    needed: u64,
+) -> Result<&'a Disk, NoDisk> {
+    let mut refused = Vec::new();
+    let mut fitting = Vec::new();
+    for disk in disks {
+        match mismatch(hints, disk) {
+            Some(hint) => refused.push((disk.name.clone(), Refusal::Hint(hint))),
+            None if disk.size_bytes < needed => refused
+                .push((disk.name.clone(), Refusal::TooSmall { size: disk.size_bytes, needed })),
+            None => fitting.push(disk),
         }
-        // Ties go to the first by name (inspection sorts them), so the choice is repeatable.
-        fitting.into_iter().min_by_key(|d| d.size_bytes).ok_or(NoDisk(refused))
     }
+    // Ties go to the first by name (inspection sorts them), so the choice is repeatable.
+    fitting.into_iter().min_by_key(|d| d.size_bytes).ok_or(NoDisk(refused))
 }
 
 /// A WWN without its notation: `0x…`, `naa.…`, `eui.…`, `wwn-0x…`, any case.
@@ -144,10 +125,13 @@ mod tests {
             (hints(|h| h.wwn = Some("00253800000000ff".into())), 1, Ok("/dev/nvme0n1")),
             (hints(|h| h.model = Some("qemu harddisk".into())), 1, Ok("/dev/sdb")),
             (hints(|h| h.model = Some("qemu harddisk".into())), 50, Ok("/dev/sda")),
-            (hints(|h| h.min_size_bytes = 50 * GIB), 1, Ok("/dev/sda")),
-            (hints(|h| h.max_size_bytes = 50 * GIB), 1, Ok("/dev/vda")),
+            (hints(|h| h.min_size_bytes = Some(50 * GIB)), 1, Ok("/dev/sda")),
+            (hints(|h| h.max_size_bytes = Some(50 * GIB)), 1, Ok("/dev/vda")),
+            // A size hint of 0 is no hint.
+            (hints(|h| h.max_size_bytes = Some(0)), 15, Ok("/dev/sdb")),
+            (hints(|h| h.min_size_bytes = Some(0)), 1, Ok("/dev/vda")),
             (
-                hints(|h| h.max_size_bytes = 50 * GIB),
+                hints(|h| h.max_size_bytes = Some(50 * GIB)),
                 30,
                 Err(vec!["maxSizeBytes", "too small", "maxSizeBytes", "too small"]),
             ),
@@ -155,14 +139,14 @@ mod tests {
                 hints(|h| {
                     h.model = Some("QEMU HARDDISK".into());
                     h.serial = Some("S-A".into());
-                    h.max_size_bytes = 50 * GIB;
+                    h.max_size_bytes = Some(50 * GIB);
                 }),
                 1,
                 Err(vec!["maxSizeBytes", "serial", "serial", "serial"]),
             ),
         ];
         for (hints, image_gib, expected) in cases {
-            let got = hints.choose(&disks, image_gib * GIB);
+            let got = choose(&hints, &disks, image_gib * GIB);
             match (&got, &expected) {
                 (Ok(disk), Ok(name)) => assert_eq!(&disk.name, name, "{hints:?} {image_gib}"),
                 (Err(NoDisk(refusals)), Err(why)) => {
@@ -182,10 +166,10 @@ mod tests {
 
     #[test]
     fn no_disk_says_why() {
-        let e = RootDeviceHints::default().choose(&[], 1).unwrap_err();
+        let e = choose(&RootDeviceHints::default(), &[], 1).unwrap_err();
         assert_eq!(e.to_string(), "no disk fits: this machine has no disks");
         let disks = [disk("vda", 1, "", "", "")];
-        let e = RootDeviceHints::default().choose(&disks, 2 * GIB).unwrap_err();
+        let e = choose(&RootDeviceHints::default(), &disks, 2 * GIB).unwrap_err();
         assert_eq!(
             e.to_string(),
             "no disk fits: /dev/vda holds 1073741824 bytes, less than the 2147483648 needed"

@@ -5,59 +5,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
-
-/// What inspection found; the JSON is the agent API's `Hardware`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Hardware {
-    pub cpus: u32,
-    #[serde(rename = "memoryMiB")]
-    pub memory_mib: u64,
-    pub arch: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub system: Option<System>,
-    pub disks: Vec<Disk>,
-    pub nics: Vec<Nic>,
-}
-
-/// The SMBIOS identity (`/sys/class/dmi/id`); present when the UUID is readable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct System {
-    pub uuid: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub vendor: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub serial: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Disk {
-    /// The device node, `/dev/<name>`.
-    pub name: String,
-    pub size_bytes: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub serial: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub wwn: Option<String>,
-    pub rotational: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Nic {
-    pub name: String,
-    pub mac: String,
-    /// Carrier: a cable is in and the other end is up.
-    pub link: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub speed_mbps: Option<u32>,
-}
+use siteboot_agent_api::{Disk, Hardware, Nic, System};
 
 /// The kernel's views of the machine: `<root>/sys`, `<root>/proc` and the disks' device nodes
 /// under `<root>/dev` (`/` on the ramdisk).
@@ -76,7 +24,7 @@ impl SystemRoot {
         Hardware {
             cpus: count_cpus(&online),
             memory_mib: memory_mib(&meminfo),
-            arch: std::env::consts::ARCH.to_owned(),
+            arch: Some(std::env::consts::ARCH.to_owned()),
             system: self.system(),
             disks: self.disks(),
             nics: self.nics(),
@@ -140,7 +88,7 @@ impl SystemRoot {
             .map(|(name, dir)| Nic {
                 mac: read(&dir.join("address")).unwrap_or_default(),
                 // Reading carrier of a link that is down fails (EINVAL): no link.
-                link: read(&dir.join("carrier")).as_deref() == Some("1"),
+                link: Some(read(&dir.join("carrier")).as_deref() == Some("1")),
                 // -1 (or unreadable) when there is no link.
                 speed_mbps: read(&dir.join("speed")).and_then(|s| s.parse().ok()),
                 name,

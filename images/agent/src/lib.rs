@@ -5,8 +5,8 @@
 //! ([`hints`]), [`write`] an image to it, grow its last partition and add a NoCloud seed
 //! ([`partition`], [`seed`]), and [`wipe`] disks. The binary (`src/main.rs`) runs the task loop.
 //!
-//! It talks only to the appliance's agent API: it never depends on the controller or a
-//! Kubernetes client.
+//! It talks only to the appliance's agent API, whose tasks and reports are the types of
+//! `siteboot_agent_api`: it never depends on the controller or a Kubernetes client.
 
 pub mod client;
 pub mod cmdline;
@@ -16,7 +16,6 @@ pub mod partition;
 pub mod pin;
 pub mod progress;
 pub mod seed;
-pub mod task;
 pub mod wipe;
 pub mod write;
 

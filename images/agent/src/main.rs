@@ -12,15 +12,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Method, StatusCode};
 use serde::Serialize;
-use siteboot_agent::hints::NoDisk;
-use siteboot_agent::inspect::{Disk, SystemRoot};
+use siteboot_agent::hints::{self, NoDisk};
+use siteboot_agent::inspect::SystemRoot;
 use siteboot_agent::partition::{self, PartitionError, SEED_RESERVE};
-use siteboot_agent::progress::Progress;
 use siteboot_agent::seed::{self, MetaData, SeedError};
-use siteboot_agent::task::{Complete, ProgressReport, Provision, Task};
-use siteboot_agent::wipe::{self, Policy, WipeError};
+use siteboot_agent::wipe::{self, WipeError};
 use siteboot_agent::write::{self, WriteError};
 use siteboot_agent::{AgentClient, ClientError, Cmdline, Response, Token};
+use siteboot_agent_api::{Complete, Disk, Progress, ProgressReport, Provision, Task, Wipe};
 use siteboot_image::{Digest, ImageUrl};
 use tokio::sync::watch;
 
@@ -189,7 +188,7 @@ impl Agent {
                 }
                 Task::Provision(provision) => {
                     say!("provisioning ({}) with {}", provision.operation, provision.image.url);
-                    let result = self.provision(provision).await;
+                    let result = self.provision(*provision).await;
                     self.complete(result).await;
                 }
                 Task::Deprovision { operation, wipe } => {
@@ -220,7 +219,8 @@ impl Agent {
         let task = tokio::spawn(async move {
             while rx.changed().await.is_ok() {
                 let bytes = *rx.borrow_and_update();
-                let json = serde_json::to_vec(&ProgressReport { step, bytes }).expect("serializes");
+                let report = ProgressReport { step: step.to_owned(), bytes };
+                let json = serde_json::to_vec(&report).expect("serializes");
                 if let Some(Progress { done, total }) = bytes {
                     say!("{step}: {done} of {total} bytes");
                 }
@@ -244,8 +244,8 @@ impl Agent {
             .map_err(|e: siteboot_image::DigestError| bad_url(e.to_string()))?;
         let meta_data = MetaData::new(task.meta_data).map_err(TaskError::MetaData)?;
         let disks = self.root.disks();
-        let disk =
-            task.root_device_hints.choose(&disks, task.image.size_bytes + SEED_RESERVE)?.clone();
+        let needed = task.image.size_bytes + SEED_RESERVE;
+        let disk = hints::choose(&task.root_device_hints, &disks, needed)?.clone();
         say!("root disk {} ({} bytes)", disk.name, disk.size_bytes);
         let response = self.insist(Method::GET, "v1/bootstrap", None::<&()>).await;
         if !response.status.is_success() {
@@ -266,7 +266,7 @@ impl Agent {
             )),
             Err(error) => {
                 // Bytes may have been written: nothing half-written (or seedless) may boot.
-                let wiped = match self.wipe_disk(&disk, Policy::Quick).await {
+                let wiped = match self.wipe_disk(&disk, Wipe::Quick).await {
                     Ok(_) => "wiped",
                     Err(e) => {
                         say!("{e}");
@@ -303,7 +303,7 @@ impl Agent {
         Ok(written)
     }
 
-    async fn deprovision(&self, policy: Policy) -> Result<String, TaskError> {
+    async fn deprovision(&self, policy: Wipe) -> Result<String, TaskError> {
         let disks = self.root.disks();
         let mut wiped = 0;
         for disk in &disks {
@@ -312,8 +312,8 @@ impl Agent {
         Ok(format!("wiped {wiped} bytes ({policy:?}) on {} disks", disks.len()))
     }
 
-    async fn wipe_disk(&self, disk: &Disk, policy: Policy) -> Result<u64, TaskError> {
-        if policy == Policy::None {
+    async fn wipe_disk(&self, disk: &Disk, policy: Wipe) -> Result<u64, TaskError> {
+        if policy == Wipe::None {
             return Ok(0);
         }
         say!("wiping {} ({policy:?})", disk.name);

@@ -1,14 +1,7 @@
-//! Progress of long steps (writing an image, wiping a disk), reported at most about once a
-//! second (docs/agent-api.md).
+//! Progress of long steps (writing an image, wiping a disk, `siteboot_agent_api::Progress`),
+//! reported at most about once a second (docs/agent-api.md).
 
 use std::time::{Duration, Instant};
-
-/// How far a long step is: bytes done of the total (0 if unknown), as `POST v1/progress` says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub struct Progress {
-    pub done: u64,
-    pub total: u64,
-}
 
 /// Lets a progress report through at most once per `every`.
 #[derive(Debug)]

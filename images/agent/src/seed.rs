@@ -8,16 +8,14 @@ use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use serde_json::{Map, Value};
-
 use crate::partition::SeedPlace;
 
 /// The filesystem label cloud-init's NoCloud datasource looks for.
 pub const LABEL: &[u8; 11] = b"CIDATA     ";
 
-/// A task's `metaData`: a JSON object with a string `instance-id`.
+/// A task's `metaData`, with the non-empty `instance-id` cloud-init needs.
 #[derive(Debug, Clone, PartialEq)]
-pub struct MetaData(Map<String, Value>);
+pub struct MetaData(siteboot_agent_api::MetaData);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SeedError {
@@ -28,16 +26,13 @@ pub enum SeedError {
 }
 
 impl MetaData {
-    pub fn new(fields: Map<String, Value>) -> Result<Self, SeedError> {
-        match fields.get("instance-id") {
-            Some(Value::String(id)) if !id.is_empty() => Ok(Self(fields)),
-            _ => Err(SeedError::NoInstanceId),
-        }
+    pub fn new(fields: siteboot_agent_api::MetaData) -> Result<Self, SeedError> {
+        if fields.instance_id.is_empty() { Err(SeedError::NoInstanceId) } else { Ok(Self(fields)) }
     }
 
     /// The `meta-data` file.
     fn file(&self) -> Vec<u8> {
-        let mut text = serde_json::to_vec_pretty(&self.0).expect("a JSON map serializes");
+        let mut text = serde_json::to_vec_pretty(&self.0).expect("meta-data serializes");
         text.push(b'\n');
         text
     }
@@ -134,20 +129,19 @@ impl Seek for Slice<'_> {
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
+    use serde_json::Value;
 
     use super::*;
     use crate::partition::add_seed_partition;
     use crate::partition::tests::{run, written_disk};
 
     fn meta_data() -> MetaData {
-        let Value::Object(fields) = json!({
-            "instance-id": "default-worker-abc12", "local-hostname": "worker-1",
-            "provider-id": "siteboot://default/worker-1"})
-        else {
-            unreachable!()
-        };
-        MetaData::new(fields).unwrap()
+        MetaData::new(siteboot_agent_api::MetaData {
+            instance_id: "default-worker-abc12".into(),
+            local_hostname: Some("worker-1".into()),
+            provider_id: Some("siteboot://default/worker-1".into()),
+        })
+        .unwrap()
     }
 
     #[test]
@@ -181,11 +175,21 @@ mod tests {
         assert_eq!(meta["provider-id"], "siteboot://default/worker-1");
     }
 
+    /// The file is what it was when the task carried a JSON map: pretty, keys sorted.
+    #[test]
+    fn the_meta_data_file() {
+        let expected = r#"{
+  "instance-id": "default-worker-abc12",
+  "local-hostname": "worker-1",
+  "provider-id": "siteboot://default/worker-1"
+}
+"#;
+        assert_eq!(String::from_utf8(meta_data().file()).unwrap(), expected);
+    }
+
     #[test]
     fn meta_data_needs_an_instance_id() {
-        for fields in [json!({}), json!({"instance-id": ""}), json!({"instance-id": 1})] {
-            let Value::Object(fields) = fields else { unreachable!() };
-            assert!(matches!(MetaData::new(fields), Err(SeedError::NoInstanceId)));
-        }
+        let none = MetaData::new(siteboot_agent_api::MetaData::default());
+        assert!(matches!(none, Err(SeedError::NoInstanceId)));
     }
 }

@@ -16,22 +16,13 @@ use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use siteboot_agent_api::{Progress, Wipe};
 
 use crate::partition::partitions;
-use crate::progress::{Progress, Throttle};
+use crate::progress::Throttle;
 use crate::write::{ALIGN, CHUNK, Chunk, open_disk, stop_direct};
 
 const MIB: u64 = 1 << 20;
-
-/// How a deprovisioned disk is wiped (`wipe` of a deprovision task; `none` is no wipe).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Policy {
-    Quick,
-    Full,
-    None,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum WipeError {
@@ -43,16 +34,16 @@ pub enum WipeError {
 
 /// The byte ranges a policy clears on a disk of `size` bytes holding `partitions` (offset,
 /// length): sorted, merged, within the disk.
-pub fn regions(policy: Policy, size: u64, partitions: &[(u64, u64)]) -> Vec<Range<u64>> {
+pub fn regions(policy: Wipe, size: u64, partitions: &[(u64, u64)]) -> Vec<Range<u64>> {
     let ends = |offset: u64, len: u64| {
         let head = offset..offset + len.min(MIB);
         let tail = offset + len.saturating_sub(MIB)..offset + len;
         [head, tail]
     };
     let mut ranges: Vec<Range<u64>> = match policy {
-        Policy::None => Vec::new(),
-        Policy::Full => std::iter::once(0..size).collect(),
-        Policy::Quick => std::iter::once((0, size))
+        Wipe::None => Vec::new(),
+        Wipe::Full => std::iter::once(0..size).collect(),
+        Wipe::Quick => std::iter::once((0, size))
             .chain(partitions.iter().copied())
             .flat_map(|(offset, len)| ends(offset, len))
             .map(|r| r.start.min(size)..r.end.min(size))
@@ -76,18 +67,18 @@ pub fn wipe(
     device: &Path,
     size: u64,
     sector: u64,
-    policy: Policy,
+    policy: Wipe,
     mut progress: impl FnMut(Progress),
 ) -> Result<u64, WipeError> {
     let io = |action| move |error| WipeError::Io { action, device: device.to_owned(), error };
     let file = File::options().read(true).write(true).open(device).map_err(io("opening"))?;
     let found = match policy {
         // Unreadable tables must not stop the wipe: the disk's own ends are still cleared.
-        Policy::Quick => partitions(&file, size, sector).unwrap_or_else(|e| {
+        Wipe::Quick => partitions(&file, size, sector).unwrap_or_else(|e| {
             eprintln!("siteboot-agent: reading the tables of {}: {e}", device.display());
             Vec::new()
         }),
-        Policy::Full | Policy::None => Vec::new(),
+        Wipe::Full | Wipe::None => Vec::new(),
     };
     let ranges = regions(policy, size, &found);
     let total: u64 = ranges.iter().map(|r| r.end - r.start).sum();
@@ -99,7 +90,7 @@ pub fn wipe(
             progress(Progress { done, total: 2 * total });
         }
     };
-    if policy == Policy::Full {
+    if policy == Wipe::Full {
         let how = zero_out(&file, device, size, &mut step)?;
         eprintln!("siteboot-agent: {}: {how}", device.display());
     } else {
@@ -249,20 +240,17 @@ mod tests {
         let size = 100 * MIB;
         let parts = [(MIB, 8 * MIB), (9 * MIB, 91 * MIB - 34 * 512), (99 * MIB, 2 * MIB)];
         assert_eq!(
-            regions(Policy::Quick, size, &parts),
+            regions(Wipe::Quick, size, &parts),
             vec![0..2 * MIB, 8 * MIB..10 * MIB, 99 * MIB - 34 * 512..size]
         );
         // A partition smaller than a MiB is cleared whole, once.
         assert_eq!(
-            regions(Policy::Quick, 4 * MIB, &[(MIB, 4096)]),
+            regions(Wipe::Quick, 4 * MIB, &[(MIB, 4096)]),
             vec![0..MIB + 4096, 3 * MIB..4 * MIB]
         );
-        assert_eq!(
-            regions(Policy::Full, size, &parts),
-            std::iter::once(0..size).collect::<Vec<_>>()
-        );
-        assert_eq!(regions(Policy::None, size, &parts), vec![]);
-        assert_eq!(regions(Policy::Quick, MIB / 2, &[]), vec![0..MIB / 2]);
+        assert_eq!(regions(Wipe::Full, size, &parts), std::iter::once(0..size).collect::<Vec<_>>());
+        assert_eq!(regions(Wipe::None, size, &parts), vec![]);
+        assert_eq!(regions(Wipe::Quick, MIB / 2, &[]), vec![0..MIB / 2]);
     }
 
     /// What `blkid` finds at `offset` of `disk` (nothing: empty).
@@ -306,10 +294,10 @@ mod tests {
         assert!(run("wipefs", &["-n", name], None).contains("gpt"));
 
         let mut reports = Vec::new();
-        let wiped = wipe(disk.path(), 64 * MIB, 512, Policy::Quick, |p| reports.push(p)).unwrap();
+        let wiped = wipe(disk.path(), 64 * MIB, 512, Wipe::Quick, |p| reports.push(p)).unwrap();
         assert_eq!(
             wiped,
-            regions(Policy::Quick, 64 * MIB, &parts).iter().map(|r| r.end - r.start).sum::<u64>()
+            regions(Wipe::Quick, 64 * MIB, &parts).iter().map(|r| r.end - r.start).sum::<u64>()
         );
         assert_eq!(reports.last(), Some(&Progress { done: 2 * wiped, total: 2 * wiped }));
         for (offset, len) in &parts {
@@ -326,7 +314,7 @@ mod tests {
     #[test]
     fn full_wipe_zeroes_every_byte() {
         let (disk, _) = used_disk();
-        let wiped = wipe(disk.path(), 64 * MIB, 512, Policy::Full, |_| {}).unwrap();
+        let wiped = wipe(disk.path(), 64 * MIB, 512, Wipe::Full, |_| {}).unwrap();
         assert_eq!(wiped, 64 * MIB);
         assert!(std::fs::read(disk.path()).unwrap().iter().all(|b| *b == 0));
     }
@@ -338,7 +326,7 @@ mod tests {
         for lba in [1, 64 * MIB / 512 - 1] {
             forge_gpt(disk.as_file(), lba, 84, &0xffff_fff8_u32.to_le_bytes());
         }
-        let wiped = wipe(disk.path(), 64 * MIB, 512, Policy::Quick, |_| {}).unwrap();
+        let wiped = wipe(disk.path(), 64 * MIB, 512, Wipe::Quick, |_| {}).unwrap();
         assert_eq!(wiped, 2 * MIB);
         let bytes = std::fs::read(disk.path()).unwrap();
         assert!(bytes[..MIB as usize].iter().all(|b| *b == 0));
@@ -395,7 +383,7 @@ mod tests {
         // The whole wipe, through the same path, on the tenant's disk again.
         file.as_file().write_all_at(&pattern, 5 * MIB).unwrap();
         let mut reports = Vec::new();
-        assert_eq!(wipe(disk, size, 512, Policy::Full, |p| reports.push(p)).unwrap(), size);
+        assert_eq!(wipe(disk, size, 512, Wipe::Full, |p| reports.push(p)).unwrap(), size);
         assert_eq!(reports.last(), Some(&Progress { done: 2 * size, total: 2 * size }));
         assert!(std::fs::read(file.path()).unwrap().iter().all(|b| *b == 0));
 
@@ -403,7 +391,7 @@ mod tests {
         let missed = 40 * MIB + 123;
         opened.write_all_at(&[0x5a], missed).unwrap();
         opened.sync_all().unwrap();
-        let e = read_back(disk, &regions(Policy::Full, size, &[]), &mut |_| {}).unwrap_err();
+        let e = read_back(disk, &regions(Wipe::Full, size, &[]), &mut |_| {}).unwrap_err();
         assert!(matches!(e, WipeError::NotZero { offset, .. } if offset == missed), "{e}");
         let message = e.to_string();
         assert!(message.contains(&device.0.display().to_string()), "{message}");

@@ -22,9 +22,9 @@ use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub use crate::progress::Progress;
 use crate::progress::Throttle;
 
+use siteboot_agent_api::Progress;
 use siteboot_image::{Digest, ImageUrl, Mismatch, Verifier};
 use siteboot_image_cache::{CacheError, FetchSink};
 
