@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::StatusCode;
-use serde_json::json;
+use siteboot_agent_api::{Ack, Complete, MetaData, ProgressReport, Task};
 use siteboot_boot::dhcp::relay_agent::RelayPin;
 use siteboot_boot::dhcp::settings::Reservation;
 use siteboot_boot::inventory::{
@@ -28,11 +28,12 @@ use siteboot_boot::inventory::{
 };
 use siteboot_boot::{BootAction, MacAddr};
 use siteboot_controller::agent::{
-    self, Complete, Endpoint, MetaData, Progress, Refusal, deprovision_task, needs_new_token,
-    provision_task, task_without_token,
+    self, Endpoint, Refusal, deprovision_task, needs_new_token, provision_task, task_without_token,
 };
 use siteboot_controller::bmc::Redfish;
-use siteboot_controller::crd::{Hardware, Image, OperationKind, RootDeviceHints, WipePolicy};
+use siteboot_controller::crd::{
+    ByteCount, Hardware, Image, OperationKind, RootDeviceHints, WipePolicy,
+};
 use siteboot_controller::images::{ImageService, Readiness};
 use tokio_util::sync::CancellationToken;
 
@@ -430,18 +431,18 @@ impl StaticInventory {
     ) -> Result<AgentResponse, Failure> {
         let mac = req.remote_mac.ok_or(Refusal::UnknownAddress)?;
         let host = self.hosts.get(&mac).ok_or(Refusal::UnknownHost)?;
-        let ok = || AgentResponse::json(&json!({ "ok": true }));
+        let ok = || AgentResponse::json(&Ack::TAKEN);
         match endpoint {
             Endpoint::Task => self.task(ops, mac, host, req).await,
             Endpoint::Inspection => {
-                let hardware: Hardware = agent::body(req)?;
+                let hardware: siteboot_agent_api::Hardware = agent::body(req)?;
                 ops.finish(
                     mac,
                     req,
                     Some(OperationKind::Inspect),
                     true,
                     String::new(),
-                    Some(hardware),
+                    Some(hardware.into()),
                     None,
                 )?;
                 Ok(ok())
@@ -454,7 +455,7 @@ impl StaticInventory {
                 Ok(ok())
             }
             Endpoint::Progress => {
-                let body: Progress = agent::body(req)?;
+                let body: ProgressReport = agent::body(req)?;
                 let step = body.step();
                 // A ramdisk reports every second or so: write the record when the step
                 // changes or every few seconds, keep the rest in memory.
@@ -463,7 +464,7 @@ impl StaticInventory {
                     || op.last_heard.is_none_or(|t| now().saturating_sub(t) >= PROGRESS_WRITE_SECS);
                 ops.update(mac, persist, |r| {
                     r.authenticate(req.token.as_deref(), req.remote, now(), ops.max_age())?;
-                    r.progress(step.clone(), body.bytes, now());
+                    r.progress(step.clone(), body.bytes.map(ByteCount::from), now());
                     Ok::<_, Refusal>(())
                 })
                 .map_err(flatten)?;
@@ -534,7 +535,7 @@ impl StaticInventory {
             Err(refusal) => return Err(refusal.into()),
         };
         let answer = match op.kind {
-            OperationKind::Inspect => json!({ "action": "inspect", "operation": op.id }),
+            OperationKind::Inspect => Task::Inspect { operation: op.id },
             OperationKind::Deprovision => deprovision_task(&op.id, host.wipe),
             OperationKind::Provision => {
                 let p = host.provisioning.as_ref().ok_or(Refusal::NoOperation)?;
@@ -542,7 +543,7 @@ impl StaticInventory {
                     Readiness::Ready { url, size } => (url, size),
                     Readiness::Fetching { why } => {
                         tracing::info!(host = %host.name, operation = %op.id, %why, "the ramdisk waits for its image");
-                        return Ok(AgentResponse::json(&json!({ "action": "wait", "seconds": 5 })));
+                        return Ok(AgentResponse::json(&Task::Wait { seconds: 5 }));
                     }
                     Readiness::Failed { why } => {
                         ops.finish(
@@ -554,18 +555,15 @@ impl StaticInventory {
                             None,
                             None,
                         )?;
-                        return Ok(AgentResponse::json(
-                            &json!({ "action": "wait", "seconds": 10 }),
-                        ));
+                        return Ok(AgentResponse::json(&Task::Wait { seconds: 10 }));
                     }
                 };
-                let provider_id = format!("siteboot://standalone/{}", host.name);
                 let meta = MetaData {
-                    instance_id: &op.id,
-                    local_hostname: &host.name,
-                    provider_id: Some(&provider_id),
+                    instance_id: op.id.clone(),
+                    local_hostname: Some(host.name.clone()),
+                    provider_id: Some(format!("siteboot://standalone/{}", host.name)),
                 };
-                provision_task(&op.id, &p.image, (&url, size), &p.root_device_hints, &meta)
+                provision_task(&op.id, &p.image, (&url, size), &p.root_device_hints, meta)
             }
         };
         Ok(AgentResponse::json(&answer))

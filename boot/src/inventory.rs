@@ -139,11 +139,11 @@ impl AgentResponse {
         Self { status, content_type: "text/plain", body: bytes::Bytes::from(body.into()) }
     }
 
-    pub fn json(value: &serde_json::Value) -> Self {
+    pub fn json(value: &impl serde::Serialize) -> Self {
         Self {
             status: http::StatusCode::OK,
             content_type: "application/json",
-            body: bytes::Bytes::from(value.to_string()),
+            body: bytes::Bytes::from(serde_json::to_vec(value).expect("answers serialize")),
         }
     }
 }

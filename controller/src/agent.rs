@@ -15,8 +15,7 @@ use std::sync::Arc;
 
 use http::{Method, StatusCode};
 use kube::{Api, ResourceExt};
-use serde::Deserialize;
-use serde_json::json;
+use siteboot_agent_api::{Ack, MetaData, ProgressReport, Provision, Task};
 use siteboot_boot::arp_probe::Unconfirmed;
 use siteboot_boot::inventory::{AgentRequest, AgentResponse};
 
@@ -24,8 +23,8 @@ use crate::conditions::paused_itself;
 use crate::context::{Ctx, key, owner_machine_ref, update_host_status};
 use crate::crd::capi::Machine;
 use crate::crd::{
-    ByteCount, Hardware, Host, HostState, Image, MachineAddress, Operation, OperationKind,
-    RootDeviceHints, SitebootMachine, WipePolicy, now,
+    ByteCount, Host, HostState, Image, MachineAddress, Operation, OperationKind, RootDeviceHints,
+    SitebootMachine, WipePolicy, now,
 };
 use crate::handoff::{self, Staged};
 use crate::host::lifecycle::{self, Fresh, completed, older_than, wipe};
@@ -87,12 +86,8 @@ pub fn refused(req: &AgentRequest, refusal: &Refusal) -> AgentResponse {
 /// The answer to `GET task` from a ramdisk whose token is not (or no longer) good: "reboot"
 /// when it should boot again (an operation waits for its token, or the host's disk is now
 /// what it boots); else "wait".
-pub fn task_without_token(boot_again: bool) -> serde_json::Value {
-    if boot_again {
-        json!({ "action": "reboot" })
-    } else {
-        json!({ "action": "wait", "seconds": 10 })
-    }
+pub fn task_without_token(boot_again: bool) -> Task {
+    if boot_again { Task::Reboot } else { Task::Wait { seconds: 10 } }
 }
 
 /// The refusals after which `GET task` answers [`task_without_token`] rather than refuse.
@@ -274,7 +269,7 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
         Err(other) => return Err(other.into()),
     };
     let answer = match op.kind {
-        OperationKind::Inspect => json!({ "action": "inspect", "operation": op.id }),
+        OperationKind::Inspect => Task::Inspect { operation: op.id },
         OperationKind::Provision => {
             let image = match &op.image {
                 Some(image) => image.clone(),
@@ -288,21 +283,21 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
                 Readiness::Ready { url, size } => (url, size),
                 Readiness::Fetching { why } => {
                     tracing::info!(host = %key(&host), operation = %op.id, %why, "the ramdisk waits for its image");
-                    return Ok(AgentResponse::json(&json!({ "action": "wait", "seconds": 5 })));
+                    return Ok(AgentResponse::json(&Task::Wait { seconds: 5 }));
                 }
                 Readiness::Failed { why } => {
                     finish(ctx, req, OperationKind::Provision, false, &why, None).await?;
-                    return Ok(AgentResponse::json(&json!({ "action": "wait", "seconds": 10 })));
+                    return Ok(AgentResponse::json(&Task::Wait { seconds: 10 }));
                 }
             };
             let hostname = machine_name(ctx, &host).await?;
             let hints = host.spec.root_device_hints.clone().unwrap_or_default();
             let meta = MetaData {
-                instance_id: &op.id,
-                local_hostname: &hostname,
-                provider_id: Some(&provider_id(&host)),
+                instance_id: op.id.clone(),
+                local_hostname: Some(hostname),
+                provider_id: Some(provider_id(&host)),
             };
-            provision_task(&op.id, &image, (&url, size), &hints, &meta)
+            provision_task(&op.id, &image, (&url, size), &hints, meta)
         }
         OperationKind::Deprovision => deprovision_task(&op.id, wipe(&host, ctx.min_wipe)),
     };
@@ -392,15 +387,6 @@ fn boots_again(host: &Host) -> bool {
     pending || (provisioned && !crate::host::lifecycle::disk_boot_due(host))
 }
 
-/// The NoCloud meta-data written beside the bootstrap data.
-pub struct MetaData<'a> {
-    /// New with each provisioning (the operation's id): cloud-init runs the user-data of a new
-    /// instance.
-    pub instance_id: &'a str,
-    pub local_hostname: &'a str,
-    pub provider_id: Option<&'a str>,
-}
-
 /// The provision task (docs/agent-api.md): the image at `url` (the appliance's copy, or its
 /// source) and its size (0: unknown), how to pick the disk, and the NoCloud meta-data that
 /// goes beside the bootstrap data.
@@ -409,28 +395,24 @@ pub fn provision_task(
     image: &Image,
     (url, size): (&str, u64),
     hints: &RootDeviceHints,
-    meta: &MetaData<'_>,
-) -> serde_json::Value {
-    let mut meta_data = json!({
-        "instance-id": meta.instance_id,
-        "local-hostname": meta.local_hostname,
-    });
-    if let Some(provider_id) = meta.provider_id {
-        meta_data["provider-id"] = json!(provider_id);
-    }
-    json!({
-        "action": "provision",
-        "operation": operation,
-        "image": { "url": url, "checksum": image.checksum, "sizeBytes": size },
-        "rootDeviceHints": hints,
-        "growLastPartition": image.grow_last_partition,
-        "metaData": meta_data,
-    })
+    meta_data: MetaData,
+) -> Task {
+    Task::Provision(Box::new(Provision {
+        grow_last_partition: image.grow_last_partition,
+        image: siteboot_agent_api::Image {
+            checksum: image.checksum.clone(),
+            size_bytes: size,
+            url: url.to_owned(),
+        },
+        meta_data,
+        operation: operation.to_owned(),
+        root_device_hints: hints.clone().into(),
+    }))
 }
 
 /// The deprovision task: wipe the disks per `wipe`.
-pub fn deprovision_task(operation: &str, wipe: WipePolicy) -> serde_json::Value {
-    json!({ "action": "deprovision", "operation": operation, "wipe": wipe })
+pub fn deprovision_task(operation: &str, wipe: WipePolicy) -> Task {
+    Task::Deprovision { operation: operation.to_owned(), wipe: wipe.into() }
 }
 
 /// The host name a provisioned host gets: its Machine's name (what CAPI expects the Node to be
@@ -444,27 +426,12 @@ async fn machine_name(ctx: &Ctx, host: &Host) -> Result<String, Failure> {
 }
 
 async fn inspection(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
-    let hardware: Hardware = body(req)?;
-    finish(ctx, req, OperationKind::Inspect, true, "", Some(hardware)).await
-}
-
-/// The body of `POST complete`.
-#[derive(Deserialize)]
-pub struct Complete {
-    pub ok: bool,
-    #[serde(default)]
-    pub message: String,
-}
-
-impl Complete {
-    /// The message as kept: at most 512 characters.
-    pub fn message(&self) -> String {
-        self.message.chars().take(512).collect()
-    }
+    let hardware: siteboot_agent_api::Hardware = body(req)?;
+    finish(ctx, req, OperationKind::Inspect, true, "", Some(hardware.into())).await
 }
 
 async fn complete(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
-    let body: Complete = body(req)?;
+    let body: siteboot_agent_api::Complete = body(req)?;
     let (_, host) = host_of(ctx, req).await?;
     let op = authenticate(ctx, req, &host)?;
     if op.kind == OperationKind::Inspect {
@@ -480,7 +447,7 @@ async fn finish(
     kind: OperationKind,
     ok: bool,
     message: &str,
-    hardware: Option<Hardware>,
+    hardware: Option<crate::crd::Hardware>,
 ) -> Result<AgentResponse, Failure> {
     let (api, host) = host_of(ctx, req).await?;
     let name = host.metadata.name.clone().unwrap_or_default();
@@ -527,26 +494,11 @@ async fn finish(
         )
         .await;
     }
-    Ok(AgentResponse::json(&json!({ "ok": true })))
+    Ok(AgentResponse::json(&Ack::TAKEN))
 }
 
 /// Seconds between two writes of one step's progress (see [`progress`]).
 const PROGRESS_WRITE_INTERVAL: i64 = 5;
-
-/// The body of `POST progress`.
-#[derive(Deserialize)]
-pub struct Progress {
-    pub step: String,
-    #[serde(default)]
-    pub bytes: Option<ByteCount>,
-}
-
-impl Progress {
-    /// The step as kept: at most 200 characters.
-    pub fn step(&self) -> String {
-        self.step.chars().take(200).collect()
-    }
-}
 
 /// Reads a request body as `T`, or refuses it.
 pub fn body<T: serde::de::DeserializeOwned>(req: &AgentRequest) -> Result<T, Refusal> {
@@ -554,7 +506,7 @@ pub fn body<T: serde::de::DeserializeOwned>(req: &AgentRequest) -> Result<T, Ref
 }
 
 async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
-    let body: Progress = body(req)?;
+    let body: ProgressReport = body(req)?;
     let step = body.step();
     // A ramdisk writing an image reports every second or so; a rack of them must not turn
     // into a read and a write per host per second. The same step within a few seconds of the
@@ -570,7 +522,7 @@ async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failur
         })
     });
     if heard {
-        return Ok(AgentResponse::json(&json!({ "ok": true })));
+        return Ok(AgentResponse::json(&Ack::TAKEN));
     }
     let (api, host) = host_of(ctx, req).await?;
     authenticate(ctx, req, &host)?;
@@ -579,13 +531,13 @@ async fn progress(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failur
         let mut status = current.status.clone().unwrap_or_default();
         if let Some(op) = status.operation.as_mut() {
             op.step = Some(step.clone());
-            op.bytes = body.bytes;
+            op.bytes = body.bytes.map(ByteCount::from);
             op.last_heard = Some(now());
         }
         Ok::<_, Refusal>(Some(status))
     })
     .await??;
-    Ok(AgentResponse::json(&json!({ "ok": true })))
+    Ok(AgentResponse::json(&Ack::TAKEN))
 }
 
 async fn bootstrap(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
@@ -697,8 +649,10 @@ async fn binding(ctx: &Ctx, host: &Host) -> Result<Result<SitebootMachine, Refus
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
-    use crate::crd::HostSpec;
+    use crate::crd::{Hardware, HostSpec};
 
     #[test]
     fn a_token_is_good_only_as_issued_to_its_address_and_in_time() {
@@ -748,13 +702,14 @@ mod tests {
         let served = format!("http://10.0.0.1:8080/images/sha256/{}", "ab".repeat(32));
         let hints = host.spec.root_device_hints.clone().unwrap_or_default();
         let meta = MetaData {
-            instance_id: "op-7",
-            local_hostname: "worker-a",
-            provider_id: Some(&provider_id(&host)),
+            instance_id: "op-7".into(),
+            local_hostname: Some("worker-a".into()),
+            provider_id: Some(provider_id(&host)),
         };
-        let task = provision_task("op-7", &image, (&served, 4096), &hints, &meta);
+        let task = provision_task("op-7", &image, (&served, 4096), &hints, meta);
+        // Byte for byte what this side sent when it wrote the task as a `json!` value.
         assert_eq!(
-            task,
+            serde_json::to_string(&task).unwrap(),
             json!({
                 "action": "provision",
                 "operation": "op-7",
@@ -767,6 +722,7 @@ mod tests {
                     "provider-id": "siteboot://metal/node-1",
                 },
             })
+            .to_string()
         );
     }
 
@@ -778,10 +734,11 @@ mod tests {
             let operation = operation.then_some(OperationKind::Deprovision);
             let transition = Transition { to, operation, reason: "Test", message: String::new() };
             host.status = Some(apply(&host, &transition, &Fresh::now()));
-            task_without_token(boots_again(&host))["action"].clone()
+            task_without_token(boots_again(&host))
         };
-        assert_eq!(with(HostState::Deprovisioning, true), "reboot");
-        assert_eq!(with(HostState::Provisioned, false), "reboot");
+        let wait = Task::Wait { seconds: 10 };
+        assert_eq!(with(HostState::Deprovisioning, true), Task::Reboot);
+        assert_eq!(with(HostState::Provisioned, false), Task::Reboot);
         let mut delivered = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
         let transition = Transition {
             to: HostState::Provisioning,
@@ -790,11 +747,11 @@ mod tests {
             message: String::new(),
         };
         delivered.status = Some(apply(&delivered, &transition, &Fresh::now()));
-        assert_eq!(task_without_token(boots_again(&delivered))["action"], "reboot");
+        assert_eq!(task_without_token(boots_again(&delivered)), Task::Reboot);
         delivered.status.as_mut().unwrap().operation.as_mut().unwrap().bootstrap_delivered = true;
-        assert_eq!(task_without_token(boots_again(&delivered))["action"], "wait");
-        assert_eq!(with(HostState::Available, false), "wait");
-        assert_eq!(with(HostState::Quarantined, false), "wait");
+        assert_eq!(task_without_token(boots_again(&delivered)), wait);
+        assert_eq!(with(HostState::Available, false), wait);
+        assert_eq!(with(HostState::Quarantined, false), wait);
 
         // With a BMC, the ramdisk that wrote the disk waits while the BMC is asked to boot it.
         let mut host = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
@@ -820,16 +777,17 @@ mod tests {
             disk_boot_pending: true,
         });
         host.status = Some(status);
-        assert_eq!(task_without_token(boots_again(&host))["action"], "wait");
+        assert_eq!(task_without_token(boots_again(&host)), wait);
         host.status.as_mut().unwrap().installed.as_mut().unwrap().disk_boot_pending = false;
-        assert_eq!(task_without_token(boots_again(&host))["action"], "reboot");
+        assert_eq!(task_without_token(boots_again(&host)), Task::Reboot);
     }
 
-    /// The two sides of docs/agent-api.md agree: what this side sends, the agent reads, and
-    /// what the agent sends, this side reads.
+    /// The two sides of docs/agent-api.md agree: what this side sends, the agent reads back
+    /// from its JSON, and what the agent sends, this side reads and keeps in status. (The JSON
+    /// itself is pinned by siteboot_agent_api's tests.)
     #[test]
     fn the_agent_reads_the_tasks_and_this_side_reads_its_reports() {
-        use siteboot_agent_api::{ProgressReport, Task};
+        use siteboot_agent_api as api;
         let mut host = Host::new("node-1", HostSpec::new("52:54:00:00:00:01"));
         host.metadata.namespace = Some("metal".into());
         let image = Image {
@@ -848,40 +806,40 @@ mod tests {
         ] {
             host.spec.root_device_hints = hints.clone();
             let meta = MetaData {
-                instance_id: "op-7",
-                local_hostname: "worker-a",
-                provider_id: Some(&provider_id(&host)),
+                instance_id: "op-7".into(),
+                local_hostname: Some("worker-a".into()),
+                provider_id: Some(provider_id(&host)),
             };
             let task = provision_task(
                 "op-7",
                 &image,
                 ("http://a/i", 4096),
                 &hints.clone().unwrap_or_default(),
-                &meta,
+                meta,
             );
-            let Ok(Task::Provision(read)) = serde_json::from_value::<Task>(task.clone()) else {
-                panic!("the agent cannot read {task}");
+            let json = serde_json::to_string(&task).unwrap();
+            let Ok(Task::Provision(read)) = serde_json::from_str::<Task>(&json) else {
+                panic!("the agent cannot read {json}");
             };
             assert_eq!(read.image.size_bytes, 4096);
             assert_eq!(read.root_device_hints.wwn, hints.and_then(|h| h.wwn));
             assert_eq!(read.meta_data.provider_id.as_deref(), Some("siteboot://metal/node-1"));
         }
-        let deprovision = deprovision_task("op-8", WipePolicy::Quick);
-        assert!(matches!(
-            serde_json::from_value::<Task>(deprovision),
-            Ok(Task::Deprovision { .. })
-        ));
+        let json = serde_json::to_string(&deprovision_task("op-8", WipePolicy::Full)).unwrap();
+        assert_eq!(
+            serde_json::from_str::<Task>(&json).unwrap(),
+            Task::Deprovision { operation: "op-8".into(), wipe: api::Wipe::Full }
+        );
         let report = ProgressReport {
             step: "writing image".into(),
-            bytes: Some(siteboot_agent_api::Progress { done: 5, total: 9 }),
+            bytes: Some(api::Progress { done: 5, total: 9 }),
         };
-        let read: Progress =
-            serde_json::from_value(serde_json::to_value(&report).unwrap()).unwrap();
+        let read: ProgressReport =
+            serde_json::from_slice(&serde_json::to_vec(&report).unwrap()).unwrap();
         assert_eq!(
-            (read.step.as_str(), read.bytes),
+            (read.step().as_str(), read.bytes.map(ByteCount::from)),
             ("writing image", Some(ByteCount { done: 5, total: 9 }))
         );
-        use siteboot_agent_api as api;
         let found = api::Hardware {
             cpus: 2,
             memory_mib: 2048,
@@ -907,7 +865,8 @@ mod tests {
                 speed_mbps: Some(1000),
             }],
         };
-        let read: Hardware = serde_json::from_value(serde_json::to_value(&found).unwrap()).unwrap();
+        let json = serde_json::to_vec(&found).unwrap();
+        let read = Hardware::from(serde_json::from_slice::<api::Hardware>(&json).unwrap());
         assert_eq!(read.system.unwrap().uuid, "u-1");
         assert_eq!(
             (read.disks[0].serial.as_deref(), read.disks[0].wwn.as_deref()),

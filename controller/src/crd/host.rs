@@ -500,6 +500,68 @@ pub struct HostStatus {
     pub conditions: Conditions,
 }
 
+// The agent API (`siteboot_agent_api`) and what status keeps of it. The fields are taken
+// apart, not copied by `..`, so a field added on either side is a compile error here.
+
+impl From<siteboot_agent_api::Hardware> for Hardware {
+    fn from(found: siteboot_agent_api::Hardware) -> Self {
+        let siteboot_agent_api::Hardware { cpus, memory_mib, arch, system, disks, nics } = found;
+        Self {
+            cpus,
+            memory_mib,
+            arch,
+            disks: disks.into_iter().map(Disk::from).collect(),
+            nics: nics.into_iter().map(Nic::from).collect(),
+            system: system.map(SystemInfo::from),
+        }
+    }
+}
+
+impl From<siteboot_agent_api::System> for SystemInfo {
+    fn from(found: siteboot_agent_api::System) -> Self {
+        let siteboot_agent_api::System { uuid, vendor, model, serial } = found;
+        Self { uuid, vendor, model, serial }
+    }
+}
+
+impl From<siteboot_agent_api::Disk> for Disk {
+    fn from(found: siteboot_agent_api::Disk) -> Self {
+        let siteboot_agent_api::Disk { name, size_bytes, model, serial, wwn, rotational } = found;
+        Self { name, size_bytes, model, serial, wwn, rotational }
+    }
+}
+
+impl From<siteboot_agent_api::Nic> for Nic {
+    fn from(found: siteboot_agent_api::Nic) -> Self {
+        let siteboot_agent_api::Nic { name, mac, link, speed_mbps } = found;
+        Self { name, mac, link, speed_mbps }
+    }
+}
+
+impl From<siteboot_agent_api::Progress> for ByteCount {
+    fn from(reported: siteboot_agent_api::Progress) -> Self {
+        let siteboot_agent_api::Progress { done, total } = reported;
+        Self { done, total }
+    }
+}
+
+impl From<RootDeviceHints> for siteboot_agent_api::RootDeviceHints {
+    fn from(hints: RootDeviceHints) -> Self {
+        let RootDeviceHints { name, serial, wwn, model, min_size_bytes, max_size_bytes } = hints;
+        Self { max_size_bytes, min_size_bytes, model, name, serial, wwn }
+    }
+}
+
+impl From<WipePolicy> for siteboot_agent_api::Wipe {
+    fn from(wipe: WipePolicy) -> Self {
+        match wipe {
+            WipePolicy::Quick => Self::Quick,
+            WipePolicy::Full => Self::Full,
+            WipePolicy::None => Self::None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
