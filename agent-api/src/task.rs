@@ -31,6 +31,15 @@ pub enum Task {
     },
 }
 
+impl Task {
+    /// The answer to `GET v1/task` from a ramdisk whose token is not (or no longer) good, in
+    /// both modes: `reboot` when it should boot again (`boot_again`: an operation waits for
+    /// the token a new boot brings, or the host's disk is now what it boots), else `wait`.
+    pub fn without_token(boot_again: bool) -> Task {
+        if boot_again { Task::Reboot } else { Task::Wait { seconds: 10 } }
+    }
+}
+
 /// A provision task: what to write, to which disk, with which NoCloud meta-data. The
 /// bootstrap data (`user-data`) is fetched apart, once, from `GET v1/bootstrap`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -210,6 +219,12 @@ mod tests {
             "image": {"url": "u", "checksum": "c"}}"#;
         let Ok(Task::Provision(read)) = serde_json::from_str(bare) else { panic!("{bare}") };
         assert_eq!(read.meta_data, MetaData::default());
+    }
+
+    #[test]
+    fn without_a_good_token_a_ramdisk_reboots_or_waits() {
+        assert_eq!(Task::without_token(true), Task::Reboot);
+        assert_eq!(Task::without_token(false), Task::Wait { seconds: 10 });
     }
 
     /// A hint this side does not know is refused rather than ignored (ignoring it could pick a

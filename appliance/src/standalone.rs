@@ -28,7 +28,7 @@ use siteboot_boot::inventory::{
 };
 use siteboot_boot::{BootAction, MacAddr};
 use siteboot_controller::agent::{
-    self, Endpoint, Refusal, deprovision_task, needs_new_token, provision_task, task_without_token,
+    self, Endpoint, Refusal, deprovision_task, needs_new_token, provision_task,
 };
 use siteboot_controller::bmc::Redfish;
 use siteboot_controller::crd::{
@@ -530,7 +530,7 @@ impl StaticInventory {
                             r.operation.as_ref().is_some_and(|op| !op.bootstrap_delivered);
                         pending || r.installed.is_some()
                     });
-                return Ok(AgentResponse::json(&task_without_token(boot_again)));
+                return Ok(AgentResponse::json(&Task::without_token(boot_again)));
             }
             Err(refusal) => return Err(refusal.into()),
         };

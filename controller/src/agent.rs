@@ -83,14 +83,7 @@ pub fn refused(req: &AgentRequest, refusal: &Refusal) -> AgentResponse {
     AgentResponse::text(refusal.status(), format!("refused: {refusal}\n"))
 }
 
-/// The answer to `GET task` from a ramdisk whose token is not (or no longer) good: "reboot"
-/// when it should boot again (an operation waits for its token, or the host's disk is now
-/// what it boots); else "wait".
-pub fn task_without_token(boot_again: bool) -> Task {
-    if boot_again { Task::Reboot } else { Task::Wait { seconds: 10 } }
-}
-
-/// The refusals after which `GET task` answers [`task_without_token`] rather than refuse.
+/// The refusals after which `GET task` answers [`Task::without_token`] rather than refuse.
 pub fn needs_new_token(refusal: &Refusal) -> bool {
     matches!(
         refusal,
@@ -264,7 +257,7 @@ async fn task(ctx: &Ctx, req: &AgentRequest) -> Result<AgentResponse, Failure> {
         Ok(op) => op,
         // No token, or one from before.
         Err(refusal) if needs_new_token(&refusal) => {
-            return Ok(AgentResponse::json(&task_without_token(boots_again(&host))));
+            return Ok(AgentResponse::json(&Task::without_token(boots_again(&host))));
         }
         Err(other) => return Err(other.into()),
     };
@@ -367,7 +360,7 @@ fn idle_from_cache(ctx: &Ctx, req: &AgentRequest) -> Option<AgentResponse> {
     }
     match authenticate(ctx, req, &host) {
         Err(refusal) if needs_new_token(&refusal) && !boots_again(&host) => {
-            Some(AgentResponse::json(&task_without_token(false)))
+            Some(AgentResponse::json(&Task::without_token(false)))
         }
         _ => None,
     }
@@ -734,7 +727,7 @@ mod tests {
             let operation = operation.then_some(OperationKind::Deprovision);
             let transition = Transition { to, operation, reason: "Test", message: String::new() };
             host.status = Some(apply(&host, &transition, &Fresh::now()));
-            task_without_token(boots_again(&host))
+            Task::without_token(boots_again(&host))
         };
         let wait = Task::Wait { seconds: 10 };
         assert_eq!(with(HostState::Deprovisioning, true), Task::Reboot);
@@ -747,9 +740,9 @@ mod tests {
             message: String::new(),
         };
         delivered.status = Some(apply(&delivered, &transition, &Fresh::now()));
-        assert_eq!(task_without_token(boots_again(&delivered)), Task::Reboot);
+        assert_eq!(Task::without_token(boots_again(&delivered)), Task::Reboot);
         delivered.status.as_mut().unwrap().operation.as_mut().unwrap().bootstrap_delivered = true;
-        assert_eq!(task_without_token(boots_again(&delivered)), wait);
+        assert_eq!(Task::without_token(boots_again(&delivered)), wait);
         assert_eq!(with(HostState::Available, false), wait);
         assert_eq!(with(HostState::Quarantined, false), wait);
 
@@ -777,9 +770,9 @@ mod tests {
             disk_boot_pending: true,
         });
         host.status = Some(status);
-        assert_eq!(task_without_token(boots_again(&host)), wait);
+        assert_eq!(Task::without_token(boots_again(&host)), wait);
         host.status.as_mut().unwrap().installed.as_mut().unwrap().disk_boot_pending = false;
-        assert_eq!(task_without_token(boots_again(&host)), Task::Reboot);
+        assert_eq!(Task::without_token(boots_again(&host)), Task::Reboot);
     }
 
     /// The two sides of docs/agent-api.md agree: what this side sends, the agent reads back
