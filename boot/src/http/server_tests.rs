@@ -180,7 +180,7 @@ impl Running {
     async fn tls_connect(&self) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let pin = self.identity.fingerprint.to_string().parse().unwrap();
-        let verifier = siteboot_agent::pin::PinnedCertificate::new(pin, &provider);
+        let verifier = siteboot_tls_pin::PinnedCertificate::new(pin, &provider);
         let config = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .unwrap()

@@ -1,5 +1,5 @@
 //! The agent API client: one HTTPS request per connection (a ramdisk makes a handful), TLS 1.3
-//! to the address on the command line, trusting only the pinned certificate ([`crate::pin`]).
+//! to the address on the command line, trusting only the pinned certificate ([`siteboot_tls_pin`]).
 //! Nothing of the request, the token included, is written before the handshake has accepted
 //! the certificate: with a wrong one, the server sees a TLS alert and no request.
 //!
@@ -22,8 +22,9 @@ use rustls::{CertificateError, ClientConfig, OtherError};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
+use siteboot_tls_pin::{PinMismatch, PinnedCertificate};
+
 use crate::cmdline::{AgentUrl, Fingerprint, Token};
-use crate::pin::{PinMismatch, PinnedCertificate};
 
 /// How long one request may take, connecting included.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);

@@ -11,10 +11,10 @@ use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, Error, OtherError, SignatureScheme};
 
-use crate::cmdline::Fingerprint;
+use crate::Fingerprint;
 
 /// The server presented another certificate than the pinned one. Carried inside the rustls
-/// error so [`crate::ClientError`] can say which.
+/// error so the client (the agent's `ClientError`, the controller's Redfish client) can say which.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the server's certificate is {presented}, not the pinned {pinned}")]
 pub struct PinMismatch {
