@@ -9,13 +9,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use siteboot_agent::Fingerprint;
 use siteboot_boot::MacAddr;
 use siteboot_controller::bmc::{
     BmcDriver, BmcError, BoundCredentials, Credentials, Redfish, RedfishAddress, RedfishClient,
     identity_check,
 };
 use siteboot_controller::crd::BootMode;
+use siteboot_tls_pin::Fingerprint;
 
 /// How long checking the BMC and booting the host may take together (each request has its own
 /// deadline and retries; this bounds them all, and what `siteboot host` waits for).

@@ -17,7 +17,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use siteboot_agent::Fingerprint;
 use siteboot_controller::bmc::redfish::protocol::ResetType;
 use siteboot_controller::bmc::redfish::retry::RetryPolicy;
 use siteboot_controller::bmc::{
@@ -34,6 +33,7 @@ use siteboot_tests::initramfs;
 use siteboot_tests::provider::{NS, ProviderLab, SITE};
 use siteboot_tests::redfish::{Libvirt, Sushy, SushyOptions, free_port};
 use siteboot_tests::tls::SelfSigned;
+use siteboot_tls_pin::Fingerprint;
 
 const USER: (&str, &str) = ("admin", "correct horse");
 /// From power-on to the callback: ~30 s under TCG here; generous for CI.

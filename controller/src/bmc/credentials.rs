@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use k8s_openapi::ByteString;
-use siteboot_agent::Fingerprint;
+use siteboot_tls_pin::Fingerprint;
 
 use super::RedfishAddress;
 

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
-use siteboot_agent::Fingerprint;
 use siteboot_boot::inventory::BoxFuture;
+use siteboot_tls_pin::Fingerprint;
 
 pub use self::address::{AddressError, RedfishAddress, Transport};
 pub use self::credentials::{BindingError, BoundCredentials, Credentials, CredentialsError};
