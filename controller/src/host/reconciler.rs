@@ -18,7 +18,8 @@ use serde_json::json;
 use super::lifecycle::{
     self, Deletion, FINALIZER, Fresh, REBOOT_ANNOTATION, RETRY_ANNOTATION, Reboot, Transition,
 };
-use super::record::{self, RECORD_ANNOTATION};
+use super::plan::{self, Observed, Step};
+use super::record::RECORD_ANNOTATION;
 use crate::bmc::{self, BmcError};
 use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, check_paused};
 use crate::context::{
@@ -45,67 +46,61 @@ impl Reconciled for Host {}
 
 async fn pass(host: &Host, ctx: &Ctx) -> Result<Action, Error> {
     let api = ctx.hosts_api(&host.namespace().unwrap_or_default());
-    // The only clock and randomness of the pass: the lifecycle is a function of what was read.
+    // The only clock and randomness of the pass: the plan is a function of what was read.
     let fresh = Fresh::now();
-    if report_paused(host, &api).await? {
-        return Ok(Action::await_change());
-    }
-    if host.metadata.deletion_timestamp.is_some() {
-        return delete(host, ctx, &api, &fresh).await;
-    }
-    if !host.finalizers().iter().any(|f| f == FINALIZER) {
-        set_finalizer(&api, host, FINALIZER, true).await?;
-        return Ok(Action::requeue(Duration::ZERO));
-    }
-    if let Some((status, reason, message)) = record::restore(host) {
-        return restore(host, ctx, &api, status, reason, message).await;
-    }
-    if let Some(value) = record::stale(host) {
-        let patch = json!({ "metadata": { "annotations": { RECORD_ANNOTATION: value } } });
-        patch_unchanged(&api, host, patch).await?;
-        return Ok(Action::requeue(Duration::ZERO));
-    }
-    if report_shared_mac(host, ctx, &api).await? {
-        return Ok(Action::requeue(Duration::from_secs(300)));
-    }
-    let next = next_step(ctx, &fresh);
-    let Some(transition) = next(host) else {
-        if lifecycle::boot_due(host, fresh.now.0.as_second()) {
-            return request_boot(host, ctx, &api, &fresh).await;
+    let others = ctx.hosts.sharing_mac(host);
+    let mac = mac_standing(ctx, host, &others);
+    let seen = observed(ctx, &fresh, &mac);
+    match plan::next(host, &seen) {
+        Step::ReportPaused => {
+            update_host_status(&api, &host.name_any(), |current| {
+                let mut status = current.status.clone().unwrap_or_default();
+                check_paused(None, current, &mut status.conditions);
+                Ok::<_, ()>(Some(status))
+            })
+            .await?
+            .ok();
+            Ok(Action::requeue(Duration::ZERO))
         }
-        if lifecycle::disk_boot_due(host) {
-            return request_disk_boot(host, ctx, &api).await;
+        Step::Paused => Ok(Action::await_change()),
+        Step::Delete => delete(host, ctx, &api, &seen).await,
+        Step::AddFinalizer => {
+            set_finalizer(&api, host, FINALIZER, true).await?;
+            Ok(Action::requeue(Duration::ZERO))
         }
-        if lifecycle::media_to_eject(host) {
-            return eject_media(host, ctx, &api).await;
+        Step::Restore { status, reason, message } => {
+            restore(host, ctx, &api, *status, reason, message).await
         }
-        if lifecycle::needs_bmc_check(host) {
-            return check_bmc(host, ctx, &api).await;
+        Step::RecordStale(value) => {
+            let patch = json!({ "metadata": { "annotations": { RECORD_ANNOTATION: value } } });
+            patch_unchanged(&api, host, patch).await?;
+            Ok(Action::requeue(Duration::ZERO))
         }
-        if let Some(reboot) = lifecycle::reboot(host) {
-            return reboot_host(host, ctx, &api, reboot).await;
+        Step::ReportMac => {
+            report_mac(host, &mac, &others, ctx, &api).await?;
+            Ok(Action::requeue(Duration::ZERO))
         }
-        refresh_power(host, ctx).await?;
-        // While a ramdisk works, look again soon enough to notice it falling silent.
-        let operation = host.status.as_ref().is_some_and(|s| s.operation.is_some());
-        let again = if operation { ctx.ramdisk_silence_timeout.min(SILENCE_CHECK) } else { IDLE };
-        return Ok(Action::requeue(again));
-    };
-    transit(host, ctx, &api, (&transition, &fresh), next).await
-}
-
-/// The lifecycle's next step, or quarantine for a ramdisk gone silent.
-fn next_step(ctx: &Ctx, fresh: &Fresh) -> impl Fn(&Host) -> Option<Transition> + use<> {
-    let (max_silence, min_wipe, fresh) = (ctx.ramdisk_silence_timeout, ctx.min_wipe, fresh.clone());
-    move |host| {
-        lifecycle::silent(host, max_silence, &fresh).or_else(|| lifecycle::next(host, min_wipe))
+        Step::Disowned => Ok(Action::requeue(Duration::from_secs(300))),
+        Step::Transit(transition) => {
+            let still = |h: &Host| plan::transition(h, &seen);
+            transit(host, ctx, &api, (&transition, &fresh), still).await
+        }
+        Step::RequestBoot => request_boot(host, ctx, &api, &fresh).await,
+        Step::RequestDiskBoot => request_disk_boot(host, ctx, &api).await,
+        Step::EjectMedia => eject_media(host, ctx, &api).await,
+        Step::CheckBmc => check_bmc(host, ctx, &api).await,
+        Step::Reboot(reboot) => reboot_host(host, ctx, &api, reboot).await,
+        Step::Idle { again } => {
+            refresh_power(host, ctx).await?;
+            Ok(Action::requeue(again))
+        }
     }
 }
 
-/// How often a Host with nothing to do is looked at again.
-const IDLE: Duration = Duration::from_secs(300);
-/// How often a Host whose ramdisk works is checked for silence.
-const SILENCE_CHECK: Duration = Duration::from_secs(30);
+/// What the plan needs of the pass besides the Host.
+fn observed<'a>(ctx: &Ctx, fresh: &'a Fresh, mac: &'a MacStanding) -> Observed<'a> {
+    Observed { fresh, mac, max_silence: ctx.ramdisk_silence_timeout, min_wipe: ctx.min_wipe }
+}
 
 /// Writes `transition` if `still` computes it again from the fresh Host, then records it.
 async fn transit(
@@ -139,7 +134,7 @@ async fn transit(
         api.patch(&written.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
     }
     // A new operation's ramdisk is booted by the next pass (`lifecycle::boot_due`).
-    let again = if transition.operation.is_some() { Duration::ZERO } else { IDLE };
+    let again = if transition.operation.is_some() { Duration::ZERO } else { plan::IDLE };
     Ok(Action::requeue(again))
 }
 
@@ -172,7 +167,7 @@ async fn request_boot(
     })
     .await?
     .ok();
-    Ok(Action::requeue(SILENCE_CHECK))
+    Ok(Action::requeue(plan::SILENCE_CHECK))
 }
 
 /// Has the BMC boot the disk just written (its ramdisk waits meanwhile), and records that it
@@ -203,24 +198,6 @@ async fn request_disk_boot(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<Ac
     Ok(Action::requeue(Duration::ZERO))
 }
 
-/// Records on the Host whether it is paused (the `cluster.x-k8s.io/paused` annotation, as
-/// `clusterctl move` and operators use it); returns it. A paused Host is not changed at all.
-async fn report_paused(host: &Host, api: &Api<Host>) -> Result<bool, Error> {
-    let mut conditions = host.status.clone().unwrap_or_default().conditions;
-    let before = conditions.clone();
-    let paused = check_paused(None, host, &mut conditions);
-    if conditions != before {
-        update_host_status(api, &host.name_any(), |current| {
-            let mut status = current.status.clone().unwrap_or_default();
-            check_paused(None, current, &mut status.conditions);
-            Ok::<_, ()>(Some(status))
-        })
-        .await?
-        .ok();
-    }
-    Ok(paused)
-}
-
 /// Writes the status rebuilt from the Host's lifecycle record, if it still has no state.
 async fn restore(
     host: &Host,
@@ -244,14 +221,20 @@ async fn restore(
 
 /// A deleted Host goes once its consumer let go and its disks are wiped (see
 /// [`lifecycle::on_delete`]).
-async fn delete(host: &Host, ctx: &Ctx, api: &Api<Host>, fresh: &Fresh) -> Result<Action, Error> {
+async fn delete(
+    host: &Host,
+    ctx: &Ctx,
+    api: &Api<Host>,
+    seen: &Observed<'_>,
+) -> Result<Action, Error> {
+    let fresh = seen.fresh;
     if !host.finalizers().iter().any(|f| f == FINALIZER) {
         return Ok(Action::await_change());
     }
     match lifecycle::on_delete(host, ctx.min_wipe) {
         // Meanwhile the lifecycle goes on: a consumer that lets go waits for the wipe it starts.
-        Deletion::WaitForRelease | Deletion::WaitForWipe => match next_step(ctx, fresh)(host) {
-            Some(t) => transit(host, ctx, api, (&t, fresh), next_step(ctx, fresh)).await,
+        Deletion::WaitForRelease | Deletion::WaitForWipe => match plan::transition(host, seen) {
+            Some(t) => transit(host, ctx, api, (&t, fresh), |h| plan::transition(h, seen)).await,
             None if lifecycle::boot_due(host, fresh.now.0.as_second()) => {
                 request_boot(host, ctx, api, fresh).await
             }
@@ -287,21 +270,23 @@ async fn drop_finalizer(api: &Api<Host>, host: &Host) -> Result<(), Error> {
     Ok(())
 }
 
-/// Reports on the Host where it stands among the Hosts with its boot MAC, and on those others
-/// too: nothing else would wake them. Returns whether another Host owns it (then this one does
-/// nothing: it never boots nor is claimed).
-async fn report_shared_mac(host: &Host, ctx: &Ctx, api: &Api<Host>) -> Result<bool, Error> {
-    let others = ctx.hosts.sharing_mac(host);
-    let standing = mac_standing(ctx, host, &others);
-    let disowned = matches!(standing, MacStanding::Duplicate { .. });
-    if set_mac_condition(host, &standing, ctx, api).await? {
-        for other in &others {
+/// Writes on the Host where it stands among the Hosts with its boot MAC, and on those others
+/// too: nothing else would wake them.
+async fn report_mac(
+    host: &Host,
+    standing: &MacStanding,
+    others: &[Arc<Host>],
+    ctx: &Ctx,
+    api: &Api<Host>,
+) -> Result<(), Error> {
+    if set_mac_condition(host, standing, ctx, api).await? {
+        for other in others {
             let standing = mac_standing(ctx, other, &ctx.hosts.sharing_mac(other));
             let api = ctx.hosts_api(&other.namespace().unwrap_or_default());
             set_mac_condition(other, &standing, ctx, &api).await?;
         }
     }
-    Ok(disowned)
+    Ok(())
 }
 
 fn mac_standing(ctx: &Ctx, host: &Host, others: &[Arc<Host>]) -> MacStanding {

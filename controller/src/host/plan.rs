@@ -1,0 +1,297 @@
+//! The Host reconciler's decision, as `machine::plan` is the SitebootMachine's: from the Host
+//! as read and what else the pass observed (the clock and fresh ids, where the Host stands among
+//! the Hosts sharing its boot MAC, the site's settings), the one step this pass takes. Pure: no
+//! I/O, no clock, no randomness, so every branch is a millisecond test; the reconciler performs
+//! the step, and a step whose write lands looks again at once.
+
+use std::time::Duration;
+
+use super::lifecycle::{self, FINALIZER, Fresh, Reboot, Transition};
+use super::record;
+use crate::conditions::{BOOT_MAC_UNIQUE, check_paused};
+use crate::crd::{Host, HostStatus, WipePolicy, set_condition};
+use crate::pools::MacStanding;
+
+/// What the pass observed besides the Host.
+pub struct Observed<'a> {
+    /// The pass's clock and ids.
+    pub fresh: &'a Fresh,
+    /// Where the Host stands among the Hosts with its boot MAC.
+    pub mac: &'a MacStanding,
+    /// How long a ramdisk may say nothing during an operation.
+    pub max_silence: Duration,
+    /// The site's least wipe.
+    pub min_wipe: WipePolicy,
+}
+
+/// The one thing the pass does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// The `Paused` condition no longer says what the annotation does: write it.
+    ReportPaused,
+    /// Paused: nothing until the Host changes.
+    Paused,
+    /// Deleted: release, wipe, power off, then let go ([`lifecycle::on_delete`]).
+    Delete,
+    /// Every Host carries the finalizer, so a deleted one is wiped before it goes.
+    AddFinalizer,
+    /// A Host with no state but a lifecycle record (moved, restored): its status rebuilt.
+    Restore { status: Box<HostStatus>, reason: &'static str, message: String },
+    /// The lifecycle record annotation lags the status: rewrite it.
+    RecordStale(String),
+    /// The `BootMACUnique` condition no longer says where the Host stands: write it (and the
+    /// others' with that MAC).
+    ReportMac,
+    /// Another Host owns the boot MAC: this one does nothing.
+    Disowned,
+    /// The lifecycle's next state.
+    Transit(Transition),
+    /// Have the BMC boot the ramdisk of the operation under way.
+    RequestBoot,
+    /// Have the BMC boot the disk just written.
+    RequestDiskBoot,
+    /// Eject the virtual media of an operation that ended.
+    EjectMedia,
+    /// Ask the BMC for the host's identity (registration).
+    CheckBmc,
+    /// Reboot or power as the Host's annotation asks.
+    Reboot(Reboot),
+    /// Nothing to change: refresh the power reading, look again after `again`.
+    Idle { again: Duration },
+}
+
+/// How often a Host with nothing to do is looked at again.
+pub const IDLE: Duration = Duration::from_secs(300);
+/// How often a Host whose ramdisk works is checked for silence.
+pub const SILENCE_CHECK: Duration = Duration::from_secs(30);
+
+/// The step for `host`, given what the pass `seen`.
+pub fn next(host: &Host, seen: &Observed) -> Step {
+    let conditions = host.status.clone().unwrap_or_default().conditions;
+    let mut paused_conditions = conditions.clone();
+    let paused = check_paused(None, host, &mut paused_conditions);
+    if paused_conditions != conditions {
+        return Step::ReportPaused;
+    }
+    if paused {
+        return Step::Paused;
+    }
+    if host.metadata.deletion_timestamp.is_some() {
+        return Step::Delete;
+    }
+    if !host.metadata.finalizers.iter().flatten().any(|f| f == FINALIZER) {
+        return Step::AddFinalizer;
+    }
+    if let Some((status, reason, message)) = record::restore(host) {
+        return Step::Restore { status: Box::new(status), reason, message };
+    }
+    if let Some(value) = record::stale(host) {
+        return Step::RecordStale(value);
+    }
+    if mac_condition_stale(host, seen.mac) {
+        return Step::ReportMac;
+    }
+    if matches!(seen.mac, MacStanding::Duplicate { .. }) {
+        return Step::Disowned;
+    }
+    if let Some(transition) = transition(host, seen) {
+        return Step::Transit(transition);
+    }
+    if lifecycle::boot_due(host, seen.fresh.now.0.as_second()) {
+        return Step::RequestBoot;
+    }
+    if lifecycle::disk_boot_due(host) {
+        return Step::RequestDiskBoot;
+    }
+    if lifecycle::media_to_eject(host) {
+        return Step::EjectMedia;
+    }
+    if lifecycle::needs_bmc_check(host) {
+        return Step::CheckBmc;
+    }
+    if let Some(reboot) = lifecycle::reboot(host) {
+        return Step::Reboot(reboot);
+    }
+    // While a ramdisk works, look again soon enough to notice it falling silent.
+    let operation = host.status.as_ref().is_some_and(|s| s.operation.is_some());
+    Step::Idle { again: if operation { seen.max_silence.min(SILENCE_CHECK) } else { IDLE } }
+}
+
+/// The lifecycle's next transition, or quarantine for a ramdisk gone silent: what
+/// [`Step::Transit`] writes, and what the write checks again on the Host it reads back.
+pub fn transition(host: &Host, seen: &Observed) -> Option<Transition> {
+    lifecycle::silent(host, seen.max_silence, seen.fresh)
+        .or_else(|| lifecycle::next(host, seen.min_wipe))
+}
+
+/// Whether the Host's `BootMACUnique` condition differs from what `standing` says.
+pub fn mac_condition_stale(host: &Host, standing: &MacStanding) -> bool {
+    let (unique, reason, message) = standing.condition(&host.spec.boot_mac_address);
+    let mut conditions = host.status.clone().unwrap_or_default().conditions;
+    let generation = host.metadata.generation;
+    set_condition(
+        &mut conditions,
+        BOOT_MAC_UNIQUE,
+        unique,
+        &reason.to_string(),
+        &message,
+        generation,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::{HostSpec, HostState};
+    use crate::host::record::RECORD_ANNOTATION;
+
+    const MIN_WIPE: WipePolicy = WipePolicy::Quick;
+
+    fn seen<'a>(fresh: &'a Fresh, mac: &'a MacStanding) -> Observed<'a> {
+        Observed { fresh, mac, max_silence: Duration::from_secs(600), min_wipe: MIN_WIPE }
+    }
+
+    /// What the reconciler's write of each bookkeeping step leaves on the Host.
+    fn perform(host: &mut Host, step: &Step, mac: &MacStanding) {
+        let status = host.status.get_or_insert_with(Default::default);
+        match step {
+            Step::ReportPaused => {
+                let mut conditions = status.conditions.clone();
+                check_paused(None, host, &mut conditions);
+                host.status.as_mut().unwrap().conditions = conditions;
+            }
+            Step::AddFinalizer => host.metadata.finalizers = Some(vec![FINALIZER.to_owned()]),
+            Step::RecordStale(value) => {
+                host.metadata
+                    .annotations
+                    .get_or_insert_with(Default::default)
+                    .insert(RECORD_ANNOTATION.to_owned(), value.clone());
+            }
+            Step::ReportMac => {
+                let (unique, reason, message) = mac.condition(&host.spec.boot_mac_address);
+                let generation = host.metadata.generation;
+                let conditions = &mut host.status.as_mut().unwrap().conditions;
+                set_condition(
+                    conditions,
+                    BOOT_MAC_UNIQUE,
+                    unique,
+                    &reason.to_string(),
+                    &message,
+                    generation,
+                );
+            }
+            Step::Transit(t) => {
+                let fresh = Fresh::now();
+                host.status = Some(lifecycle::apply(host, t, &fresh));
+            }
+            other => panic!("not a step this test performs: {other:?}"),
+        }
+    }
+
+    /// The steps a Host takes until `until` says stop (at most 10).
+    fn steps(host: &mut Host, mac: &MacStanding, until: impl Fn(&Step) -> bool) -> Vec<Step> {
+        let fresh = Fresh::now();
+        let mut taken = Vec::new();
+        for _ in 0..10 {
+            let step = next(host, &seen(&fresh, mac));
+            if until(&step) {
+                taken.push(step);
+                return taken;
+            }
+            perform(host, &step, mac);
+            taken.push(step);
+        }
+        panic!("no end after {taken:?}")
+    }
+
+    fn names(steps: &[Step]) -> Vec<&'static str> {
+        steps
+            .iter()
+            .map(|s| match s {
+                Step::ReportPaused => "ReportPaused",
+                Step::Paused => "Paused",
+                Step::Delete => "Delete",
+                Step::AddFinalizer => "AddFinalizer",
+                Step::Restore { .. } => "Restore",
+                Step::RecordStale(_) => "RecordStale",
+                Step::ReportMac => "ReportMac",
+                Step::Disowned => "Disowned",
+                Step::Transit(_) => "Transit",
+                Step::RequestBoot => "RequestBoot",
+                Step::RequestDiskBoot => "RequestDiskBoot",
+                Step::EjectMedia => "EjectMedia",
+                Step::CheckBmc => "CheckBmc",
+                Step::Reboot(_) => "Reboot",
+                Step::Idle { .. } => "Idle",
+            })
+            .collect()
+    }
+
+    /// A new Host: its bookkeeping first, one write per pass, then its lifecycle.
+    #[test]
+    fn a_new_host_gets_its_conditions_finalizer_and_record_then_registers() {
+        let mut host = Host::new("h", HostSpec::new("52:54:00:00:00:01"));
+        let taken = steps(&mut host, &MacStanding::Unique, |s| matches!(s, Step::Transit(_)));
+        assert_eq!(names(&taken), ["ReportPaused", "AddFinalizer", "ReportMac", "Transit"]);
+        let Step::Transit(t) = &taken[3] else { unreachable!() };
+        assert_eq!(t.to, HostState::Registering);
+        // Once registered, the record follows the status, then the lifecycle goes on.
+        perform(&mut host, &taken[3], &MacStanding::Unique);
+        let fresh = Fresh::now();
+        assert!(matches!(next(&host, &seen(&fresh, &MacStanding::Unique)), Step::RecordStale(_)));
+    }
+
+    /// Another Host owns the boot MAC: the condition says so, then nothing happens.
+    #[test]
+    fn a_host_whose_mac_another_owns_reports_it_and_does_nothing() {
+        let mut host = Host::new("h", HostSpec::new("52:54:00:00:00:01"));
+        let duplicate = MacStanding::Duplicate { owner: Some("first".into()) };
+        let taken = steps(&mut host, &duplicate, |s| matches!(s, Step::Disowned));
+        assert_eq!(names(&taken), ["ReportPaused", "AddFinalizer", "ReportMac", "Disowned"]);
+        // The owner gone, the condition is written again and the Host registers.
+        let taken = steps(&mut host, &MacStanding::Unique, |s| matches!(s, Step::Transit(_)));
+        assert_eq!(names(&taken), ["ReportMac", "Transit"]);
+    }
+
+    /// Paused (Cluster API's annotation): the condition, then nothing, not even a deletion.
+    #[test]
+    fn a_paused_host_reports_it_then_waits_even_when_deleted() {
+        let mut host = Host::new("h", HostSpec::new("52:54:00:00:00:01"));
+        host.metadata.annotations = Some(
+            [(crate::crd::capi::PAUSED_ANNOTATION.to_owned(), String::new())].into_iter().collect(),
+        );
+        host.metadata.deletion_timestamp = Some(crate::crd::now());
+        let taken = steps(&mut host, &MacStanding::Unique, |s| matches!(s, Step::Paused));
+        assert_eq!(names(&taken), ["ReportPaused", "Paused"]);
+        host.metadata.annotations = None;
+        let taken = steps(&mut host, &MacStanding::Unique, |s| matches!(s, Step::Delete));
+        assert_eq!(names(&taken), ["ReportPaused", "Delete"]);
+    }
+
+    /// With nothing to change, a Host is looked at again soon enough to notice its ramdisk
+    /// falling silent while an operation runs, else after the idle period.
+    #[test]
+    fn an_idle_host_is_looked_at_again_sooner_during_an_operation() {
+        let mut host = Host::new("h", HostSpec::new("52:54:00:00:00:01"));
+        let taken = steps(&mut host, &MacStanding::Unique, |s| matches!(s, Step::Idle { .. }));
+        assert_eq!(
+            names(&taken),
+            [
+                "ReportPaused",
+                "AddFinalizer",
+                "ReportMac",
+                "Transit",
+                "RecordStale",
+                "Transit",
+                "RecordStale",
+                "Idle"
+            ]
+        );
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Inspecting));
+        assert_eq!(taken.last(), Some(&Step::Idle { again: SILENCE_CHECK }));
+        host.status.as_mut().unwrap().operation = None;
+        let fresh = Fresh::now();
+        let step = next(&host, &seen(&fresh, &MacStanding::Unique));
+        assert_eq!(step, Step::Idle { again: IDLE });
+    }
+}
