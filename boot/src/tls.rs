@@ -15,7 +15,6 @@ use rustls::ServerConfig;
 use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde::Deserialize;
-use sha2::{Digest, Sha256};
 
 /// The file siteboot keeps its generated certificate and key in, under the state directory.
 /// One file, written under a temporary name and renamed, so a crash never leaves half of it.
@@ -32,27 +31,8 @@ pub struct TlsFiles {
     pub key: PathBuf,
 }
 
-/// The SHA-256 of a certificate's DER encoding, shown as `sha256:<64 hex digits>`.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Fingerprint([u8; 32]);
-
-impl Fingerprint {
-    pub fn of(certificate_der: &[u8]) -> Self {
-        Self(Sha256::digest(certificate_der).into())
-    }
-}
-
-impl fmt::Display for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "sha256:{}", hex::encode(self.0))
-    }
-}
-
-impl fmt::Debug for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
-    }
-}
+/// What ramdisks pin: the certificate's SHA-256, the type the BMC pins share.
+pub use siteboot_tls_pin::Fingerprint;
 
 /// Why the agent API's certificate cannot be used.
 #[derive(Debug, thiserror::Error)]

@@ -179,7 +179,7 @@ impl Running {
     /// A TLS connection to the HTTPS port, pinned to its certificate as the ramdisk pins it.
     async fn tls_connect(&self) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let pin = self.identity.fingerprint.to_string().parse().unwrap();
+        let pin = self.identity.fingerprint;
         let verifier = siteboot_tls_pin::PinnedCertificate::new(pin, &provider);
         let config = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
@@ -211,7 +211,7 @@ impl Running {
 
     fn agent_client(&self) -> AgentClient {
         let url = AgentUrl { address: *self.https.ip(), port: self.https.port() };
-        let pin = self.identity.fingerprint.to_string().parse().unwrap();
+        let pin = self.identity.fingerprint;
         AgentClient::new(url, pin).with_timeout(DEADLINE)
     }
 }
