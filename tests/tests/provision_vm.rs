@@ -658,19 +658,10 @@ async fn kubeadm_joined(
     ensure!(found == joined_checklist(KubeletOn::Host), "the node's checklist: {line}");
     let provider_id = provider_id(s);
     let nodes: Api<Node> = Api::all(kube.client());
-    let name = siteboot_tests::wait::for_async(
-        "a Node with the VM's system UUID",
-        PHASE_TIMEOUT,
-        || async {
-            let list = nodes.list(&Default::default()).await.ok()?.items;
-            list.into_iter()
-                .find(|n| {
-                    let info = n.status.as_ref().and_then(|s| s.node_info.as_ref());
-                    info.is_some_and(|i| i.system_uuid.eq_ignore_ascii_case(&vm.domain.uuid))
-                })
-                .and_then(|n| n.metadata.name)
-        },
-    )
+    let name = wait_node(&nodes, "a Node with the VM's system UUID", PHASE_TIMEOUT, |n| {
+        let info = n.status.as_ref().and_then(|s| s.node_info.as_ref());
+        info.is_some_and(|i| i.system_uuid.eq_ignore_ascii_case(&vm.domain.uuid))
+    })
     .await?;
     let node = ready_and_matched(&nodes, &name, PHASE_TIMEOUT).await?;
     timeline.mark("Node Ready, matched to its Machine");
@@ -686,17 +677,7 @@ async fn kubeadm_joined(
         .filter_map(|f| f.manager.as_deref())
         .collect();
     ensure!(!writers.is_empty() && !writers.contains(&"kubelet"), "providerID by {writers:?}");
-    wait_object(
-        &env.lab.api("Machine"),
-        &machine.name_any(),
-        "Running with its nodeRef",
-        POWER_TIMEOUT,
-        |m| {
-            m.data["status"]["phase"] == "Running"
-                && m.data["status"]["nodeRef"]["name"] == json!(name)
-        },
-    )
-    .await?;
+    machine_running_on(env, &machine.name_any(), &name).await?;
     workload_running(env, Some(&name)).await?;
     timeline.mark("the Deployment's pod Running on the kubeadm-joined Node");
     Ok(name)
@@ -984,18 +965,9 @@ async fn node_joined(
     );
 
     let nodes: Api<Node> = Api::all(client.clone());
-    let name = siteboot_tests::wait::for_async(
-        "a Node with the Host's providerID",
-        POWER_TIMEOUT,
-        || async {
-            let list = nodes.list(&Default::default()).await.ok()?.items;
-            list.into_iter()
-                .find(|n| {
-                    n.spec.as_ref().and_then(|s| s.provider_id.as_deref()) == Some(provider_id)
-                })
-                .and_then(|n| n.metadata.name)
-        },
-    )
+    let name = wait_node(&nodes, "a Node with the Host's providerID", POWER_TIMEOUT, |n| {
+        n.spec.as_ref().and_then(|s| s.provider_id.as_deref()) == Some(provider_id)
+    })
     .await?;
     let node = ready_and_matched(&nodes, &name, PHASE_TIMEOUT).await?;
     timeline.mark("Node Ready, matched to its Machine");
@@ -1003,11 +975,7 @@ async fn node_joined(
     ensure!(labels.get("example.com/pool").map(String::as_str) == Some("workers"), "{labels:?}");
     let taints = node.spec.and_then(|s| s.taints).unwrap_or_default();
     ensure!(taints.iter().any(|t| t.key == "dedicated" && t.value.as_deref() == Some("ml")));
-    let machines = env.lab.api("Machine");
-    wait_object(&machines, machine, "Running with the Node as its nodeRef", POWER_TIMEOUT, |m| {
-        m.data["status"]["phase"] == "Running" && m.data["status"]["nodeRef"]["name"] == json!(name)
-    })
-    .await?;
+    machine_running_on(env, machine, &name).await?;
 
     let tokens: Api<Secret> = Api::namespaced(client.clone(), "kube-system");
     wait_gone(&tokens, &format!("bootstrap-token-{}", token.id), POWER_TIMEOUT).await?;
@@ -1017,6 +985,30 @@ async fn node_joined(
     ensure!(bootstrap::condition(&config, "Ready").0 == json!("True"), "the config is not Ready");
 
     Ok(name)
+}
+
+/// The name of a Node `matches` picks, once there is one.
+async fn wait_node(
+    nodes: &Api<Node>,
+    what: &str,
+    timeout: Duration,
+    matches: impl Fn(&Node) -> bool,
+) -> Result<String> {
+    siteboot_tests::wait::for_async(what, timeout, || async {
+        let list = nodes.list(&Default::default()).await.ok()?.items;
+        list.into_iter().find(|n| matches(n)).and_then(|n| n.metadata.name)
+    })
+    .await
+}
+
+/// Waits for `machine` to be Running with `node` as its nodeRef.
+async fn machine_running_on(env: &Env<'_>, machine: &str, node: &str) -> Result<()> {
+    let machines = env.lab.api("Machine");
+    wait_object(&machines, machine, "Running with its Node as nodeRef", POWER_TIMEOUT, |m| {
+        m.data["status"]["phase"] == "Running" && m.data["status"]["nodeRef"]["name"] == json!(node)
+    })
+    .await
+    .map(drop)
 }
 
 /// The workload Deployment's pod once one is Running and ready (on `node`, if given), not
