@@ -8,6 +8,8 @@
 //! The JSON is what ramdisks in the field speak: the tests pin it byte for byte.
 //!
 //! It depends on no Kubernetes client: the ramdisk and standalone mode link it without one.
+//! The `schema` feature derives `JsonSchema` on the inspection report's types, for the Host
+//! CRD, which keeps the report as its `status.hardware`; the ramdisk's agent leaves it off.
 
 #![forbid(unsafe_code)]
 

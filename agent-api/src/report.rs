@@ -5,9 +5,10 @@
 
 use serde::{Deserialize, Serialize};
 
-/// `POST v1/inspection`: what the machine is. Whatever the agent could not read is left out
-/// rather than guessed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// What inspection found: the agent's `POST v1/inspection`, kept as the Host's
+/// `status.hardware`. Whatever the agent could not read is left out rather than guessed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Hardware {
     /// Online CPUs.
@@ -18,6 +19,8 @@ pub struct Hardware {
     /// The agent's architecture, as Rust names it (`x86_64`, `aarch64`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub arch: Option<String>,
+    /// The machine's SMBIOS identity, reported when its UUID is readable. Its UUID is what the
+    /// kubelet reports as `Node.status.nodeInfo.systemUUID`: how the machine's Node is found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub system: Option<System>,
     /// Sorted by name.
@@ -31,8 +34,9 @@ pub struct Hardware {
 /// The SMBIOS identity (`/sys/class/dmi/id`), reported when its UUID is readable. The UUID is
 /// what the kubelet reports as `Node.status.nodeInfo.systemUUID`: how a machine's Node is found.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct System {
-    /// `product_uuid`, in lower case.
+    /// `/sys/class/dmi/id/product_uuid`, in lower case.
     pub uuid: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vendor: Option<String>,
@@ -44,6 +48,7 @@ pub struct System {
 
 /// A disk: a block device backed by a device, not an optical drive, not empty.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Disk {
     /// The device node, `/dev/<name>`.
@@ -62,11 +67,12 @@ pub struct Disk {
 
 /// A network interface backed by a device (not lo, bridges or other virtual ones).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Nic {
     pub name: String,
     pub mac: String,
-    /// Carrier: a cable is in and the other end is up.
+    /// Whether the port had a carrier when inspected: a cable is in and the other end is up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link: Option<bool>,
     /// Absent when there is no link.

@@ -442,7 +442,7 @@ impl StaticInventory {
                     Some(OperationKind::Inspect),
                     true,
                     String::new(),
-                    Some(hardware.into()),
+                    Some(hardware),
                     None,
                 )?;
                 Ok(ok())

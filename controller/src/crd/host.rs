@@ -6,6 +6,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+// `status.hardware` is the agent's inspection report as it sent it: one set of types, so the
+// two cannot drift apart.
+pub use siteboot_agent_api::{Disk, Hardware, Nic, System};
 use siteboot_boot::dhcp::relay_agent::{AgentId, AgentIdError, RelayPin};
 
 use super::common::{Conditions, Image, MachineAddress};
@@ -386,67 +389,6 @@ pub enum OperationKind {
     Deprovision,
 }
 
-/// What inspection found.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Hardware {
-    #[serde(default)]
-    pub cpus: u32,
-    #[serde(default, rename = "memoryMiB")]
-    pub memory_mib: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub arch: Option<String>,
-    #[serde(default)]
-    pub disks: Vec<Disk>,
-    #[serde(default)]
-    pub nics: Vec<Nic>,
-    /// The machine's SMBIOS identity. Its UUID is what the kubelet reports as
-    /// `Node.status.nodeInfo.systemUUID`: how the machine's Node is found.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub system: Option<SystemInfo>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct SystemInfo {
-    /// `/sys/class/dmi/id/product_uuid`.
-    pub uuid: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vendor: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub serial: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Disk {
-    pub name: String,
-    pub size_bytes: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub serial: Option<String>,
-    /// World Wide Name, e.g. `0x5000c500a1b2c3d4`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wwn: Option<String>,
-    #[serde(default)]
-    pub rotational: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Nic {
-    pub name: String,
-    pub mac: String,
-    /// Whether the port had a carrier when inspected.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub link: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub speed_mbps: Option<u32>,
-}
-
 /// What is installed on a provisioned host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -502,41 +444,6 @@ pub struct HostStatus {
 
 // The agent API (`siteboot_agent_api`) and what status keeps of it. The fields are taken
 // apart, not copied by `..`, so a field added on either side is a compile error here.
-
-impl From<siteboot_agent_api::Hardware> for Hardware {
-    fn from(found: siteboot_agent_api::Hardware) -> Self {
-        let siteboot_agent_api::Hardware { cpus, memory_mib, arch, system, disks, nics } = found;
-        Self {
-            cpus,
-            memory_mib,
-            arch,
-            disks: disks.into_iter().map(Disk::from).collect(),
-            nics: nics.into_iter().map(Nic::from).collect(),
-            system: system.map(SystemInfo::from),
-        }
-    }
-}
-
-impl From<siteboot_agent_api::System> for SystemInfo {
-    fn from(found: siteboot_agent_api::System) -> Self {
-        let siteboot_agent_api::System { uuid, vendor, model, serial } = found;
-        Self { uuid, vendor, model, serial }
-    }
-}
-
-impl From<siteboot_agent_api::Disk> for Disk {
-    fn from(found: siteboot_agent_api::Disk) -> Self {
-        let siteboot_agent_api::Disk { name, size_bytes, model, serial, wwn, rotational } = found;
-        Self { name, size_bytes, model, serial, wwn, rotational }
-    }
-}
-
-impl From<siteboot_agent_api::Nic> for Nic {
-    fn from(found: siteboot_agent_api::Nic) -> Self {
-        let siteboot_agent_api::Nic { name, mac, link, speed_mbps } = found;
-        Self { name, mac, link, speed_mbps }
-    }
-}
 
 impl From<siteboot_agent_api::Progress> for ByteCount {
     fn from(reported: siteboot_agent_api::Progress) -> Self {
@@ -609,6 +516,32 @@ mod tests {
             let read = sample.parse::<AgentId>().is_ok();
             assert_eq!(pattern.is_match(&sample), read, "{sample:?}");
         }
+    }
+
+    /// `status.hardware` as the controller wrote it before it kept the agent's report as is
+    /// (its own types, `system` last): read the same, and written back with the same content.
+    #[test]
+    fn a_status_written_before_reads_and_writes_back_the_same() {
+        let written = json!({ "hardware": {
+            "cpus": 2,
+            "memoryMiB": 2048,
+            "arch": "x86_64",
+            "disks": [{ "name": "/dev/vda", "sizeBytes": 1073741824_u64, "serial": "S1",
+                        "wwn": "0x5000", "rotational": false }],
+            "nics": [{ "name": "eth0", "mac": "52:54:00:12:34:56", "link": true,
+                       "speedMbps": 1000 }],
+            "system": { "uuid": "u-1", "vendor": "QEMU" },
+        }});
+        let status: HostStatus = serde_json::from_value(written.clone()).unwrap();
+        let hardware = status.hardware.as_ref().unwrap();
+        assert_eq!((hardware.cpus, hardware.memory_mib), (2, 2048));
+        assert_eq!(hardware.system.as_ref().map(|s| s.uuid.as_str()), Some("u-1"));
+        assert_eq!(hardware.disks[0].wwn.as_deref(), Some("0x5000"));
+        assert_eq!(hardware.nics[0].speed_mbps, Some(1000));
+        assert_eq!(serde_json::to_value(&status).unwrap(), written);
+        // What an older agent left out is unknown, not an error.
+        let sparse: HostStatus = serde_json::from_value(json!({ "hardware": {} })).unwrap();
+        assert_eq!(sparse.hardware, Some(Hardware::default()));
     }
 
     fn spec(relay_agent: serde_json::Value) -> HostSpec {

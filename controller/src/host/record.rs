@@ -130,7 +130,7 @@ fn annotation(host: &Host) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{ConsumerRef, HostSpec, Image, Provisioning, SystemInfo};
+    use crate::crd::{ConsumerRef, HostSpec, Image, Provisioning, System};
 
     fn image(n: u8) -> Image {
         Image {
@@ -161,7 +161,7 @@ mod tests {
             }),
             hardware: Some(Hardware {
                 cpus: 4,
-                system: Some(SystemInfo {
+                system: Some(System {
                     uuid: "4c4c4544-0000".into(),
                     vendor: None,
                     model: None,

@@ -665,7 +665,7 @@ mod tests {
     use crate::crd::capi::{ClusterInitialization, ClusterStatus, PAUSED_ANNOTATION};
     use crate::crd::{
         ConsumerRef, Hardware, HostSelector, HostSpec, HostStatus, Image, Installed, Operation,
-        SitebootMachineSpec, SystemInfo, now,
+        SitebootMachineSpec, System, now,
     };
     use crate::pools::Tenants;
 
@@ -932,7 +932,7 @@ mod tests {
         status.installed =
             Some(Installed { image: image(), consumer: "ns/m".into(), disk_boot_pending: false });
         status.hardware = uuid.map(|uuid| Hardware {
-            system: Some(SystemInfo { uuid: uuid.into(), vendor: None, model: None, serial: None }),
+            system: Some(System { uuid: uuid.into(), vendor: None, model: None, serial: None }),
             ..Default::default()
         });
         let mut w = World::new(m, vec![h]);
