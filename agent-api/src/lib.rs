@@ -1,9 +1,8 @@
 //! The deploy ramdisk's agent API (docs/agent-api.md) as types: what `GET v1/task` answers
 //! ([`Task`]) and what the agent posts back ([`Hardware`], [`ProgressReport`], [`Complete`]),
-//! answered with [`Ack`]. The ramdisk's agent and both servers (Kubernetes mode's
-//! `controller/src/agent.rs`, standalone mode's `appliance/src/standalone.rs`) serialize and
-//! parse these, so no side writes the JSON by hand and a renamed field breaks the build, not
-//! the ramdisks.
+//! answered with [`Ack`]. The ramdisk's agent and the server (`siteboot-agent-server`, for
+//! both modes) serialize and parse these, so no side writes the JSON by hand and a renamed
+//! field breaks the build, not the ramdisks.
 //!
 //! The JSON is what ramdisks in the field speak: the tests pin it byte for byte.
 //!

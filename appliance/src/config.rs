@@ -12,6 +12,7 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use siteboot_agent_server::{Image, RootDeviceHints, WipePolicy};
 use siteboot_boot::MacAddr;
 use siteboot_boot::admission::CapsError;
 use siteboot_boot::dhcp::relay_agent::RelayPin;
@@ -24,13 +25,22 @@ use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::media::BootMedia;
 use siteboot_boot::tftp::TftpSettings;
 use siteboot_controller::bmc::AddressError;
-use siteboot_controller::crd::{BootMode, Image, RootDeviceHints, WipePolicy};
-use siteboot_controller::pools::{HostPools, Tenants};
+use siteboot_controller::crd::BootMode;
 use siteboot_ipxe::{IpxeBinaries, Word};
 
 use crate::bmc::HostBmc;
 use crate::fd_limit;
 use crate::standalone::{ListedHost, Provisioning, StaticInventory};
+
+#[cfg(feature = "kubernetes")]
+mod kubernetes;
+#[cfg(feature = "kubernetes")]
+pub use kubernetes::KubernetesConfig;
+#[cfg(feature = "kubernetes")]
+use kubernetes::KubernetesFile;
+/// A build without Kubernetes mode reads a `kubernetes:` section only to refuse it.
+#[cfg(not(feature = "kubernetes"))]
+type KubernetesFile = serde::de::IgnoredAny;
 
 /// The file as written.
 #[derive(Debug, Deserialize)]
@@ -75,123 +85,8 @@ pub struct ConfigFile {
     pub kubernetes: Option<KubernetesFile>,
 }
 
-/// The `kubernetes:` section: this appliance's site and how its hosts' ramdisk boots.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KubernetesFile {
-    /// The site this appliance serves (Hosts labelled `siteboot.dev/site=<site>`); `--site`
-    /// overrides it.
-    pub site: Option<String>,
-    /// The profile (kernel + initrds) of the deploy ramdisk that inspects, images and wipes
-    /// hosts; siteboot adds the operation's token to its command line.
-    pub ramdisk_profile: String,
-    /// The deploy ramdisk as a boot ISO (an absolute path), for hosts booted through their
-    /// BMC's virtual media: served on `http.https_port` at `/media/<key>.iso`, with the
-    /// operation's kernel command line (its token included) written into the ISO's parameters
-    /// region for each request, so the token never crosses the provisioning segment in clear.
-    /// The file is read once at start-up (and by `siteboot check-config`): one that is not
-    /// such an ISO stops start-up. Unset: no boot media (`/media/` answers 404).
-    pub ramdisk_media: Option<PathBuf>,
-    /// Where the site's leader Lease lives.
-    #[serde(default = "default_lease_namespace")]
-    pub lease_namespace: String,
-    /// Elect one leader per site for the reconcilers and full-mode DHCP.
-    #[serde(default = "default_true")]
-    pub leader_election: bool,
-    /// How long a ramdisk token is accepted after it is issued.
-    #[serde(default = "default_token_max_age", with = "humantime_serde")]
-    pub token_max_age: std::time::Duration,
-    /// How long a ramdisk that booted for an operation may go without reporting before its
-    /// host is quarantined (reason `RamdiskSilent`). The agent reports every few seconds
-    /// while it works.
-    #[serde(default = "default_ramdisk_silence_timeout", with = "humantime_serde")]
-    pub ramdisk_silence_timeout: std::time::Duration,
-    /// The operator's host pools: namespaces, besides a SitebootMachine's own, that its
-    /// `hostSelector.namespace` may take Hosts from, each with the tenant namespaces that may.
-    /// None by default: a machine gets Hosts of its own namespace only. Whoever may write Hosts
-    /// in a pool decides what its tenants' machines are given: grant that to operators only.
-    /// A Host in a pool also keeps a boot MAC that a Host elsewhere names too.
-    #[serde(default)]
-    pub host_namespaces: Vec<HostNamespaceFile>,
-    /// The least wipe a used host gets before another tenant may have it: `quick` (partition
-    /// tables and signatures; a forensic reader recovers files) or `full` (every block zeroed
-    /// and read back). A SitebootMachine's `spec.wipe` or a Host's may ask for more, never
-    /// less. `none` only for disposable lab hosts.
-    #[serde(default = "default_wipe")]
-    pub min_wipe: WipePolicy,
-}
-
-/// One entry of `kubernetes.host_namespaces`.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum HostNamespaceFile {
-    /// `pool`: machines of every namespace may take Hosts of `pool`.
-    Open(String),
-    /// `{namespace: pool, tenants: [team-a]}`: machines of these namespaces (and of `pool`
-    /// itself) only.
-    Pool(HostPoolFile),
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HostPoolFile {
-    pub namespace: String,
-    pub tenants: Vec<String>,
-}
-
-/// The host pools `host_namespaces` lists; a namespace listed twice is refused (which of its
-/// tenant lists was meant?).
-fn host_pools(entries: &[HostNamespaceFile]) -> Result<HostPools, FieldError> {
-    let mut pools = BTreeMap::new();
-    for entry in entries {
-        let (namespace, tenants) = match entry {
-            HostNamespaceFile::Open(namespace) => (namespace, Tenants::Any),
-            HostNamespaceFile::Pool(pool) => {
-                (&pool.namespace, Tenants::Only(pool.tenants.iter().cloned().collect()))
-            }
-        };
-        if namespace.is_empty() {
-            return Err(FieldError::new("kubernetes.host_namespaces", "a namespace is empty"));
-        }
-        if pools.insert(namespace.clone(), tenants).is_some() {
-            return Err(FieldError::new(
-                "kubernetes.host_namespaces",
-                format!("namespace {namespace:?} is listed twice"),
-            ));
-        }
-    }
-    Ok(HostPools::new(pools))
-}
-
-fn default_token_max_age() -> std::time::Duration {
-    siteboot_controller::context::TOKEN_MAX_AGE
-}
-
 fn default_ramdisk_silence_timeout() -> std::time::Duration {
-    siteboot_controller::context::RAMDISK_SILENCE_TIMEOUT
-}
-
-fn default_lease_namespace() -> String {
-    siteboot_controller::context::DEFAULT_NAMESPACE.to_owned()
-}
-
-fn default_true() -> bool {
-    true
-}
-
-/// Kubernetes mode, checked.
-#[derive(Debug)]
-pub struct KubernetesConfig {
-    pub site: Option<String>,
-    pub ramdisk: LinuxBoot,
-    /// `kubernetes.ramdisk_media`, an absolute path; opened by [`Config::open_ramdisk_media`].
-    pub ramdisk_media: Option<PathBuf>,
-    pub lease_namespace: String,
-    pub leader_election: bool,
-    pub token_max_age: std::time::Duration,
-    pub ramdisk_silence_timeout: std::time::Duration,
-    pub host_pools: HostPools,
-    pub min_wipe: WipePolicy,
+    siteboot_agent_server::silence::RAMDISK_SILENCE_TIMEOUT
 }
 
 /// The `images:` section: the image cache in `<state_dir>/images`.
@@ -417,6 +312,9 @@ pub struct Config {
     /// `ramdisk_profile`: the deploy ramdisk of standalone host operations.
     pub ramdisk: Option<LinuxBoot>,
     pub ramdisk_silence_timeout: std::time::Duration,
+    /// `kubernetes.ramdisk_media`, an absolute path; opened by [`Config::open_ramdisk_media`].
+    pub ramdisk_media: Option<PathBuf>,
+    #[cfg(feature = "kubernetes")]
     pub kubernetes: Option<KubernetesConfig>,
 }
 
@@ -519,12 +417,26 @@ impl Config {
             .as_ref()
             .map(|u| profile(&profiles, &u.profile, "unknown_hosts.profile".into()))
             .transpose()?;
+        #[cfg(feature = "kubernetes")]
         let kubernetes =
-            file.kubernetes.as_ref().map(|k| kubernetes(k, &file, &profiles)).transpose()?;
+            file.kubernetes.as_ref().map(|k| kubernetes::check(k, &file, &profiles)).transpose()?;
+        #[cfg(feature = "kubernetes")]
+        let ramdisk_media = file.kubernetes.as_ref().and_then(|k| k.ramdisk_media.clone());
+        #[cfg(not(feature = "kubernetes"))]
+        let ramdisk_media = None;
+        #[cfg(not(feature = "kubernetes"))]
+        if file.kubernetes.is_some() {
+            return Err(FieldError::new(
+                "kubernetes",
+                "this siteboot is built without Kubernetes mode (cargo feature `kubernetes`, on by default)",
+            ));
+        }
         check_served_roots(&file)?;
-        let known_hosts_only = file.dhcp.known_hosts_only.unwrap_or(kubernetes.is_some());
+        let known_hosts_only = file.dhcp.known_hosts_only.unwrap_or(file.kubernetes.is_some());
         Ok(Self {
+            #[cfg(feature = "kubernetes")]
             kubernetes,
+            ramdisk_media,
             known_hosts_only,
             interface: file.interface,
             address,
@@ -714,43 +626,6 @@ fn check_host_operations(host: &HostFile, ramdisk: bool, at: &str) -> Result<(),
     Ok(())
 }
 
-/// The `kubernetes:` section, which takes the place of `hosts` and `unknown_hosts`.
-fn kubernetes(
-    k: &KubernetesFile,
-    file: &ConfigFile,
-    profiles: &BTreeMap<String, BootAction>,
-) -> Result<KubernetesConfig, FieldError> {
-    if !file.hosts.is_empty() || file.unknown_hosts.is_some() {
-        return Err(FieldError::new(
-            "kubernetes",
-            "hosts and unknown_hosts do not apply in Kubernetes mode: what each host boots follows its Host object",
-        ));
-    }
-    if let Some(site) = &k.site {
-        check_site_name(site, "kubernetes.site")?;
-    }
-    let ramdisk = ramdisk_boot(profiles, &k.ramdisk_profile, "kubernetes.ramdisk_profile")?;
-    if let Some(path) = &k.ramdisk_media
-        && !path.is_absolute()
-    {
-        return Err(FieldError::new(
-            "kubernetes.ramdisk_media",
-            format!("{}: give an absolute path", path.display()),
-        ));
-    }
-    Ok(KubernetesConfig {
-        site: k.site.clone(),
-        ramdisk,
-        ramdisk_media: k.ramdisk_media.clone(),
-        lease_namespace: k.lease_namespace.clone(),
-        leader_election: k.leader_election,
-        token_max_age: k.token_max_age,
-        ramdisk_silence_timeout: k.ramdisk_silence_timeout,
-        host_pools: host_pools(&k.host_namespaces)?,
-        min_wipe: k.min_wipe,
-    })
-}
-
 impl Config {
     /// The served content directories (`tftp.root`, `http.root`) this machine does not have.
     /// The configuration is valid without them: the operator creates them and puts the site's
@@ -783,7 +658,7 @@ impl Config {
     /// to find its parameters region. Not part of [`Config::load`], which `siteboot probe`
     /// runs every few seconds; `serve` and `check-config` call it.
     pub fn open_ramdisk_media(&self) -> Result<Option<BootMedia>, FieldError> {
-        let Some(path) = self.kubernetes.as_ref().and_then(|k| k.ramdisk_media.as_deref()) else {
+        let Some(path) = &self.ramdisk_media else {
             return Ok(None);
         };
         BootMedia::open(path)
@@ -1402,6 +1277,7 @@ unknown_hosts:
         assert_eq!(Config::parse(&text).unwrap().http.reserved_connections(), 0);
     }
 
+    #[cfg(feature = "kubernetes")]
     /// Replicas that share the deploy manifests' config (no `address`) each serve at their own
     /// node's address on the interface: the one in the DHCP subnet.
     #[test]
@@ -1442,6 +1318,7 @@ unknown_hosts:
         std::fs::read_to_string(examples.join(name)).unwrap()
     }
 
+    #[cfg(feature = "kubernetes")]
     /// The example configurations are valid (their directories replaced by ones that exist).
     #[test]
     fn examples_load() {
@@ -1477,6 +1354,7 @@ unknown_hosts:
         "kubernetes.ramdisk_profile",
     ];
 
+    #[cfg(feature = "kubernetes")]
     /// The examples are the reference of the file format. standalone.yaml shows every field
     /// both modes have, kubernetes.yaml its `kubernetes:` section (and may show a part of the
     /// rest; the fields of an optional section standalone.yaml shows unset). Which fields exist
@@ -1546,6 +1424,7 @@ unknown_hosts:
         }
     }
 
+    #[cfg(feature = "kubernetes")]
     #[test]
     fn known_hosts_only_defaults_by_mode() {
         let kubernetes =
@@ -1568,6 +1447,7 @@ unknown_hosts:
         }
     }
 
+    #[cfg(feature = "kubernetes")]
     /// Both forms of `host_namespaces`: a plain name is open to every tenant, a pool only to
     /// the tenants it lists; a namespace listed twice is refused.
     #[test]
@@ -1592,6 +1472,7 @@ unknown_hosts:
         assert!(parse("[{ namespace: pool-a, tenant: [team-a] }]").is_err(), "a misspelt field");
     }
 
+    #[cfg(feature = "kubernetes")]
     /// `kubernetes.ramdisk_media`: an absolute path, checked by parsing; the file itself is
     /// read only when opened (serve, check-config), and a file that is no boot ISO is refused
     /// there, naming the field.
@@ -1725,6 +1606,22 @@ unknown_hosts:
         let no_ipxe = error_of(&GOOD.replace("ipxe_dir: IPXE", "ipxe_dir: /nonexistent"));
         assert_eq!(no_ipxe.field, "tftp.ipxe_dir");
         assert!(no_ipxe.message.contains("no such directory"), "{no_ipxe}");
+    }
+
+    /// A build without Kubernetes mode refuses a `kubernetes:` section, saying why, rather than
+    /// serve as a standalone appliance what was meant for a site's Hosts.
+    #[cfg(not(feature = "kubernetes"))]
+    #[test]
+    fn a_kubernetes_section_needs_kubernetes_mode_built_in() {
+        let kubernetes =
+            GOOD.replace("hosts:\n  - mac: 52:54:00:12:34:56\n    profile: linux\n", "").replace(
+                "unknown_hosts:\n  profile: disk\n",
+                "kubernetes:\n  ramdisk_profile: linux\n",
+            );
+        let (_dir, text) = with_ipxe(&kubernetes);
+        let refused = Config::parse(&text).unwrap_err();
+        assert_eq!(refused.field, "kubernetes", "{refused}");
+        assert!(refused.message.contains("built without Kubernetes mode"), "{refused}");
     }
 
     #[test]

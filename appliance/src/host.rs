@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
-use siteboot_controller::crd::OperationKind;
+use siteboot_agent_server::OperationKind;
 
 use crate::control::{Answer, Request, call};
 use crate::image::mib_per_sec;

@@ -7,6 +7,8 @@ mod fd_limit;
 mod host;
 mod image;
 mod interface;
+#[cfg_attr(not(feature = "kubernetes"), path = "no_kubernetes.rs")]
+mod kubernetes;
 mod operations;
 #[cfg(test)]
 mod serde_keys;
@@ -18,7 +20,6 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
-use siteboot_controller::manifests::SecretAccess;
 
 use crate::config::{Config, ConfigError, MissingDir};
 
@@ -49,22 +50,8 @@ enum Command {
         /// The configuration file (see examples/standalone.yaml, examples/kubernetes.yaml).
         #[arg(long, short)]
         config: PathBuf,
-        /// Kubeconfig of the management cluster. Default in Kubernetes mode: $KUBECONFIG, then
-        /// ~/.kube/config, then the in-cluster service account.
-        #[arg(long, env = "KUBECONFIG")]
-        kubeconfig: Option<PathBuf>,
-        /// The site this appliance serves (overrides kubernetes.site).
-        #[arg(long)]
-        site: Option<String>,
-        /// This replica's name in the leader Lease and Events. Default: <hostname>-<pid>.
-        #[arg(long, env = "POD_NAME")]
-        identity: Option<String>,
-        /// Kubernetes mode: what this process runs. `all`: everything in one process.
-        /// `boot-plane` and `controller` split it in two processes with two ServiceAccounts, so
-        /// that the process on the untrusted segment cannot read Secrets in tenants'
-        /// namespaces (deploy/kubernetes/appliance.yaml runs them so).
-        #[arg(long, value_enum, default_value_t = serve::Role::All)]
-        role: serve::Role,
+        #[command(flatten)]
+        kubernetes: kubernetes::ServeArgs,
     },
     /// Print the CRDs (with the admission policy that keeps templates immutable) and RBAC as
     /// YAML, or write everything under deploy/ into a directory.
@@ -73,26 +60,8 @@ enum Command {
     /// appliance) and the clusterctl release, a local provider repository:
     /// clusterctl/infrastructure-siteboot/v<version>/{metadata.yaml,
     /// infrastructure-components.yaml, cluster-template.yaml}.
-    Manifests {
-        /// Write the files here instead of printing them.
-        #[arg(long)]
-        output_dir: Option<PathBuf>,
-        /// The container image the appliance's Deployments run (the default is what
-        /// scripts/build-image builds and tags for this version).
-        #[arg(long, default_value_t = siteboot_controller::manifests::default_image())]
-        image: String,
-        /// The namespace the appliance's ServiceAccount and leader Lease live in.
-        #[arg(long, default_value = "siteboot-system")]
-        namespace: String,
-        /// A namespace whose Machines this appliance serves: it may read bootstrap data Secrets
-        /// there, and nowhere else. Repeat for more. Default: `default`.
-        #[arg(long = "machine-namespace", value_name = "NAMESPACE")]
-        machine_namespaces: Vec<String>,
-        /// Grant reading Secrets in every namespace instead (opt-in: whoever controls the
-        /// appliance could then read any Secret by name).
-        #[arg(long, conflicts_with = "machine_namespaces")]
-        all_namespaces: bool,
-    },
+    #[cfg(feature = "kubernetes")]
+    Manifests(kubernetes::ManifestsArgs),
     /// Check a configuration file and exit: 0 if it is valid, 1 with the field and the problem
     /// if not.
     ///
@@ -230,7 +199,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             }
         }
         Command::Host { config, timeout, command } => {
-            use siteboot_controller::crd::OperationKind;
+            use siteboot_agent_server::OperationKind;
             let config = Config::load(&config)?;
             let dir = &config.state_dir;
             match command {
@@ -247,34 +216,14 @@ fn run(command: Command) -> anyhow::Result<()> {
                 HostCommand::Cancel { name } => host::cancel(dir, &name),
             }
         }
-        Command::Manifests { output_dir, image, namespace, machine_namespaces, all_namespaces } => {
-            let secrets = if all_namespaces {
-                SecretAccess::Cluster
-            } else if machine_namespaces.is_empty() {
-                siteboot_controller::manifests::default_secret_access()
-            } else {
-                SecretAccess::Namespaces(machine_namespaces)
-            };
-            manifests(output_dir, &namespace, &secrets, &image)
-        }
-        Command::Serve { config: file, kubeconfig, site, identity, role } => {
+        #[cfg(feature = "kubernetes")]
+        Command::Manifests(args) => kubernetes::manifests(args),
+        Command::Serve { config: file, kubernetes } => {
             let config = Config::load(&file)?;
             // Strict where check-config only warns: there is nothing to serve from them.
             config.require_content_dirs().map_err(|e| ConfigError::in_file(&file, e))?;
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-            let served = runtime.block_on(async {
-                let kube = kube_mode(&config, kubeconfig, site, identity).await?;
-                match (role, kube) {
-                    (serve::Role::All, kube) => serve::serve(config, kube, role).await,
-                    (_, None) => anyhow::bail!(
-                        "--role {role} splits Kubernetes mode: give the config a kubernetes: section or --site"
-                    ),
-                    (serve::Role::BootPlane, kube) => serve::serve(config, kube, role).await,
-                    (serve::Role::Controller, Some(kube)) => {
-                        serve::serve_controller(config, kube).await
-                    }
-                }
-            });
+            let served = runtime.block_on(kubernetes.serve(config));
             // In the log too: an appliance's stderr is often only its log.
             served.inspect_err(|e| tracing::error!("{e:#}"))
         }
@@ -296,65 +245,6 @@ fn check_config(file: &std::path::Path) -> Result<CheckedConfig, ConfigError> {
     let media = config.open_ramdisk_media().map_err(|e| ConfigError::in_file(file, e))?;
     let missing_dirs = config.missing_content_dirs().map_err(|e| ConfigError::in_file(file, e))?;
     Ok(CheckedConfig { config, media, missing_dirs })
-}
-
-/// Kubernetes mode if the config has a `kubernetes:` section or `--site` is given.
-async fn kube_mode(
-    config: &Config,
-    kubeconfig: Option<PathBuf>,
-    site: Option<String>,
-    identity: Option<String>,
-) -> anyhow::Result<Option<serve::KubeMode>> {
-    use anyhow::Context;
-    let configured = config.kubernetes.as_ref().and_then(|k| k.site.clone());
-    if config.kubernetes.is_none() && site.is_none() {
-        return Ok(None);
-    }
-    let site = site
-        .or(configured)
-        .context("Kubernetes mode needs a site: --site NAME or kubernetes.site")?;
-    config::check_site_name(&site, "--site").map_err(|e| anyhow::anyhow!("{e}"))?;
-    let client_config = match &kubeconfig {
-        Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(file, &Default::default()).await?
-        }
-        None => kube::Config::infer()
-            .await
-            .context("no kubeconfig: pass --kubeconfig or run in a cluster")?,
-    };
-    let client = kube::Client::try_from(client_config)?;
-    let identity = identity.unwrap_or_else(|| {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        format!("{}-{}", host.trim(), std::process::id())
-    });
-    Ok(Some(serve::KubeMode { client, site, identity }))
-}
-
-fn manifests(
-    output_dir: Option<PathBuf>,
-    namespace: &str,
-    secrets: &SecretAccess,
-    image: &str,
-) -> anyhow::Result<()> {
-    use anyhow::Context;
-    use siteboot_controller::manifests::{crds_yaml, deploy_files, rbac, to_yaml};
-    match output_dir {
-        None => print!("{}---\n{}", crds_yaml(), to_yaml(&rbac(namespace, secrets))),
-        Some(dir) => {
-            for (file, text) in deploy_files(namespace, secrets, image) {
-                let path = dir.join(file);
-                if let Some(parent) = path.parent() {
-                    std::fs::create_dir_all(parent)
-                        .with_context(|| format!("creating {}", parent.display()))?;
-                }
-                std::fs::write(&path, text)
-                    .with_context(|| format!("writing {}", path.display()))?;
-            }
-        }
-    }
-    Ok(())
 }
 
 fn init_logging(format: LogFormat) {

@@ -12,11 +12,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use siteboot_agent_api::Hardware;
+use siteboot_agent_server::silence::{RamdiskContact, ramdisk_silence};
+use siteboot_agent_server::{ByteCount, Grant, OperationKind, Refusal, check_token, token};
 use siteboot_boot::MacAddr;
-use siteboot_controller::agent::{Grant, Refusal, check_token};
-use siteboot_controller::crd::{ByteCount, Hardware, OperationKind};
-use siteboot_controller::host::lifecycle::{RamdiskContact, ramdisk_silence};
-use siteboot_controller::token;
 
 /// Seconds since the Unix epoch.
 pub fn now() -> u64 {
@@ -130,7 +129,7 @@ impl HostRecord {
                 self.wipe_required = true;
             }
             self.operation = Some(Operation {
-                id: token::mint().0[..16].to_owned(),
+                id: token::operation_id(),
                 kind,
                 started: now,
                 token_hash: None,

@@ -20,6 +20,7 @@ use siteboot_boot::dhcp::leases::LeaseTable;
 use siteboot_boot::dhcp::server::{self, DhcpServer, PXE_PORT, SERVER_PORT};
 use siteboot_boot::dhcp::{DhcpService, bind_socket};
 use siteboot_boot::http::{HttpServer, Listeners, StatusPage};
+use siteboot_boot::inventory::LinuxBoot;
 use siteboot_boot::leadership::Leadership;
 use siteboot_boot::metrics::Metrics;
 use siteboot_boot::neighbors::{KernelArp, Neighbors};
@@ -32,120 +33,30 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use siteboot_controller::dhcp_checkpoint::ConfigMapCheckpoint;
+use siteboot_agent_server::images::ImageService;
 
-use crate::config::{Config, KubernetesConfig};
+use crate::config::Config;
+use crate::kubernetes::KubeMode;
+use crate::standalone::StaticInventory;
 
 const TFTP_PORT: u16 = 69;
 
-/// Kubernetes mode: where the management cluster is and which site this appliance serves.
-pub struct KubeMode {
-    pub client: kube::Client,
+/// The hosts the boot plane serves, and what runs beside it for them.
+pub struct Hosts {
+    pub inventory: Arc<dyn Inventory>,
+    /// What the log calls them.
+    pub known: String,
+    /// What the status page calls this appliance's site.
     pub site: String,
-    pub identity: String,
+    /// Kubernetes mode: where the DHCP leader shares its leases with the site's replicas.
+    pub checkpoint: Option<Arc<dyn LeaseCheckpoint>>,
+    /// Kubernetes mode: the controller, stopped after DHCP (see [`stop_in_order`]).
+    pub controller: Option<tokio::task::JoinHandle<()>>,
 }
 
-/// What a process of the appliance runs in Kubernetes mode. Split, the boot plane (which faces
-/// the untrusted segment) runs with no right to read Secrets in tenants' namespaces, and the
-/// controller, which has them, answers nothing on the segment (docs/security.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Role {
-    /// The boot plane and the controller in one process.
-    All,
-    /// DHCP, TFTP, HTTP and the agent API: the Host cache, no reconcilers.
-    BootPlane,
-    /// The reconcilers (Hosts, BMCs, the Cluster API providers): no sockets.
-    Controller,
-}
-
-impl std::fmt::Display for Role {
-    /// As `--role` spells it.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let value = clap::ValueEnum::to_possible_value(self).expect("no role is hidden");
-        f.write_str(value.get_name())
-    }
-}
-
-/// The context the Kubernetes side runs with, from the config. Fails unless the config has a
-/// `kubernetes:` section and the CRDs are installed.
-async fn context(
-    kubernetes: Option<&KubernetesConfig>,
-    kube: KubeMode,
-    role: Role,
-) -> Result<siteboot_controller::context::Ctx> {
-    let KubeMode { client, site, identity } = kube;
-    let k = kubernetes.context(
-        "Kubernetes mode needs a kubernetes: section in the config (kubernetes.ramdisk_profile)",
-    )?;
-    siteboot_controller::run::check_crds(&client, role != Role::BootPlane).await?;
-    let mut ctx = siteboot_controller::context::Ctx::new(
-        client,
-        site,
-        identity,
-        siteboot_controller::cache::HostIndex::new(k.host_pools.clone()),
-        k.ramdisk.clone(),
-    );
-    ctx.namespace = k.lease_namespace.clone();
-    ctx.token_max_age = k.token_max_age;
-    ctx.ramdisk_silence_timeout = k.ramdisk_silence_timeout;
-    ctx.min_wipe = k.min_wipe;
-    Ok(ctx)
-}
-
-/// Where BMCs fetch virtual media: the agent API's listener.
-fn media_base(address: std::net::Ipv4Addr, https_port: u16) -> String {
-    format!("https://{address}:{https_port}")
-}
-
-/// `siteboot serve --role controller`: the reconcilers of the site, with no socket on the
-/// segment, until SIGTERM or SIGINT. Virtual media needs the boot plane's certificate
-/// (`http.tls`), which the controller tells BMCs to trust.
-pub async fn serve_controller(config: Config, kube: KubeMode) -> Result<()> {
-    let site = kube.site.clone();
-    let mut ctx = context(config.kubernetes.as_ref(), kube, Role::Controller).await?;
-    let k = config.kubernetes.as_ref().expect("checked by context");
-    if k.ramdisk_media.is_some() {
-        let tls = config.http.tls.as_ref().context("kubernetes.ramdisk_media with --role controller needs http.tls: the boot plane's certificate, which BMCs are told to trust")?;
-        let pem = std::fs::read_to_string(&tls.certificate)
-            .with_context(|| format!("reading {}", tls.certificate.display()))?;
-        ctx.media_base = Some(media_base(config.address, config.http.https_port));
-        ctx.media_certificate = Some(pem);
-    }
-    let options = siteboot_controller::run::Options {
-        lease_namespace: k.lease_namespace.clone(),
-        lease_name: siteboot_controller::run::controller_lease_name(&site),
-        leader_election: k.leader_election,
-        reconcilers: true,
-        heartbeat: false,
-        addresses: Vec::new(),
-    };
-    let (leadership, _) = tokio::sync::watch::channel(Leadership::Follower);
-    let release = CancellationToken::new();
-    let run = siteboot_controller::run::run(
-        Arc::new(ctx),
-        Arc::new(Timeline::new()),
-        options,
-        leadership,
-        release.clone(),
-    );
-    let controller = tokio::spawn(run);
-    tracing::info!(%site, "siteboot controller running (no boot plane in this process)");
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
-        _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
-    }
-    release.cancel();
-    if tokio::time::timeout(STEP_DEADLINE, controller).await.is_err() {
-        tracing::warn!("the controller did not stop in time");
-    }
-    tracing::info!("stopped");
-    Ok(())
-}
-
-/// Serves the boot plane; in Kubernetes mode also, with [`Role::All`], the controller.
-pub async fn serve(config: Config, kube: Option<KubeMode>, role: Role) -> Result<()> {
+/// Serves the boot plane: the hosts of the config (standalone), or of the site's Host objects
+/// with, unless this process is `--role boot-plane`, the controller (Kubernetes mode).
+pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     let interface = &config.interface;
     if !std::path::Path::new("/sys/class/net").join(interface).exists() {
         bail!("interface {interface:?} does not exist on this machine (see `ip link`)");
@@ -165,11 +76,48 @@ pub async fn serve(config: Config, kube: Option<KubeMode>, role: Role) -> Result
         ServerIdentity::load(config.http.tls.as_ref(), &config.state_dir, config.address)
             .context("the agent API's TLS certificate (http.tls)")?;
     tracing::info!(certificate = %identity.source.display(), fingerprint = %identity.fingerprint, "agent API certificate");
+    let timeline = Arc::new(Timeline::new());
+    // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader, and shares its
+    // leases with the site's other replicas through a checkpoint.
+    let initial = if kube.is_some() { Leadership::Follower } else { Leadership::Always };
+    let (leadership_tx, leadership) = tokio::sync::watch::channel(initial);
+    // Stops the servers; `release` then ends this replica's term and gives the Lease back.
+    let shutdown = CancellationToken::new();
+    let release = CancellationToken::new();
+    let image_service = ImageService::new(images.clone(), endpoints.clone());
+    let Hosts { inventory, known, site, checkpoint, controller } = match kube {
+        None => {
+            let site = format!("standalone ({interface}, {})", config.address);
+            let operations =
+                config.ramdisk.clone().map(|ramdisk| (ramdisk, config.ramdisk_silence_timeout));
+            standalone_hosts(
+                config.inventory,
+                site,
+                operations,
+                &config.state_dir,
+                image_service,
+                &shutdown,
+            )?
+        }
+        Some(kube) => {
+            let media = media.is_some().then(|| identity.certificate_pem.clone());
+            let (timeline, release) = (timeline.clone(), release.clone());
+            crate::kubernetes::hosts(
+                &config,
+                kube,
+                media,
+                image_service,
+                leadership_tx,
+                timeline,
+                release,
+            )
+            .await?
+        }
+    };
     let binaries = Arc::new(config.binaries);
     for platform in binaries.platforms() {
         tracing::info!(%platform, file = binaries.file_for(platform), dir = %binaries.dir().display(), "iPXE binary");
     }
-    let timeline = Arc::new(Timeline::new());
     let metrics = Arc::new(Metrics::new());
     let leases = Arc::new(Mutex::new(LeaseTable::new(Arc::new(config.plan))));
     let journal = if config.dhcp.mode == DhcpMode::Full {
@@ -184,81 +132,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>, role: Role) -> Result
     } else {
         None
     };
-    // Leadership (Kubernetes mode): full-mode DHCP answers only on the leader, and shares its
-    // leases with the site's other replicas through a checkpoint.
-    let initial = if kube.is_some() { Leadership::Follower } else { Leadership::Always };
-    let (leadership_tx, leadership) = tokio::sync::watch::channel(initial);
-    let mut checkpoint: Option<Arc<dyn LeaseCheckpoint>> = None;
-    // Stops the servers; `release` then ends this replica's term and gives the Lease back.
-    let shutdown = CancellationToken::new();
-    let release = CancellationToken::new();
     let mut servers = JoinSet::new();
-    let mut controller = None;
-    // `site`: what the status page calls this appliance's site.
-    let (inventory, known_hosts, site): (Arc<dyn Inventory>, String, String) = match kube {
-        None => {
-            let known = config.inventory.known_hosts().to_string();
-            let site = format!("standalone ({interface}, {})", config.address);
-            let mut inventory = config.inventory;
-            if let Some(ramdisk) = config.ramdisk.clone() {
-                let store = crate::operations::Store::open(&config.state_dir)
-                    .context("opening the host records (<state_dir>/hosts)")?;
-                let images = siteboot_controller::images::ImageService::new(
-                    images.clone(),
-                    endpoints.clone(),
-                );
-                inventory.enable_operations(
-                    store,
-                    ramdisk,
-                    Arc::new(images),
-                    siteboot_controller::context::TOKEN_MAX_AGE,
-                    config.ramdisk_silence_timeout,
-                )?;
-            }
-            let inventory = Arc::new(inventory);
-            let listener = crate::control::bind(&config.state_dir)?;
-            tokio::spawn(crate::control::serve(listener, inventory.clone(), shutdown.clone()));
-            tokio::spawn(inventory.clone().watch_silence(shutdown.clone()));
-            (inventory, known, site)
-        }
-        Some(kube) => {
-            let site = kube.site.clone();
-            let mut ctx = context(config.kubernetes.as_ref(), kube, role).await?;
-            let k = config.kubernetes.as_ref().expect("checked by context");
-            // BMCs fetch a host's virtual media from the agent API's listener.
-            if media.is_some() {
-                ctx.media_base = Some(media_base(config.address, config.http.https_port));
-                ctx.media_certificate = Some(identity.certificate_pem.clone());
-            }
-            ctx.images = Some(Arc::new(siteboot_controller::images::ImageService::new(
-                images.clone(),
-                endpoints.clone(),
-            )));
-            let ctx = Arc::new(ctx);
-            let options = siteboot_controller::run::Options {
-                lease_namespace: k.lease_namespace.clone(),
-                lease_name: siteboot_controller::run::lease_name(&site),
-                leader_election: k.leader_election,
-                reconcilers: role == Role::All,
-                heartbeat: true,
-                addresses: vec![config.address.to_string()],
-            };
-            let inventory =
-                Arc::new(siteboot_controller::inventory::KubeInventory::new(ctx.clone()));
-            checkpoint = Some(Arc::new(ConfigMapCheckpoint::new(
-                ctx.client.clone(),
-                &k.lease_namespace,
-                &site,
-            )));
-            let timeline = timeline.clone();
-            let release = release.clone();
-            controller = Some(tokio::spawn(async move {
-                siteboot_controller::run::run(ctx, timeline, options, leadership_tx, release).await
-            }));
-            (inventory, format!("Hosts of site {site}"), site)
-        }
-    };
-
     // Who holds a client address: our leases when we hand them out (a relayed one only as the
     // inventory's relay agent pins allow), else the ARP table.
     let arp = KernelArp::new(interface).context("opening a socket for ARP look-ups")?;
@@ -355,7 +229,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>, role: Role) -> Result
         dhcp = ?config.dhcp.mode,
         http = %http_addr,
         https = %https_addr,
-        hosts = %known_hosts,
+        hosts = %known,
         fd_limit,
         "siteboot serving"
     );
@@ -376,6 +250,37 @@ pub async fn serve(config: Config, kube: Option<KubeMode>, role: Role) -> Result
     Ok(())
 }
 
+/// What the boot plane serves standalone: the hosts of the config, with their operations
+/// (`operations`: the ramdisk and its silence timeout, from `ramdisk_profile`) and the control
+/// socket `siteboot host` talks to, both under `state_dir`.
+fn standalone_hosts(
+    mut inventory: StaticInventory,
+    site: String,
+    operations: Option<(LinuxBoot, Duration)>,
+    state_dir: &std::path::Path,
+    images: ImageService,
+    shutdown: &CancellationToken,
+) -> Result<Hosts> {
+    let known = inventory.known_hosts().to_string();
+    if let Some((ramdisk, max_silence)) = operations {
+        let store = crate::operations::Store::open(state_dir)
+            .context("opening the host records (<state_dir>/hosts)")?;
+        let token_max_age = siteboot_agent_server::silence::TOKEN_MAX_AGE;
+        inventory.enable_operations(
+            store,
+            ramdisk,
+            Arc::new(images),
+            token_max_age,
+            max_silence,
+        )?;
+    }
+    let inventory = Arc::new(inventory);
+    let listener = crate::control::bind(state_dir)?;
+    tokio::spawn(crate::control::serve(listener, inventory.clone(), shutdown.clone()));
+    tokio::spawn(inventory.clone().watch_silence(shutdown.clone()));
+    Ok(Hosts { inventory, known, site, checkpoint: None, controller: None })
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Server {
     Dhcp,
@@ -394,7 +299,7 @@ impl std::fmt::Display for Server {
 }
 
 /// Time for DHCP to finish its batch, and for the Lease to be given back.
-const STEP_DEADLINE: Duration = Duration::from_secs(5);
+pub const STEP_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Stops in order (see the module doc). Each step has a deadline; what is left after the last
 /// one is dropped with the process.

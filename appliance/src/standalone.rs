@@ -7,8 +7,8 @@
 //! | an operation under way, asked from elsewhere, or after its bootstrap data went out | the ramdisk with no token: it waits |
 //! | no operation | its profile |
 //!
-//! The agent API answers as in Kubernetes mode (the same endpoints, tasks and refusals: the
-//! pure parts are `siteboot_controller::agent`'s); records live in [`Operations`]. A host
+//! The agent API is answered by `siteboot_agent_server::serve`, as in Kubernetes mode, over
+//! [`FileRecords`]: the records live in [`Operations`]. A host
 //! with a BMC is booted into the ramdisk through it when an operation starts ([`crate::bmc`]);
 //! an operation ends when its ramdisk reports, when the operator cancels it, or when its
 //! ramdisk falls silent (Kubernetes mode's rule, checked by [`StaticInventory::watch_silence`]).
@@ -19,7 +19,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::StatusCode;
-use siteboot_agent_api::{Ack, Complete, MetaData, ProgressReport, Task};
+use siteboot_agent_api::{Hardware, MetaData};
+use siteboot_agent_server::images::ImageService;
+use siteboot_agent_server::serve::{self, BootstrapData, Opened, Records, Target};
+use siteboot_agent_server::token::ramdisk_boot;
+use siteboot_agent_server::{
+    ByteCount, Image, OperationKind, Refusal, RootDeviceHints, WipePolicy,
+};
 use siteboot_boot::dhcp::relay_agent::RelayPin;
 use siteboot_boot::dhcp::settings::Reservation;
 use siteboot_boot::inventory::{
@@ -27,19 +33,11 @@ use siteboot_boot::inventory::{
     LinuxBoot, OperationSummary,
 };
 use siteboot_boot::{BootAction, MacAddr};
-use siteboot_controller::agent::{
-    self, Endpoint, Refusal, deprovision_task, needs_new_token, provision_task,
-};
 use siteboot_controller::bmc::Redfish;
-use siteboot_controller::crd::{
-    ByteCount, Hardware, Image, OperationKind, RootDeviceHints, WipePolicy,
-};
-use siteboot_controller::images::{ImageService, Readiness};
 use tokio_util::sync::CancellationToken;
 
 use crate::bmc::{self, BmcFailure, HostBmc};
 use crate::operations::{HostRecord, NoOperation, StartError, Store, StoreError, now};
-use siteboot_controller::token::ramdisk_boot;
 
 /// A host listed under `hosts`.
 #[derive(Debug)]
@@ -94,25 +92,6 @@ pub struct Operations {
 impl std::fmt::Debug for Operations {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Operations").field("store", &self.store).finish_non_exhaustive()
-    }
-}
-
-/// Why an agent request gets no answer of its own.
-enum Failure {
-    Refused(Refusal),
-    /// A record could not be written: nothing was promised, the ramdisk tries again.
-    Store(StoreError),
-}
-
-impl From<Refusal> for Failure {
-    fn from(r: Refusal) -> Self {
-        Failure::Refused(r)
-    }
-}
-
-impl From<StoreError> for Failure {
-    fn from(e: StoreError) -> Self {
-        Failure::Store(e)
     }
 }
 
@@ -410,163 +389,7 @@ impl StaticInventory {
                 "no host operations here (the config has no ramdisk_profile)\n",
             );
         };
-        let Some(endpoint) = Endpoint::of(&req) else {
-            return AgentResponse::text(StatusCode::NOT_FOUND, "no such agent endpoint\n");
-        };
-        match self.answer(ops, endpoint, &req).await {
-            Ok(response) => response,
-            Err(Failure::Refused(refusal)) => agent::refused(&req, &refusal),
-            Err(Failure::Store(e)) => {
-                tracing::error!(remote = %req.remote, path = %req.path, error = %e, "agent request failed");
-                AgentResponse::text(StatusCode::SERVICE_UNAVAILABLE, "try again\n")
-            }
-        }
-    }
-
-    async fn answer(
-        &self,
-        ops: &Operations,
-        endpoint: Endpoint,
-        req: &AgentRequest,
-    ) -> Result<AgentResponse, Failure> {
-        let mac = req.remote_mac.ok_or(Refusal::UnknownAddress)?;
-        let host = self.hosts.get(&mac).ok_or(Refusal::UnknownHost)?;
-        let ok = || AgentResponse::json(&Ack::TAKEN);
-        match endpoint {
-            Endpoint::Task => self.task(ops, mac, host, req).await,
-            Endpoint::Inspection => {
-                let hardware: siteboot_agent_api::Hardware = agent::body(req)?;
-                ops.finish(
-                    mac,
-                    req,
-                    Some(OperationKind::Inspect),
-                    true,
-                    String::new(),
-                    Some(hardware),
-                    None,
-                )?;
-                Ok(ok())
-            }
-            Endpoint::Complete => {
-                let body: Complete = agent::body(req)?;
-                let image = host.provisioning.as_ref().map(|p| &p.image);
-                let image = image.map(|i| (i.url.as_str(), i.checksum.as_str()));
-                ops.finish(mac, req, None, body.ok, body.message(), None, image)?;
-                Ok(ok())
-            }
-            Endpoint::Progress => {
-                let body: ProgressReport = agent::body(req)?;
-                let step = body.step();
-                // A ramdisk reports every second or so: write the record when the step
-                // changes or every few seconds, keep the rest in memory.
-                let op = ops.authenticated(mac, req)?;
-                let persist = op.step.as_deref() != Some(step.as_str())
-                    || op.last_heard.is_none_or(|t| now().saturating_sub(t) >= PROGRESS_WRITE_SECS);
-                ops.update(mac, persist, |r| {
-                    r.authenticate(req.token.as_deref(), req.remote, now(), ops.max_age())?;
-                    r.progress(step.clone(), body.bytes.map(ByteCount::from), now());
-                    Ok::<_, Refusal>(())
-                })
-                .map_err(flatten)?;
-                Ok(ok())
-            }
-            Endpoint::Bootstrap => {
-                let op = ops.authenticated(mac, req)?;
-                if op.kind != OperationKind::Provision {
-                    return Err(Refusal::WrongOperation(op.kind).into());
-                }
-                let provisioning = host.provisioning.as_ref().ok_or(Refusal::NoOperation)?;
-                let data = match &provisioning.user_data {
-                    None => Vec::new(),
-                    Some(path) => match std::fs::read(path) {
-                        Ok(data) => data,
-                        Err(e) => {
-                            tracing::error!(host = %host.name, file = %path.display(), error = %e, "cannot read the host's user_data");
-                            return Ok(AgentResponse::text(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                "bootstrap data not ready\n",
-                            ));
-                        }
-                    },
-                };
-                agent::confirm_holder(req).await?;
-                // Marked delivered (and written) before it leaves: once per operation.
-                ops.update(mac, true, |r| {
-                    r.authenticate(req.token.as_deref(), req.remote, now(), ops.max_age())?;
-                    r.deliver_bootstrap()
-                })
-                .map_err(|e| {
-                    if matches!(e, Ok(Refusal::Replayed)) {
-                        tracing::warn!(host = %host.name, operation = %op.id, remote = %req.remote, "bootstrap data asked for again after it was delivered; refused");
-                    }
-                    flatten(e)
-                })?;
-                tracing::info!(host = %host.name, operation = %op.id, "bootstrap data delivered");
-                Ok(AgentResponse {
-                    status: StatusCode::OK,
-                    content_type: "text/cloud-config",
-                    body: bytes::Bytes::from(data),
-                })
-            }
-        }
-    }
-
-    async fn task(
-        &self,
-        ops: &Operations,
-        mac: MacAddr,
-        host: &ListedHost,
-        req: &AgentRequest,
-    ) -> Result<AgentResponse, Failure> {
-        let op = match ops.authenticated(mac, req) {
-            Ok(found) => found,
-            Err(refusal) if needs_new_token(&refusal) => {
-                // Boot again for an operation's token (none comes once its bootstrap data
-                // went out: booting again would only loop), or, just provisioned, into the
-                // disk.
-                let boot_again =
-                    ops.records.lock().expect("records lock").get(&mac).is_some_and(|r| {
-                        let pending =
-                            r.operation.as_ref().is_some_and(|op| !op.bootstrap_delivered);
-                        pending || r.installed.is_some()
-                    });
-                return Ok(AgentResponse::json(&Task::without_token(boot_again)));
-            }
-            Err(refusal) => return Err(refusal.into()),
-        };
-        let answer = match op.kind {
-            OperationKind::Inspect => Task::Inspect { operation: op.id },
-            OperationKind::Deprovision => deprovision_task(&op.id, host.wipe),
-            OperationKind::Provision => {
-                let p = host.provisioning.as_ref().ok_or(Refusal::NoOperation)?;
-                let (url, size) = match ops.images.prepare(&op.id, &p.image).await {
-                    Readiness::Ready { url, size } => (url, size),
-                    Readiness::Fetching { why } => {
-                        tracing::info!(host = %host.name, operation = %op.id, %why, "the ramdisk waits for its image");
-                        return Ok(AgentResponse::json(&Task::Wait { seconds: 5 }));
-                    }
-                    Readiness::Failed { why } => {
-                        ops.finish(
-                            mac,
-                            req,
-                            Some(OperationKind::Provision),
-                            false,
-                            why,
-                            None,
-                            None,
-                        )?;
-                        return Ok(AgentResponse::json(&Task::Wait { seconds: 10 }));
-                    }
-                };
-                let meta = MetaData {
-                    instance_id: op.id.clone(),
-                    local_hostname: Some(host.name.clone()),
-                    provider_id: Some(format!("siteboot://standalone/{}", host.name)),
-                };
-                provision_task(&op.id, &p.image, (&url, size), &p.root_device_hints, meta)
-            }
-        };
-        Ok(AgentResponse::json(&answer))
+        serve::answer(&FileRecords { hosts: &self.hosts, ops }, &req).await
     }
 }
 
@@ -575,11 +398,166 @@ const PROGRESS_WRITE_SECS: u64 = 5;
 /// How often operations are checked for a silent ramdisk, at the most.
 const SILENCE_CHECK: Duration = Duration::from_secs(30);
 
+type Failure = serve::Failure<StoreError>;
+
 /// A refusal or a store error, from [`Operations::update`].
 fn flatten(e: Result<Refusal, StoreError>) -> Failure {
     match e {
         Ok(refusal) => refusal.into(),
-        Err(e) => e.into(),
+        Err(e) => Failure::Store(e),
+    }
+}
+
+/// Standalone mode's records: a file per listed host (`<state_dir>/hosts/`), kept in memory.
+/// A host is the listed one whose MAC holds the request's address.
+struct FileRecords<'a> {
+    hosts: &'a HashMap<MacAddr, ListedHost>,
+    ops: &'a Operations,
+}
+
+impl<'a> FileRecords<'a> {
+    fn provisioning(host: &ListedHost) -> Result<&Provisioning, Refusal> {
+        host.provisioning.as_ref().ok_or(Refusal::NoOperation)
+    }
+}
+
+impl<'a> Records for FileRecords<'a> {
+    type Host = (MacAddr, &'a ListedHost);
+    type Error = StoreError;
+
+    async fn host(&self, req: &AgentRequest) -> Result<Self::Host, Failure> {
+        let mac = req.remote_mac.ok_or(Refusal::UnknownAddress)?;
+        let host = self.hosts.get(&mac).ok_or(Refusal::UnknownHost)?;
+        Ok((mac, host))
+    }
+
+    fn name(&self, (_, host): &Self::Host) -> String {
+        host.name.clone()
+    }
+
+    fn authenticate(&self, req: &AgentRequest, (mac, _): &Self::Host) -> Result<Opened, Refusal> {
+        let op = self.ops.authenticated(*mac, req)?;
+        Ok(Opened {
+            id: op.id,
+            kind: op.kind,
+            bootstrap_delivered: op.bootstrap_delivered,
+            virtual_media: false,
+        })
+    }
+
+    /// Boot again for an operation's token (none comes once its bootstrap data went out:
+    /// booting again would only loop), or, just provisioned, into the disk.
+    fn boots_again(&self, (mac, _): &Self::Host) -> bool {
+        self.ops.records.lock().expect("records lock").get(mac).is_some_and(|r| {
+            let pending = r.operation.as_ref().is_some_and(|op| !op.bootstrap_delivered);
+            pending || r.installed.is_some()
+        })
+    }
+
+    fn wipe(&self, (_, host): &Self::Host) -> WipePolicy {
+        host.wipe
+    }
+
+    fn images(&self) -> Option<&ImageService> {
+        Some(&self.ops.images)
+    }
+
+    /// The config's: only the operator edits it.
+    async fn image(
+        &self,
+        _: &AgentRequest,
+        (_, host): &Self::Host,
+        _: &Opened,
+    ) -> Result<Image, Failure> {
+        Ok(Self::provisioning(host)?.image.clone())
+    }
+
+    async fn target(&self, (_, host): &Self::Host, op: &Opened) -> Result<Target, Failure> {
+        Ok(Target {
+            hints: Self::provisioning(host)?.root_device_hints.clone(),
+            meta_data: MetaData {
+                instance_id: op.id.clone(),
+                local_hostname: Some(host.name.clone()),
+                provider_id: Some(format!("siteboot://standalone/{}", host.name)),
+            },
+        })
+    }
+
+    /// The host's `user_data` file, read as it is asked for (empty without one).
+    async fn bootstrap_data(
+        &self,
+        (_, host): &Self::Host,
+        _: &Opened,
+    ) -> Result<Option<BootstrapData>, Failure> {
+        let data = match &Self::provisioning(host)?.user_data {
+            None => Vec::new(),
+            Some(path) => match std::fs::read(path) {
+                Ok(data) => data,
+                Err(e) => {
+                    tracing::error!(host = %host.name, file = %path.display(), error = %e, "cannot read the host's user_data");
+                    return Ok(None);
+                }
+            },
+        };
+        Ok(Some(BootstrapData {
+            content_type: "text/cloud-config",
+            data: bytes::Bytes::from(data),
+        }))
+    }
+
+    async fn deliver(
+        &self,
+        req: &AgentRequest,
+        (mac, _): &Self::Host,
+        _: &Opened,
+    ) -> Result<(), Failure> {
+        let ops = self.ops;
+        ops.update(*mac, true, |r| {
+            r.authenticate(req.token.as_deref(), req.remote, now(), ops.max_age())?;
+            r.deliver_bootstrap()
+        })
+        .map_err(flatten)?;
+        Ok(())
+    }
+
+    /// A ramdisk reports every second or so: the record is written when the step changes or
+    /// every few seconds, the rest kept in memory.
+    async fn progress(
+        &self,
+        req: &AgentRequest,
+        step: String,
+        bytes: Option<ByteCount>,
+    ) -> Result<(), Failure> {
+        let (mac, _) = self.host(req).await?;
+        let ops = self.ops;
+        let op = ops.authenticated(mac, req)?;
+        let persist = op.step.as_deref() != Some(step.as_str())
+            || op.last_heard.is_none_or(|t| now().saturating_sub(t) >= PROGRESS_WRITE_SECS);
+        ops.update(mac, persist, |r| {
+            r.authenticate(req.token.as_deref(), req.remote, now(), ops.max_age())?;
+            r.progress(step, bytes, now());
+            Ok::<_, Refusal>(())
+        })
+        .map_err(flatten)?;
+        Ok(())
+    }
+
+    async fn finish(
+        &self,
+        req: &AgentRequest,
+        kind: OperationKind,
+        ok: bool,
+        message: String,
+        hardware: Option<Hardware>,
+    ) -> Result<(), Failure> {
+        let (mac, host) = self.host(req).await?;
+        let image =
+            host.provisioning.as_ref().map(|p| (p.image.url.as_str(), p.image.checksum.as_str()));
+        self.ops.finish(mac, req, kind, ok, message, hardware, image)
+    }
+
+    async fn report(&self, (_, host): &Self::Host, reason: &'static str, note: String) {
+        tracing::warn!(host = %host.name, reason, "{note}");
     }
 }
 
@@ -620,14 +598,14 @@ impl Operations {
         Ok(op.clone())
     }
 
-    /// Ends `mac`'s operation (of kind `kind`, if given; inspections end only by their report,
-    /// the others only by `complete`).
+    /// Ends `mac`'s operation of kind `kind` (checked again on the record it writes); a
+    /// successful provisioning installed `image` (`(url, checksum)`).
     #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
         mac: MacAddr,
         req: &AgentRequest,
-        kind: Option<OperationKind>,
+        kind: OperationKind,
         ok: bool,
         message: String,
         hardware: Option<Hardware>,
@@ -636,11 +614,7 @@ impl Operations {
         let (record, id) = self
             .update(mac, true, |r| {
                 let op = r.authenticate(req.token.as_deref(), req.remote, now(), self.max_age())?;
-                let allowed = match kind {
-                    Some(kind) => op.kind == kind,
-                    None => op.kind != OperationKind::Inspect,
-                };
-                if !allowed {
+                if op.kind != kind {
                     return Err(Refusal::WrongOperation(op.kind));
                 }
                 let id = op.id.clone();

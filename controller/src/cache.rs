@@ -179,7 +179,7 @@ mod tests {
     fn a_media_token_names_its_host() {
         use crate::crd::{HostStatus, Operation, OperationKind};
         let index = HostIndex::default();
-        let (token, hash) = crate::token::mint();
+        let (token, hash) = siteboot_agent_server::token::mint();
         let mut booted = host("metal", "media", 10);
         let operation = Operation {
             kind: OperationKind::Provision,
@@ -199,10 +199,11 @@ mod tests {
         booted.status = Some(HostStatus { operation: Some(operation), ..Default::default() });
         insert(&mut index.by_mac.write().unwrap(), host("metal", "other", 5));
         insert(&mut index.by_mac.write().unwrap(), booted.clone());
-        let found =
-            index.with_media_token(&crate::token::hash(&token)).expect("found by its token");
+        let found = index
+            .with_media_token(&siteboot_agent_server::token::hash(&token))
+            .expect("found by its token");
         assert_eq!(key(&*found), "metal/media");
-        assert!(index.with_media_token(&crate::token::hash("another")).is_none());
+        assert!(index.with_media_token(&siteboot_agent_server::token::hash("another")).is_none());
         booted.status.as_mut().unwrap().operation.as_mut().unwrap().virtual_media = false;
         insert(&mut index.by_mac.write().unwrap(), booted);
         assert!(index.with_media_token(&hash).is_none(), "a network boot's token");

@@ -12,6 +12,7 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource, ResourceExt};
+use siteboot_agent_server::silence::{RAMDISK_SILENCE_TIMEOUT, TOKEN_MAX_AGE};
 use siteboot_boot::inventory::LinuxBoot;
 
 use crate::cache::HostIndex;
@@ -22,15 +23,6 @@ use crate::throttle::Throttle;
 
 /// The appliance's namespace unless configured (`kubernetes.lease_namespace`).
 pub const DEFAULT_NAMESPACE: &str = "siteboot-system";
-
-/// How long a ramdisk token stays valid after it is issued, unless configured
-/// (`kubernetes.token_max_age`).
-pub const TOKEN_MAX_AGE: Duration = Duration::from_secs(2 * 3600);
-
-/// How long a ramdisk that booted for an operation may go without a word before its host is
-/// quarantined, unless configured (`kubernetes.ramdisk_silence_timeout`). The agent reports
-/// progress every few seconds while it works.
-pub const RAMDISK_SILENCE_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 
 pub struct Ctx {
     pub client: Client,
@@ -59,7 +51,7 @@ pub struct Ctx {
     pub segment_events: Mutex<Throttle>,
     /// The appliance's image cache, which the ramdisk downloads images from. `None`: the
     /// ramdisk fetches each image from its source itself.
-    pub images: Option<Arc<crate::images::ImageService>>,
+    pub images: Option<Arc<siteboot_agent_server::images::ImageService>>,
     /// The workload clusters' clients, kept between passes.
     pub workloads: crate::workload::Workloads,
     /// Where a BMC fetches a host's virtual media (`https://<address>:<https_port>`, the agent

@@ -39,7 +39,7 @@ use crate::context::{Ctx, key, update_host_status};
 use crate::crd::{Host, HostState, now};
 use crate::host::lifecycle::older_than;
 use crate::host::record;
-use crate::token::{self, ramdisk_boot};
+use siteboot_agent_server::token::{self, ramdisk_boot};
 
 pub struct KubeInventory {
     ctx: Arc<Ctx>,

@@ -14,33 +14,6 @@ pub struct MachineAddress {
     pub address: String,
 }
 
-/// An OS image to write to a host's disk.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Image {
-    /// Where the image is fetched from (http or https).
-    #[schemars(regex(pattern = r"^https?://[^\s]+$"))]
-    pub url: String,
-    /// `sha256:<64 hex digits>` of the image as served; a mismatch fails provisioning.
-    #[schemars(regex(pattern = r"^sha256:[0-9a-f]{64}$"))]
-    pub checksum: String,
-    /// `raw` (the default) or `qcow2`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub format: Option<ImageFormat>,
-    /// Grow the image's last partition to fill the disk (up to the NoCloud seed siteboot puts
-    /// at the disk's end). For images whose last partition is a root file system that grows
-    /// itself on first boot (cloud-init's growpart does), this is not needed.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub grow_last_partition: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum ImageFormat {
-    Raw,
-    Qcow2,
-}
-
 /// Conditions are `metav1.Condition`s, keyed by `type` for server-side apply.
 pub type Conditions = Vec<Condition>;
 

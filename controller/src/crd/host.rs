@@ -9,9 +9,13 @@ use serde::{Deserialize, Serialize};
 // `status.hardware` is the agent's inspection report as it sent it: one set of types, so the
 // two cannot drift apart.
 pub use siteboot_agent_api::{Disk, Hardware, Nic, System};
+// The values standalone mode keeps too, shared with it from the kube-free agent server.
+pub use siteboot_agent_server::{
+    ByteCount, Image, ImageFormat, OperationKind, RootDeviceHints, WipePolicy,
+};
 use siteboot_boot::dhcp::relay_agent::{AgentId, AgentIdError, RelayPin};
 
-use super::common::{Conditions, Image, MachineAddress};
+use super::common::{Conditions, MachineAddress};
 
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
@@ -173,28 +177,6 @@ impl BootMethod {
     }
 }
 
-/// How the deploy ramdisk picks the disk to write the image to: a disk must match every hint
-/// given, and among those that do, the smallest that holds the image is chosen. A disk the
-/// hints rule out is never written. Compare with what inspection found (`status.hardware`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct RootDeviceHints {
-    /// The device's kernel name, e.g. `/dev/sdb` (names can change between boots: prefer
-    /// serial or WWN on real servers).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub serial: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wwn: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_size_bytes: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_size_bytes: Option<u64>,
-}
-
 fn default_true() -> bool {
     true
 }
@@ -265,37 +247,6 @@ pub struct Provisioning {
     pub image: Image,
     // No bootstrap data reference: whoever may edit a Host could point it at any Secret. The
     // agent API finds the data from the binding (consumerRef -> SitebootMachine -> Machine).
-}
-
-/// How much of a previous tenant's data a deprovisioning removes (docs/security.md says what
-/// each level guarantees).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum WipePolicy {
-    /// Partition tables and signatures at the start and end of every disk: the next OS sees
-    /// empty disks, but a forensic reader recovers the previous tenant's files.
-    Quick,
-    /// Every block of every disk zeroed (through the device's zero-out where it has one) and
-    /// read back: nothing recoverable through the block device.
-    Full,
-    /// Nothing: for disposable test hosts only (a site whose `min_wipe` is `none`).
-    None,
-}
-
-impl WipePolicy {
-    /// How much it removes: none < quick < full.
-    fn rank(self) -> u8 {
-        match self {
-            WipePolicy::None => 0,
-            WipePolicy::Quick => 1,
-            WipePolicy::Full => 2,
-        }
-    }
-
-    /// The stronger of the two.
-    pub fn stronger(self, other: WipePolicy) -> WipePolicy {
-        if other.rank() > self.rank() { other } else { self }
-    }
 }
 
 /// Where a host is in its lifecycle.
@@ -375,20 +326,6 @@ pub struct Operation {
     pub bytes: Option<ByteCount>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub struct ByteCount {
-    pub done: u64,
-    /// 0 when the size is not known yet.
-    pub total: u64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub enum OperationKind {
-    Inspect,
-    Provision,
-    Deprovision,
-}
-
 /// What is installed on a provisioned host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -440,33 +377,6 @@ pub struct HostStatus {
     pub media_inserted: bool,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Conditions,
-}
-
-// The agent API (`siteboot_agent_api`) and what status keeps of it. The fields are taken
-// apart, not copied by `..`, so a field added on either side is a compile error here.
-
-impl From<siteboot_agent_api::Progress> for ByteCount {
-    fn from(reported: siteboot_agent_api::Progress) -> Self {
-        let siteboot_agent_api::Progress { done, total } = reported;
-        Self { done, total }
-    }
-}
-
-impl From<RootDeviceHints> for siteboot_agent_api::RootDeviceHints {
-    fn from(hints: RootDeviceHints) -> Self {
-        let RootDeviceHints { name, serial, wwn, model, min_size_bytes, max_size_bytes } = hints;
-        Self { max_size_bytes, min_size_bytes, model, name, serial, wwn }
-    }
-}
-
-impl From<WipePolicy> for siteboot_agent_api::Wipe {
-    fn from(wipe: WipePolicy) -> Self {
-        match wipe {
-            WipePolicy::Quick => Self::Quick,
-            WipePolicy::Full => Self::Full,
-            WipePolicy::None => Self::None,
-        }
-    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,8 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::common::{Conditions, Image, MachineAddress};
+use super::Image;
+use super::common::{Conditions, MachineAddress};
 use super::host::WipePolicy;
 
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -18,6 +18,7 @@
 use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use siteboot_agent_server::silence::{RamdiskContact, ramdisk_silence};
 
 use crate::bmc::{BmcError, Identity};
 use crate::conditions::BMC_READY;
@@ -134,7 +135,7 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
 }
 
 /// Quarantines a host whose ramdisk fell silent during the operation under way (see
-/// [`ramdisk_silence`]).
+/// [`ramdisk_silence`], the rule standalone mode applies too).
 pub fn silent(host: &Host, max_silence: Duration, fresh: &Fresh) -> Option<Transition> {
     let status = host.status.as_ref()?;
     if !matches!(
@@ -158,40 +159,6 @@ pub fn silent(host: &Host, max_silence: Duration, fresh: &Fresh) -> Option<Trans
         reason: "RamdiskSilent",
         message,
     })
-}
-
-/// What the silence rule reads of an operation. Both modes keep these, each in its own record
-/// (a Host's status, a standalone host's file); times in seconds since the Unix epoch.
-#[derive(Debug, Clone, Copy)]
-pub struct RamdiskContact<'a> {
-    pub kind: OperationKind,
-    pub id: &'a str,
-    /// When the ramdisk last took a token: it booted for the operation.
-    pub token_issued: Option<i64>,
-    /// When it last reported.
-    pub last_heard: Option<i64>,
-    /// What it last said it was doing.
-    pub step: Option<&'a str>,
-}
-
-/// Why an operation's ramdisk counts as gone, if it does: it booted for the operation (took a
-/// token) and has then said nothing for more than `max_silence`: it hung, lost its network or
-/// crashed. A host that never booted the ramdisk is not timed out: without a BMC, siteboot
-/// waits for it to network-boot. The message depends on the record and the limit, not on
-/// `now`, so checking again a moment later gives the same one.
-pub fn ramdisk_silence(op: &RamdiskContact<'_>, now: i64, max_silence: Duration) -> Option<String> {
-    let last = op.token_issued.into_iter().chain(op.last_heard).max()?;
-    let silent_for = u64::try_from(now.saturating_sub(last)).unwrap_or(0);
-    if silent_for <= max_silence.as_secs() {
-        return None;
-    }
-    let step = op.step.map(|s| format!(" (its last step: {s})")).unwrap_or_default();
-    Some(format!(
-        "ramdisk silent for more than {} during {:?} operation {}{step}",
-        humantime::format_duration(max_silence),
-        op.kind,
-        op.id
-    ))
 }
 
 /// How `host` is wiped when it is deprovisioned: the strongest of the site's `min_wipe`, what
@@ -248,7 +215,7 @@ pub struct Fresh {
 impl Fresh {
     /// The clock's time and a random operation id.
     pub fn now() -> Self {
-        Self { now: now(), operation_id: crate::token::operation_id() }
+        Self { now: now(), operation_id: siteboot_agent_server::token::operation_id() }
     }
 
     fn seconds(&self) -> i64 {
@@ -718,37 +685,6 @@ mod tests {
             "a silent provisioning still owes a wipe"
         );
         assert_eq!(silent(&h, minute, &fresh()), None, "Quarantined: nothing more to time out");
-    }
-
-    #[test]
-    fn the_silence_rule_counts_from_the_last_sign_of_life() {
-        let limit = Duration::from_secs(15 * 60);
-        let op = |token_issued, last_heard| RamdiskContact {
-            kind: OperationKind::Deprovision,
-            id: "0123abcd",
-            token_issued,
-            last_heard,
-            step: None,
-        };
-        assert_eq!(ramdisk_silence(&op(None, None), 1_000_000, limit), None, "never booted");
-        assert_eq!(ramdisk_silence(&op(Some(100), None), 100 + 900, limit), None, "at the limit");
-        let message = ramdisk_silence(&op(Some(100), None), 100 + 901, limit).unwrap();
-        assert_eq!(
-            message,
-            "ramdisk silent for more than 15m during Deprovision operation 0123abcd"
-        );
-        assert_eq!(
-            ramdisk_silence(&op(Some(100), Some(500)), 1001, limit),
-            None,
-            "a report restarts the count"
-        );
-        let later = ramdisk_silence(&op(Some(100), Some(500)), 5000, limit);
-        assert_eq!(later.as_deref(), Some(message.as_str()), "the same message whenever checked");
-        assert_eq!(
-            ramdisk_silence(&op(Some(100), None), 50, limit),
-            None,
-            "a clock that went back"
-        );
     }
 
     #[test]

@@ -67,7 +67,7 @@ pub const SILENCE_CHECK: Duration = Duration::from_secs(30);
 
 /// The step for `host`, given what the pass `seen`.
 pub fn next(host: &Host, seen: &Observed) -> Step {
-    let conditions = host.status.clone().unwrap_or_default().conditions;
+    let conditions = host.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default();
     let mut paused_conditions = conditions.clone();
     let paused = check_paused(None, host, &mut paused_conditions);
     if paused_conditions != conditions {
@@ -127,7 +127,7 @@ pub fn transition(host: &Host, seen: &Observed) -> Option<Transition> {
 /// Whether the Host's `BootMACUnique` condition differs from what `standing` says.
 pub fn mac_condition_stale(host: &Host, standing: &MacStanding) -> bool {
     let (unique, reason, message) = standing.condition(&host.spec.boot_mac_address);
-    let mut conditions = host.status.clone().unwrap_or_default().conditions;
+    let mut conditions = host.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default();
     let generation = host.metadata.generation;
     set_condition(
         &mut conditions,

@@ -27,7 +27,7 @@ use crate::context::{
 };
 use crate::crd::{Host, HostState, SITE_LABEL, now, set_condition};
 use crate::pools::MacStanding;
-use crate::token;
+use siteboot_agent_server::token;
 
 /// How soon a boot or reboot the BMC failed is tried again.
 const REBOOT_RETRY: Duration = Duration::from_secs(60);

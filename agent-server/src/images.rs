@@ -11,7 +11,7 @@ use siteboot_boot::Endpoints;
 use siteboot_image::{Digest, ImageRef, ImageUrl};
 use siteboot_image_cache::{Cache, CacheError, Lease};
 
-use crate::crd::Image;
+use crate::Image;
 
 /// How long a task request waits for the cache before answering "wait": a download already
 /// under way keeps going on its own.
