@@ -9,6 +9,8 @@ use serde::{Deserialize, Serialize};
 // `status.hardware` is the agent's inspection report as it sent it: one set of types, so the
 // two cannot drift apart.
 pub use siteboot_agent_api::{Disk, Hardware, Nic, System};
+// `spec.bmc.bootMode` and `status.power` are the BMC driver's own values.
+pub use siteboot_bmc::{BootMode, PowerState};
 use siteboot_boot::dhcp::relay_agent::{AgentId, AgentIdError, RelayPin};
 
 use super::common::{Conditions, Image, MachineAddress};
@@ -241,14 +243,6 @@ pub struct Bmc {
     pub boot_mode: Option<BootMode>,
 }
 
-/// A server firmware's boot path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub enum BootMode {
-    #[serde(rename = "UEFI")]
-    Uefi,
-    Legacy,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumerRef {
@@ -315,14 +309,6 @@ pub enum HostState {
     Deprovisioning,
     /// Something failed; the reason is in `status.quarantineReason`. Never silently Available.
     Quarantined,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub enum PowerState {
-    On,
-    Off,
-    /// No BMC: siteboot cannot tell.
-    Unknown,
 }
 
 /// A ramdisk operation in progress.
