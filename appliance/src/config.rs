@@ -12,6 +12,7 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use siteboot_bmc::{AddressError, BootMode};
 use siteboot_boot::MacAddr;
 use siteboot_boot::admission::CapsError;
 use siteboot_boot::dhcp::relay_agent::RelayPin;
@@ -23,8 +24,7 @@ use siteboot_boot::http::HttpSettings;
 use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::media::BootMedia;
 use siteboot_boot::tftp::TftpSettings;
-use siteboot_controller::bmc::AddressError;
-use siteboot_controller::crd::{BootMode, Image, RootDeviceHints, WipePolicy};
+use siteboot_controller::crd::{Image, RootDeviceHints, WipePolicy};
 use siteboot_controller::pools::{HostPools, Tenants};
 use siteboot_ipxe::{IpxeBinaries, Word};
 
