@@ -1,20 +1,19 @@
-//! A standalone host's BMC (`hosts[].bmc`): Kubernetes mode's Redfish driver
-//! (`siteboot_controller::bmc`), with the credentials in a file instead of a Secret. Before an
-//! operation starts, the BMC must answer with them for a system that has the host's boot MAC
-//! (so a wrong address never power-cycles another machine); then it boots the host once from
-//! the network, into the ramdisk.
+//! A standalone host's BMC (`hosts[].bmc`): the Redfish driver Kubernetes mode uses too
+//! (`siteboot_bmc`), with the credentials in a file instead of a Secret. Before an operation
+//! starts, the BMC must answer with them for a system that has the host's boot MAC (so a wrong
+//! address never power-cycles another machine); then it boots the host once from the network,
+//! into the ramdisk.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use siteboot_boot::MacAddr;
-use siteboot_controller::bmc::{
-    BmcDriver, BmcError, BoundCredentials, Credentials, Redfish, RedfishAddress, RedfishClient,
-    identity_check,
+use siteboot_bmc::{
+    BmcDriver, BmcError, BootMode, BoundCredentials, Credentials, Redfish, RedfishAddress,
+    RedfishClient, identity_check,
 };
-use siteboot_controller::crd::BootMode;
+use siteboot_boot::MacAddr;
 use siteboot_tls_pin::Fingerprint;
 
 /// How long checking the BMC and booting the host may take together (each request has its own

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use siteboot_agent_server::{Image, RootDeviceHints, WipePolicy};
+use siteboot_bmc::{AddressError, BootMode};
 use siteboot_boot::MacAddr;
 use siteboot_boot::admission::CapsError;
 use siteboot_boot::dhcp::relay_agent::RelayPin;
@@ -24,8 +25,6 @@ use siteboot_boot::http::HttpSettings;
 use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::media::BootMedia;
 use siteboot_boot::tftp::TftpSettings;
-use siteboot_controller::bmc::AddressError;
-use siteboot_controller::crd::BootMode;
 use siteboot_ipxe::{IpxeBinaries, Word};
 
 use crate::bmc::HostBmc;
@@ -35,9 +34,9 @@ use crate::standalone::{ListedHost, Provisioning, StaticInventory};
 #[cfg(feature = "kubernetes")]
 mod kubernetes;
 #[cfg(feature = "kubernetes")]
-pub use kubernetes::KubernetesConfig;
-#[cfg(feature = "kubernetes")]
 use kubernetes::KubernetesFile;
+#[cfg(feature = "kubernetes")]
+pub use kubernetes::{KubernetesConfig, check_site_name};
 /// A build without Kubernetes mode reads a `kubernetes:` section only to refuse it.
 #[cfg(not(feature = "kubernetes"))]
 type KubernetesFile = serde::de::IgnoredAny;
@@ -766,23 +765,6 @@ fn bmc(bmc: &BmcFile, at: &str) -> Result<HostBmc, FieldError> {
     })
 }
 
-/// Site names are label values and object names: DNS-1123 labels.
-pub fn check_site_name(site: &str, field: &str) -> Result<(), FieldError> {
-    let ok = !site.is_empty()
-        && site.len() <= 63
-        && site.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !site.starts_with('-')
-        && !site.ends_with('-');
-    if ok {
-        Ok(())
-    } else {
-        Err(FieldError::new(
-            field,
-            format!("{site:?} is not a site name (lower-case letters, digits and '-', at most 63)"),
-        ))
-    }
-}
-
 fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
     if h.port == 0 {
         return Err(FieldError::new("http.port", "must be 1-65535"));
@@ -1318,20 +1300,30 @@ unknown_hosts:
         std::fs::read_to_string(examples.join(name)).unwrap()
     }
 
-    #[cfg(feature = "kubernetes")]
+    /// The example configurations this build reads: kubernetes.yaml needs Kubernetes mode.
+    const EXAMPLES: &[&str] = if cfg!(feature = "kubernetes") {
+        &["standalone.yaml", "kubernetes.yaml"]
+    } else {
+        &["standalone.yaml"]
+    };
+
     /// The example configurations are valid (their directories replaced by ones that exist).
     #[test]
     fn examples_load() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("undionly.kpxe"), b"x").unwrap();
-        for name in ["standalone.yaml", "kubernetes.yaml"] {
+        for name in EXAMPLES {
             let here = dir.path().to_str().unwrap();
             let text = example(name).replace("/srv/siteboot", here).replace("/usr/lib/ipxe", here);
             let config = Config::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_eq!(config.kubernetes.is_some(), name == "kubernetes.yaml");
+            #[cfg(feature = "kubernetes")]
+            assert_eq!(config.kubernetes.is_some(), *name == "kubernetes.yaml");
+            #[cfg(not(feature = "kubernetes"))]
+            drop(config);
         }
     }
 
+    #[cfg(feature = "kubernetes")]
     /// Fields whose example value is not their default: what every file must give, the
     /// examples' own data, and defaults that follow other fields.
     const EXAMPLE_VALUES: &[&str] = &[
@@ -1409,6 +1401,7 @@ unknown_hosts:
     }
 
     /// The paths of the values in `value`, but for [`EXAMPLE_VALUES`].
+    #[cfg(feature = "kubernetes")]
     fn collect_leaves(
         value: &serde_norway::Value,
         at: &mut Vec<String>,

@@ -10,7 +10,8 @@ mod interface;
 #[cfg_attr(not(feature = "kubernetes"), path = "no_kubernetes.rs")]
 mod kubernetes;
 mod operations;
-#[cfg(test)]
+// Checks the examples show every field; kubernetes.yaml's need Kubernetes mode.
+#[cfg(all(test, feature = "kubernetes"))]
 mod serde_keys;
 mod serve;
 mod standalone;

@@ -26,6 +26,7 @@ use siteboot_agent_server::token::ramdisk_boot;
 use siteboot_agent_server::{
     ByteCount, Image, OperationKind, Refusal, RootDeviceHints, WipePolicy,
 };
+use siteboot_bmc::Redfish;
 use siteboot_boot::dhcp::relay_agent::RelayPin;
 use siteboot_boot::dhcp::settings::Reservation;
 use siteboot_boot::inventory::{
@@ -33,7 +34,6 @@ use siteboot_boot::inventory::{
     LinuxBoot, OperationSummary,
 };
 use siteboot_boot::{BootAction, MacAddr};
-use siteboot_controller::bmc::Redfish;
 use tokio_util::sync::CancellationToken;
 
 use crate::bmc::{self, BmcFailure, HostBmc};

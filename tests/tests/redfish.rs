@@ -17,9 +17,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use siteboot_controller::bmc::redfish::protocol::ResetType;
-use siteboot_controller::bmc::redfish::retry::RetryPolicy;
-use siteboot_controller::bmc::{
+use siteboot_bmc::redfish::protocol::ResetType;
+use siteboot_bmc::redfish::retry::RetryPolicy;
+use siteboot_bmc::{
     BmcDriver, BmcError, BoundCredentials, Credentials, Identity, Redfish, RedfishAddress,
     RedfishClient,
 };

@@ -3,9 +3,9 @@
 //! failing with a [`PinMismatch`] that says which certificate came instead.
 //!
 //! The ramdisk's agent pins the appliance's agent-API certificate with it (the fingerprint from
-//! its kernel command line), and the controller a BMC's Redfish certificate (the credentials
-//! Secret's `certificateFingerprint`). It depends on no Kubernetes client and on neither of
-//! them, so the controller need not link the ramdisk's agent.
+//! its kernel command line), and the Redfish BMC driver (`siteboot-bmc`) a BMC's certificate
+//! (the credentials Secret's `certificateFingerprint`). It depends on no Kubernetes client and
+//! on neither of them, so the BMC driver need not link the ramdisk's agent.
 
 #![forbid(unsafe_code)]
 

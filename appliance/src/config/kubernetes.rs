@@ -10,9 +10,7 @@ use siteboot_boot::dhcp::settings::FieldError;
 use siteboot_boot::inventory::{BootAction, LinuxBoot};
 use siteboot_controller::pools::{HostPools, Tenants};
 
-use super::{
-    ConfigFile, check_site_name, default_ramdisk_silence_timeout, default_wipe, ramdisk_boot,
-};
+use super::{ConfigFile, default_ramdisk_silence_timeout, default_wipe, ramdisk_boot};
 
 /// The `kubernetes:` section: this appliance's site and how its hosts' ramdisk boots.
 #[derive(Debug, Deserialize)]
@@ -161,4 +159,21 @@ pub(super) fn check(
         host_pools: host_pools(&k.host_namespaces)?,
         min_wipe: k.min_wipe,
     })
+}
+
+/// Site names are label values and object names: DNS-1123 labels.
+pub fn check_site_name(site: &str, field: &str) -> Result<(), FieldError> {
+    let ok = !site.is_empty()
+        && site.len() <= 63
+        && site.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !site.starts_with('-')
+        && !site.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(FieldError::new(
+            field,
+            format!("{site:?} is not a site name (lower-case letters, digits and '-', at most 63)"),
+        ))
+    }
 }

@@ -13,6 +13,8 @@ pub use siteboot_agent_api::{Disk, Hardware, Nic, System};
 pub use siteboot_agent_server::{
     ByteCount, Image, ImageFormat, OperationKind, RootDeviceHints, WipePolicy,
 };
+// `spec.bmc.bootMode` and `status.power` are the BMC driver's own values.
+pub use siteboot_bmc::{BootMode, PowerState};
 use siteboot_boot::dhcp::relay_agent::{AgentId, AgentIdError, RelayPin};
 
 use super::common::{Conditions, MachineAddress};
@@ -223,14 +225,6 @@ pub struct Bmc {
     pub boot_mode: Option<BootMode>,
 }
 
-/// A server firmware's boot path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub enum BootMode {
-    #[serde(rename = "UEFI")]
-    Uefi,
-    Legacy,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumerRef {
@@ -266,14 +260,6 @@ pub enum HostState {
     Deprovisioning,
     /// Something failed; the reason is in `status.quarantineReason`. Never silently Available.
     Quarantined,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub enum PowerState {
-    On,
-    Off,
-    /// No BMC: siteboot cannot tell.
-    Unknown,
 }
 
 /// A ramdisk operation in progress.

@@ -4,8 +4,7 @@
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use crate::bmc::Credentials;
-use crate::crd::{BootMode, PowerState};
+use crate::{BootMode, Credentials, PowerState};
 
 /// `ComputerSystem.Reset`'s `ResetType`s siteboot uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,11 +1,11 @@
 //! A BMC's user name and password, from the Secret that `spec.bmc.credentialsName` names
 //! (`username`, `password`), bound to the BMC that Secret names (`address`, optional
-//! `certificateFingerprint`). `Debug` never shows the password.
+//! `certificateFingerprint`). `Debug` never shows the password. The controller reads the
+//! Secret and hands its `data` over as bytes: this crate has no Kubernetes types.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use k8s_openapi::ByteString;
 use siteboot_tls_pin::Fingerprint;
 
 use super::RedfishAddress;
@@ -64,7 +64,7 @@ impl BoundCredentials {
     /// and it pins the same certificate when the Host pins one. The Secret's pin is the one
     /// used: a Host editor may not choose which certificate to trust.
     pub fn from_secret_data(
-        data: &BTreeMap<String, ByteString>,
+        data: &BTreeMap<String, Vec<u8>>,
         address: &RedfishAddress,
         pin: Option<Fingerprint>,
     ) -> Result<Self, BindingError> {
@@ -110,11 +110,11 @@ impl BoundCredentials {
 
 /// `data[key]` as UTF-8, if it is there.
 fn optional_field<'a>(
-    data: &'a BTreeMap<String, ByteString>,
+    data: &'a BTreeMap<String, Vec<u8>>,
     key: &'static str,
 ) -> Result<Option<&'a str>, CredentialsError> {
     data.get(key)
-        .map(|bytes| std::str::from_utf8(&bytes.0).map_err(|_| CredentialsError::NotUtf8(key)))
+        .map(|bytes| std::str::from_utf8(bytes).map_err(|_| CredentialsError::NotUtf8(key)))
         .transpose()
 }
 
@@ -133,7 +133,7 @@ impl Credentials {
     }
 
     /// From a Secret's `data`.
-    pub fn from_secret_data(data: &BTreeMap<String, ByteString>) -> Result<Self, CredentialsError> {
+    pub fn from_secret_data(data: &BTreeMap<String, Vec<u8>>) -> Result<Self, CredentialsError> {
         let field = |key| optional_field(data, key)?.ok_or(CredentialsError::Missing(key));
         Self::new(field("username")?, field("password")?)
     }
@@ -157,8 +157,8 @@ impl fmt::Debug for Credentials {
 mod tests {
     use super::*;
 
-    fn data(pairs: &[(&str, &[u8])]) -> BTreeMap<String, ByteString> {
-        pairs.iter().map(|(k, v)| (k.to_string(), ByteString(v.to_vec()))).collect()
+    fn data(pairs: &[(&str, &[u8])]) -> BTreeMap<String, Vec<u8>> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_vec())).collect()
     }
 
     #[test]

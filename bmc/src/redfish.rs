@@ -21,7 +21,6 @@ use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use rustls::{CertificateError, ClientConfig, OtherError, RootCertStore};
 use serde_json::Value;
-use siteboot_boot::inventory::BoxFuture;
 use siteboot_tls_pin::Fingerprint;
 use siteboot_tls_pin::{PinMismatch, PinnedCertificate};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -30,8 +29,10 @@ use tokio_rustls::TlsConnector;
 
 use self::protocol::{BootOverride, BootTarget, MediaCollection, ResetType, VirtualMedia};
 use self::retry::{Next, RetryPolicy};
-use super::{BmcDriver, BmcError, BoundCredentials, Identity, RedfishAddress, Transport};
-use crate::crd::{BootMode, PowerState};
+use crate::{
+    BmcDriver, BmcError, BootMode, BoundCredentials, BoxFuture, Identity, PowerState,
+    RedfishAddress, Transport,
+};
 
 /// How long one request may take, connecting and TLS included.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -640,7 +641,7 @@ mod tests {
     use tokio::net::TcpListener;
 
     use super::*;
-    use crate::bmc::Credentials;
+    use crate::Credentials;
 
     const SESSIONS: &str = "/redfish/v1/SessionService/Sessions";
     const SYSTEM: &str = "/redfish/v1/Systems/1";

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::bmc::BmcError;
+use crate::BmcError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
