@@ -412,13 +412,18 @@ pub async fn set_finalizer<K>(
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
+    patch_unchanged(api, object, finalizer_patch(object, finalizer, keep)).await
+}
+
+/// The merge patch that adds `finalizer` to `object` (`keep`) or removes it: the whole list, as
+/// it was read (the write must be guarded, as [`set_finalizer`] does).
+pub fn finalizer_patch<K: Resource>(object: &K, finalizer: &str, keep: bool) -> serde_json::Value {
     let mut finalizers: Vec<&str> =
         object.finalizers().iter().map(String::as_str).filter(|f| *f != finalizer).collect();
     if keep {
         finalizers.push(finalizer);
     }
-    patch_unchanged(api, object, serde_json::json!({ "metadata": { "finalizers": finalizers } }))
-        .await
+    serde_json::json!({ "metadata": { "finalizers": finalizers } })
 }
 
 /// Writes a new status for Host `namespace/name`: `change` sees the current Host and returns
