@@ -1,8 +1,9 @@
 //! What a SitebootMachine needs next, as a pure function of what was read: the SitebootMachine,
 //! its Machine and Cluster, the Host it is bound to, and the Hosts of the site. [`plan`] returns
 //! the one write to make (a [`Step`]), the status to report, and when to look again; the
-//! reconciler performs it. Every rule of the InfraMachine contract is a match arm here, so the
-//! unit tests below cover them in milliseconds, without Kubernetes.
+//! reconciler performs it. Every rule of the InfraMachine contract is a match arm here, and what
+//! each step writes (object, patch, guard) is data too ([`super::write`]), so the unit tests
+//! below cover them in milliseconds, without Kubernetes.
 //!
 //! Binding a machine to a host takes three writes, each a compare-and-swap: the machine's
 //! binder mark naming the host to claim ([`Mark`]), the Host's `spec.consumerRef`, then the
@@ -660,6 +661,8 @@ mod tests {
 
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
+    use serde_json::json;
+
     use super::*;
     use crate::conditions::PAUSED;
     use crate::crd::capi::{ClusterInitialization, ClusterStatus, PAUSED_ANNOTATION};
@@ -667,6 +670,7 @@ mod tests {
         ConsumerRef, Hardware, HostSelector, HostSpec, HostStatus, Image, Installed, Operation,
         SitebootMachineSpec, System, now,
     };
+    use crate::machine::write::{Guard, Note, Target, Write};
     use crate::pools::Tenants;
 
     const NOW: u64 = 1_000_000;
@@ -1265,5 +1269,213 @@ mod tests {
         w.sbm.metadata.annotations =
             Some(BTreeMap::from([(DELETE_FOR_MOVE_ANNOTATION.into(), String::new())]));
         assert_eq!(w.plan().step, Step::RemoveFinalizer);
+    }
+
+    /// The write of the step planned for `w`.
+    fn write(w: &World) -> Write<'_> {
+        let p = w.plan();
+        p.step.write(&w.sbm).unwrap_or_else(|| panic!("no write: {p:?}"))
+    }
+
+    #[test]
+    fn a_mark_is_written_to_the_machine_if_it_is_unchanged() {
+        let w = World::new(sbm(), vec![available(1)]);
+        assert_eq!(
+            write(&w),
+            Write {
+                target: Target::Machine,
+                patch: json!({ "metadata": { "annotations": {
+                    "siteboot.dev/binder": "me@1000000 claims ns/h1"
+                } } }),
+                guard: Guard::Unchanged,
+                note: None,
+            }
+        );
+    }
+
+    #[test]
+    fn a_claim_writes_the_machine_as_the_host_s_consumer_if_the_host_is_unchanged() {
+        let w = World::new(marked(sbm(), "me", NOW - 1, "h1"), vec![available(1)]);
+        assert_eq!(
+            write(&w),
+            Write {
+                target: Target::Host(&w.hosts[0]),
+                patch: json!({ "spec": { "consumerRef": {
+                    "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+                    "kind": "SitebootMachine",
+                    "namespace": "ns",
+                    "name": "m",
+                    "uid": "sbm-uid",
+                } } }),
+                guard: Guard::Unchanged,
+                note: Some(Note {
+                    warning: false,
+                    log: "claimed a Host".into(),
+                    event: Some(("Claimed", "claimed by SitebootMachine ns/m".into())),
+                }),
+            }
+        );
+    }
+
+    #[test]
+    fn recording_the_host_drops_the_mark_and_sets_host_ref_which_is_set_once() {
+        let m = marked(sbm(), "me", NOW - 1, "h1");
+        let w = World::new(m.clone(), vec![claimed_for(available(1), &m)]);
+        let write = write(&w);
+        assert_eq!(
+            (write.target, write.guard, write.note),
+            (Target::Machine, Guard::SetOnce, None)
+        );
+        assert_eq!(
+            write.patch,
+            json!({
+                "metadata": { "annotations": { "siteboot.dev/binder": null } },
+                "spec": { "hostRef": { "namespace": "ns", "name": "h1" } },
+            })
+        );
+    }
+
+    #[test]
+    fn adopting_writes_the_new_uid_into_the_host_s_consumer_ref() {
+        let mut w = provisioned_world(None, None);
+        w.sbm.metadata.uid = Some("new-uid".into());
+        let write = write(&w);
+        assert_eq!((write.target, write.guard), (Target::Host(&w.hosts[0]), Guard::Unchanged));
+        assert_eq!(write.patch["spec"]["consumerRef"]["uid"], "new-uid");
+        assert_eq!(write.patch, Step::Claim(&w.hosts[0]).write(&w.sbm).unwrap().patch);
+        let note = write.note.unwrap();
+        assert_eq!(note.log, "took over the claim of a moved Host");
+        assert_eq!(
+            note.event,
+            Some((
+                "Adopted",
+                "claim taken over by SitebootMachine ns/m after a move or restore".into()
+            ))
+        );
+    }
+
+    #[test]
+    fn forgetting_a_host_that_let_go_clears_host_ref_with_a_warning() {
+        let w = World::new(bound_to(sbm(), "h1"), vec![available(2)]);
+        let write = write(&w);
+        assert_eq!(
+            (write.target, write.patch, write.guard),
+            (Target::Machine, json!({ "spec": { "hostRef": null } }), Guard::Unchanged)
+        );
+        let note = write.note.unwrap();
+        assert!(note.warning);
+        assert_eq!(note.log, "the Host ns/h1 no longer names this machine; binding it again");
+    }
+
+    #[test]
+    fn a_release_clears_consumer_ref_and_provisioning_if_host_and_machine_are_unchanged() {
+        let mut m = bound_to(sbm(), "h1");
+        m.metadata.deletion_timestamp = Some(now());
+        let w = World::new(m.clone(), vec![claimed_for(available(1), &m)]);
+        let why = "released by SitebootMachine ns/m";
+        assert_eq!(
+            write(&w),
+            Write {
+                target: Target::Host(&w.hosts[0]),
+                patch: json!({ "spec": { "consumerRef": null, "provisioning": null } }),
+                guard: Guard::BothUnchanged,
+                note: Some(Note {
+                    warning: false,
+                    log: format!("released the Host: {why}"),
+                    event: Some(("Released", why.into())),
+                }),
+            }
+        );
+    }
+
+    #[test]
+    fn provisioning_is_asked_for_and_let_go_on_the_host_if_it_is_unchanged() {
+        let m = bound_to(sbm(), "h1");
+        let w = World::new(m.clone(), vec![claimed_for(available(1), &m)]);
+        let image =
+            json!({ "url": "http://x/os.img", "checksum": format!("sha256:{}", "0".repeat(64)) });
+        assert_eq!(
+            write(&w),
+            Write {
+                target: Target::Host(&w.hosts[0]),
+                patch: json!({ "spec": { "provisioning": { "image": image } } }),
+                guard: Guard::Unchanged,
+                note: None,
+            }
+        );
+        let mut w = provisioned_world(None, None);
+        w.sbm.metadata.deletion_timestamp = Some(now());
+        assert_eq!(
+            write(&w),
+            Write {
+                target: Target::Host(&w.hosts[0]),
+                patch: json!({ "spec": { "provisioning": null } }),
+                guard: Guard::Unchanged,
+                note: None,
+            }
+        );
+    }
+
+    #[test]
+    fn the_machine_s_provider_id_is_written_whatever_changed_since_the_read() {
+        let mut w = provisioned_world(None, None);
+        w.sbm.spec.provider_id = None;
+        assert_eq!(
+            write(&w),
+            Write {
+                target: Target::Machine,
+                patch: json!({ "spec": { "providerID": "siteboot://ns/h1" } }),
+                guard: Guard::Plain,
+                note: None,
+            }
+        );
+    }
+
+    #[test]
+    fn the_node_s_provider_id_is_written_if_the_node_is_unchanged() {
+        const UUID: &str = "8C1E4E2A-0000-4000-8000-00000000AB01";
+        let w = provisioned_world(Some(UUID), Some(Ok(vec![node("worker-7", UUID, None)])));
+        let nodes = w.nodes.as_ref().unwrap().as_ref().unwrap();
+        let write = write(&w);
+        assert_eq!(
+            (write.target, write.patch, write.guard),
+            (
+                Target::Node(&nodes[0]),
+                json!({ "spec": { "providerID": "siteboot://ns/h1" } }),
+                Guard::Unchanged
+            )
+        );
+        assert!(write.note.unwrap().log.ends_with(": siteboot://ns/h1"));
+    }
+
+    #[test]
+    fn the_finalizer_is_added_and_removed_keeping_the_others_if_the_machine_is_unchanged() {
+        let mut m = sbm();
+        m.metadata.finalizers = Some(vec!["other.example/f".into()]);
+        let w = World::new(m.clone(), vec![]);
+        assert_eq!(
+            write(&w),
+            Write {
+                target: Target::Machine,
+                patch: json!({ "metadata": { "finalizers": ["other.example/f", FINALIZER] } }),
+                guard: Guard::Unchanged,
+                note: None,
+            }
+        );
+        m.metadata.finalizers = Some(vec!["other.example/f".into(), FINALIZER.into()]);
+        m.metadata.deletion_timestamp = Some(now());
+        let w = World::new(m, vec![]);
+        let write = write(&w);
+        assert_eq!((write.target, write.guard), (Target::Machine, Guard::Unchanged));
+        assert_eq!(write.patch, json!({ "metadata": { "finalizers": ["other.example/f"] } }));
+    }
+
+    #[test]
+    fn handing_data_to_the_boot_plane_and_doing_nothing_are_no_patch() {
+        let staged = Staged { host: "ns/h1".into(), operation: "op-1".into() };
+        let stage = Step::StageBootstrapData { secret: "s".into(), staged };
+        for step in [Step::None, stage, Step::UnstageBootstrapData] {
+            assert_eq!(step.write(&sbm()), None, "{step:?}");
+        }
     }
 }

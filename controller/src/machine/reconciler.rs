@@ -1,5 +1,6 @@
-//! The SitebootMachine reconciler: reads what [`plan`] needs, performs the step it returns with a
-//! compare-and-swap, and writes the status. Killed between any two lines, the next pass reads
+//! The SitebootMachine reconciler: reads what [`plan`] needs, performs the step it returns (the
+//! write the step describes, [`Step::write`], through one `apply`; or the bootstrap data handed
+//! to the boot plane), and writes the status. Killed between any two lines, the next pass reads
 //! what was stored and plans the same step or the one after it.
 
 use std::future::Future;
@@ -12,16 +13,15 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
-use serde_json::json;
 use siteboot_boot::dhcp::leases::unix_now;
 
-use super::plan::{self, BINDER_ANNOTATION, FINALIZER, Observed, Plan, Requeue, Step, consumed_by};
+use super::plan::{self, Observed, Plan, Requeue, Step};
+use super::write::{Guard, Note, Target, Write};
 use crate::conditions::{READY, Reason};
 use crate::context::{
-    Ctx, Error, Reconciled, key, patch_unchanged, report_refused_in_ready, set_finalizer,
-    write_status,
+    Ctx, Error, Reconciled, key, patch_unchanged, report_refused_in_ready, write_status,
 };
-use crate::crd::{ConsumerRef, Host, HostRef, SITE_LABEL, SitebootMachine};
+use crate::crd::{Host, SITE_LABEL, SitebootMachine};
 use crate::handoff::{self, BootstrapData};
 use crate::owners::{self, OwnedBy, Owners};
 use crate::workload::Workload;
@@ -165,14 +165,10 @@ async fn unchanged(api: &Api<SitebootMachine>, sbm: &SitebootMachine) -> Result<
 
 enum Done {
     Yes,
-    /// A compare-and-swap found the object changed since it was read.
+    /// Someone else wrote first (a compare-and-swap found the object changed, see [`Guard`]).
     LostRace,
     /// What the step needs does not exist yet.
     NotYet,
-}
-
-fn done<K>(written: Option<K>) -> Done {
-    if written.is_some() { Done::Yes } else { Done::LostRace }
 }
 
 async fn perform(
@@ -182,109 +178,10 @@ async fn perform(
     workload: Option<&Workload>,
     step: Step<'_>,
 ) -> Result<Done, Error> {
-    let hosts_api = |host: &Host| ctx.hosts_api(&host.namespace().unwrap_or_default());
+    if let Some(write) = step.write(sbm) {
+        return apply(sbm, ctx, api, workload, write).await;
+    }
     Ok(match step {
-        Step::None => Done::Yes,
-        Step::AddFinalizer => done(set_finalizer(api, sbm, FINALIZER, true).await?),
-        Step::RemoveFinalizer => done(set_finalizer(api, sbm, FINALIZER, false).await?),
-        Step::Mark(mark) => {
-            let patch =
-                json!({ "metadata": { "annotations": { BINDER_ANNOTATION: mark.to_string() } } });
-            done(patch_unchanged(api, sbm, patch).await?)
-        }
-        Step::Claim(host) | Step::Adopt(host) => {
-            let adopting = matches!(step, Step::Adopt(_));
-            let consumer = ConsumerRef {
-                api_version: SitebootMachine::api_version(&()).into_owned(),
-                kind: "SitebootMachine".into(),
-                namespace: sbm.namespace().unwrap_or_default(),
-                name: sbm.name_any(),
-                uid: sbm.uid().unwrap_or_default(),
-            };
-            let patch = json!({ "spec": { "consumerRef": consumer } });
-            match patch_unchanged(&hosts_api(host), host, patch).await? {
-                Some(claimed) if adopting => {
-                    tracing::info!(machine = %key(sbm), host = %claimed.name_any(), "took over the claim of a moved Host");
-                    let note = format!(
-                        "claim taken over by SitebootMachine {} after a move or restore",
-                        key(sbm)
-                    );
-                    ctx.event(&claimed, false, "Adopted", note).await;
-                    Done::Yes
-                }
-                Some(claimed) => {
-                    tracing::info!(machine = %key(sbm), host = %claimed.name_any(), "claimed a Host");
-                    let note = format!("claimed by SitebootMachine {}", key(sbm));
-                    ctx.event(&claimed, false, "Claimed", note).await;
-                    Done::Yes
-                }
-                None => {
-                    tracing::debug!(machine = %key(sbm), host = %host.name_any(), "lost the race for a Host");
-                    Done::LostRace
-                }
-            }
-        }
-        Step::RecordHostRef(host) => {
-            let host_ref =
-                HostRef { namespace: host.namespace().unwrap_or_default(), name: host.name_any() };
-            let patch = json!({ "metadata": { "annotations": { BINDER_ANNOTATION: null } }, "spec": { "hostRef": host_ref } });
-            match api.patch(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
-                Ok(_) => Done::Yes,
-                // The CEL rule keeps hostRef once set: this machine was bound elsewhere (a binder
-                // that timed out). The next pass gives this claim back as an orphan.
-                Err(kube::Error::Api(e)) if e.code == 422 => Done::LostRace,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Step::SetNodeProviderId { node, provider_id } => {
-            let Some(w) = workload else {
-                return Ok(Done::LostRace); // the plan saw Nodes, so there is a workload
-            };
-            let patch = json!({ "spec": { "providerID": provider_id } });
-            let nodes = Api::<Node>::all(w.client.clone());
-            let written = patch_unchanged(&nodes, node, patch).await.map_err(|e| w.error(e))?;
-            if written.is_some() {
-                tracing::info!(machine = %key(sbm), node = %node.name_any(), provider_id, "set the providerID of the machine's Node (found by its system UUID)");
-            }
-            done(written)
-        }
-        Step::ForgetHostRef => {
-            let host = sbm.spec.host_ref.as_ref().map(|r| format!("{}/{}", r.namespace, r.name));
-            let patch = json!({ "spec": { "hostRef": null } });
-            let forgotten = patch_unchanged(api, sbm, patch).await?;
-            if forgotten.is_some() {
-                tracing::warn!(machine = %key(sbm), host = host.unwrap_or_default(), "the Host no longer names this machine; binding it again");
-            }
-            done(forgotten)
-        }
-        Step::Release { host, why } => {
-            // The machine comes from one watch and the Hosts from another: a claim made moments
-            // ago for this machine looks unused to a copy of it that predates its mark or its
-            // hostRef. Give back only what the machine as it is now does not use.
-            if !unchanged(api, sbm).await? {
-                return Ok(Done::LostRace);
-            }
-            // Only a claim for this machine is released; provisioning goes with it, and the Host
-            // lifecycle wipes whatever may have been written.
-            debug_assert!(consumed_by(host, sbm));
-            let patch = json!({ "spec": { "consumerRef": null, "provisioning": null } });
-            match patch_unchanged(&hosts_api(host), host, patch).await? {
-                Some(released) => {
-                    tracing::info!(host = %released.name_any(), "released the Host: {why}");
-                    ctx.event(&released, false, "Released", why).await;
-                    Done::Yes
-                }
-                None => Done::LostRace,
-            }
-        }
-        Step::RequestProvisioning { host, provisioning } => {
-            let patch = json!({ "spec": { "provisioning": provisioning } });
-            done(patch_unchanged(&hosts_api(host), host, patch).await?)
-        }
-        Step::CancelProvisioning(host) => {
-            let patch = json!({ "spec": { "provisioning": null } });
-            done(patch_unchanged(&hosts_api(host), host, patch).await?)
-        }
         Step::StageBootstrapData { secret, staged } => {
             let uid = sbm.uid().unwrap_or_default();
             let tenant =
@@ -303,10 +200,79 @@ async fn perform(
             tracing::debug!(machine = %key(sbm), "staged bootstrap data deleted");
             Done::Yes
         }
-        Step::SetProviderId(provider_id) => {
-            let patch = json!({ "spec": { "providerID": provider_id } });
-            api.patch(&sbm.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
-            Done::Yes
-        }
+        // Step::None: every other step is a write.
+        _ => Done::Yes,
     })
+}
+
+/// Performs the write a step describes, as its guard says, then says what it did.
+async fn apply(
+    sbm: &SitebootMachine,
+    ctx: &Ctx,
+    api: &Api<SitebootMachine>,
+    workload: Option<&Workload>,
+    write: Write<'_>,
+) -> Result<Done, Error> {
+    let Write { target, patch, guard, note } = write;
+    if guard == Guard::BothUnchanged && !unchanged(api, sbm).await? {
+        return Ok(Done::LostRace);
+    }
+    let (object, written) = match target {
+        Target::Machine => {
+            let written = guarded(api, sbm, patch, guard).await?;
+            (format!("SitebootMachine {}", key(sbm)), written.is_some())
+        }
+        Target::Host(host) => {
+            let hosts = ctx.hosts_api(&host.namespace().unwrap_or_default());
+            let written = guarded(&hosts, host, patch, guard).await?;
+            if let (Some(written), Some(Note { warning, event: Some((reason, message)), .. })) =
+                (&written, &note)
+            {
+                ctx.event(written, *warning, reason, message.clone()).await;
+            }
+            (format!("Host {}", key(host)), written.is_some())
+        }
+        Target::Node(node) => {
+            let Some(w) = workload else {
+                return Ok(Done::LostRace); // the plan saw Nodes, so there is a workload
+            };
+            let nodes = Api::<Node>::all(w.client.clone());
+            let written = guarded(&nodes, node, patch, guard).await.map_err(|e| w.error(e))?;
+            (format!("Node {}", node.name_any()), written.is_some())
+        }
+    };
+    if !written {
+        tracing::debug!(machine = %key(sbm), object, "lost the race: it changed since it was read");
+        return Ok(Done::LostRace);
+    }
+    match note {
+        Some(Note { warning: true, log, .. }) => {
+            tracing::warn!(machine = %key(sbm), object, "{log}")
+        }
+        Some(Note { log, .. }) => tracing::info!(machine = %key(sbm), object, "{log}"),
+        None => {}
+    }
+    Ok(Done::Yes)
+}
+
+/// `patch` written to `object` as `guard` says: `None` if someone else wrote first.
+async fn guarded<K>(
+    api: &Api<K>,
+    object: &K,
+    patch: serde_json::Value,
+    guard: Guard,
+) -> Result<Option<K>, kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let (name, params) = (object.name_any(), PatchParams::default());
+    match guard {
+        Guard::Unchanged | Guard::BothUnchanged => patch_unchanged(api, object, patch).await,
+        Guard::Plain => api.patch(&name, &params, &Patch::Merge(&patch)).await.map(Some),
+        Guard::SetOnce => match api.patch(&name, &params, &Patch::Merge(&patch)).await {
+            Ok(written) => Ok(Some(written)),
+            Err(kube::Error::Api(e)) if e.code == 422 => Ok(None),
+            Err(e) => Err(e),
+        },
+    }
 }
