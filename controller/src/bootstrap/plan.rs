@@ -1,7 +1,8 @@
 //! What a SitebootConfig needs next, as a pure function of what was read: the config, its
 //! Machine and Cluster, the workload cluster's kubeconfig and the config's token there, and the
-//! data Secret. [`plan`] returns the one write to make, the status to report, and when to look
-//! again; the reconciler performs it.
+//! data Secret. [`plan`] returns the one step to take, the status to report, and when to look
+//! again; [`Step::write`] says what the step writes (the objects, patches and guards); the
+//! reconciler performs it.
 //!
 //! The token's life: its id is recorded in `status.tokenId` (a compare-and-swap on the
 //! config's resourceVersion) before the token exists, so two passes, or a pass on a stale copy,
@@ -115,8 +116,12 @@ pub enum Step<'a> {
         id: &'a str,
         expiration: u64,
     },
-    /// Ensure the node-bootstrap RBAC in the workload cluster, then write the data Secret.
-    WriteDataSecret(BootstrapData),
+    /// Ensure the node-bootstrap RBAC in the workload cluster, then write the data Secret,
+    /// labelled with the Cluster's name.
+    WriteDataSecret {
+        data: BootstrapData,
+        cluster: String,
+    },
     ExtendToken {
         id: &'a str,
         expiration: u64,
@@ -309,7 +314,9 @@ fn decide<'a>(seen: &Observed<'a>, report: &mut Report) -> (Step<'a>, Requeue) {
                 dns: &dns,
             };
             match cloud_config::render(&config.spec, &join) {
-                Ok(data) => (Step::WriteDataSecret(data), Requeue::Now),
+                Ok(data) => {
+                    (Step::WriteDataSecret { data, cluster: cluster.name_any() }, Requeue::Now)
+                }
                 Err(e) => report.wait(Reason::InvalidSpec, &e.to_string(), Requeue::OnChange),
             }
         }
@@ -420,8 +427,10 @@ mod tests {
     use std::collections::BTreeMap;
 
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+    use serde_json::json;
 
     use super::*;
+    use crate::bootstrap::write::{Level, Note, Request, Write};
     use crate::conditions::PAUSED;
     use crate::crd::capi::{
         ClusterInitialization, ClusterSpec, ClusterStatus, MachineStatus, NodeRef,
@@ -680,7 +689,10 @@ mod tests {
             "a malformed token is replaced"
         );
         w.token = TokenState::Present(token(NOW + 3600));
-        let Step::WriteDataSecret(data) = w.plan().step else { panic!("{:?}", w.plan()) };
+        let Step::WriteDataSecret { data, cluster } = w.plan().step else {
+            panic!("{:?}", w.plan())
+        };
+        assert_eq!(cluster, "c");
         assert!(data.0.contains("#cloud-config"));
         assert_eq!(join_server(&data), SERVER, "the Cluster's endpoint, not the kubeconfig's");
         assert!(!format!("{:?}", w.plan()).contains("0123456789abcdef"), "Debug hides the token");
@@ -812,5 +824,213 @@ mod tests {
         let mut fresh = World::new(config());
         fresh.config.metadata.annotations = w.config.metadata.annotations.clone();
         assert_eq!(fresh.plan().step, Step::None, "no token id recorded while paused");
+    }
+
+    /// The secret half the reconciler minted for the pass.
+    const MINTED: &str = "mintedsecret0001";
+
+    /// The write of the step planned for `w`.
+    fn write(w: &World) -> Write {
+        let p = w.plan();
+        p.step.write(&w.config, &p.status, MINTED).unwrap_or_else(|| panic!("no write: {p:?}"))
+    }
+
+    /// The Secret a write creates, as JSON.
+    fn created(request: &Request) -> serde_json::Value {
+        match request {
+            Request::CreateToken(s) | Request::CreateDataSecret(s) => serde_json::to_value(s),
+            other => panic!("creates no Secret: {other:?}"),
+        }
+        .unwrap()
+    }
+
+    #[test]
+    fn the_finalizer_is_added_and_removed_keeping_the_others_if_the_config_is_unchanged() {
+        let mut c = config();
+        c.metadata.finalizers = Some(vec!["other.example/f".into()]);
+        let w = World::new(c);
+        assert_eq!(
+            write(&w),
+            Write {
+                request: Request::PatchConfigIfUnchanged(json!({ "metadata": { "finalizers": [
+                    "other.example/f", FINALIZER
+                ] } })),
+                note: None,
+            }
+        );
+        let mut c = deleting(config(), 1);
+        c.metadata.finalizers = Some(vec!["other.example/f".into(), FINALIZER.into()]);
+        let w = World::new(c);
+        assert_eq!(
+            write(&w),
+            Write {
+                request: Request::PatchConfigIfUnchanged(json!({ "metadata": { "finalizers": [
+                    "other.example/f"
+                ] } })),
+                note: None,
+            }
+        );
+    }
+
+    #[test]
+    fn a_token_let_go_is_said_with_a_warning_once_the_finalizer_is_dropped() {
+        let mut w = World::new(deleting(with_token_id(config()), 1));
+        w.kubeconfig = KubeconfigState::Missing;
+        let why = "bootstrap token abcdef was not deleted from the workload cluster (no kubeconfig Secret); it expires on its own";
+        assert_eq!(
+            write(&w),
+            Write {
+                request: Request::PatchConfigIfUnchanged(
+                    json!({ "metadata": { "finalizers": [] } })
+                ),
+                note: Some(Note {
+                    level: Level::Warning,
+                    log: why.into(),
+                    event: Some((Reason::TokenAbandoned, why.into())),
+                }),
+            }
+        );
+    }
+
+    #[test]
+    fn the_token_id_is_recorded_as_the_plan_s_status_if_the_config_is_unchanged() {
+        let w = World::new(config());
+        // One plan: a condition's transition time is the clock's.
+        let p = w.plan();
+        assert_eq!(p.status.token_id.as_deref(), Some("ghijkl"));
+        assert_eq!(
+            p.step.write(&w.config, &p.status, MINTED),
+            Some(Write {
+                request: Request::WriteStatusIfUnchanged(p.status.clone()),
+                note: Some(Note {
+                    level: Level::Info,
+                    log: "recorded the bootstrap token id ghijkl".into(),
+                    event: None
+                }),
+            })
+        );
+    }
+
+    #[test]
+    fn the_token_is_created_in_kube_system_with_the_minted_secret_and_its_expiration() {
+        let mut w = World::new(with_token_id(config()));
+        w.config.spec.token_ttl_seconds = Some(3600);
+        let write = write(&w);
+        assert_eq!(
+            created(&write.request),
+            json!({
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": { "name": "bootstrap-token-abcdef", "namespace": "kube-system" },
+                "type": "bootstrap.kubernetes.io/token",
+                "stringData": {
+                    "description": "siteboot bootstrap token for SitebootConfig ns/worker-0",
+                    "token-id": "abcdef",
+                    "token-secret": MINTED,
+                    // NOW + 3600.
+                    "expiration": "1970-01-12T14:46:40Z",
+                    "usage-bootstrap-authentication": "true",
+                    "usage-bootstrap-signing": "true",
+                    "auth-extra-groups": "system:bootstrappers:kubeadm:default-node-token",
+                },
+            })
+        );
+        assert_eq!(
+            write.note,
+            Some(Note {
+                level: Level::Info,
+                log: "created the bootstrap token".into(),
+                event: None
+            })
+        );
+        assert!(!format!("{write:?}").contains(MINTED), "Debug hides the secret half");
+    }
+
+    #[test]
+    fn the_data_secret_is_the_config_s_labelled_with_its_cluster_and_announced() {
+        let mut w = World::new(with_token_id(config()));
+        w.token = TokenState::Present(token(NOW + TTL));
+        let Step::WriteDataSecret { data, .. } = w.plan().step else { panic!("{:?}", w.plan()) };
+        let write = write(&w);
+        assert_eq!(
+            created(&write.request),
+            json!({
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {
+                    "name": "worker-0",
+                    "namespace": "ns",
+                    "labels": { "cluster.x-k8s.io/cluster-name": "c" },
+                    "ownerReferences": [{
+                        "apiVersion": "bootstrap.cluster.x-k8s.io/v1alpha1",
+                        "kind": "SitebootConfig",
+                        "name": "worker-0",
+                        "uid": "config-uid",
+                        "controller": true,
+                        "blockOwnerDeletion": true,
+                    }],
+                },
+                "type": "cluster.x-k8s.io/secret",
+                "stringData": { "value": data.0, "format": "cloud-config" },
+            })
+        );
+        assert_eq!(
+            write.note,
+            Some(Note {
+                level: Level::Info,
+                log: "wrote the bootstrap data Secret".into(),
+                event: Some((
+                    Reason::DataSecretAvailable,
+                    "Secret worker-0 holds the bootstrap data".into()
+                )),
+            })
+        );
+        assert!(!format!("{write:?}").contains("0123456789abcdef"), "Debug hides the token");
+    }
+
+    #[test]
+    fn extending_the_token_patches_its_expiration_quietly() {
+        let mut w = World::new(with_token_id(config()));
+        w.data_secret = DataSecret::Ours;
+        w.token = TokenState::Present(token(NOW));
+        assert_eq!(
+            write(&w),
+            Write {
+                request: Request::PatchToken {
+                    name: "bootstrap-token-abcdef".into(),
+                    // base64 of "1970-01-12T14:01:40Z", NOW + TTL.
+                    patch: json!({ "data": { "expiration": "MTk3MC0wMS0xMlQxNDowMTo0MFo=" } }),
+                },
+                note: Some(Note {
+                    level: Level::Debug,
+                    log: "extended the bootstrap token".into(),
+                    event: None
+                }),
+            }
+        );
+    }
+
+    #[test]
+    fn deleting_the_token_deletes_its_secret() {
+        let mut w = World::new(with_token_id(config())).joined();
+        w.data_secret = DataSecret::Ours;
+        w.token = TokenState::Present(token(NOW + TTL));
+        assert_eq!(
+            write(&w),
+            Write {
+                request: Request::DeleteToken { name: "bootstrap-token-abcdef".into() },
+                note: Some(Note {
+                    level: Level::Info,
+                    log: "deleted the bootstrap token".into(),
+                    event: None
+                }),
+            }
+        );
+    }
+
+    #[test]
+    fn doing_nothing_writes_nothing() {
+        let c = config();
+        assert_eq!(Step::None.write(&c, &Default::default(), MINTED), None);
     }
 }

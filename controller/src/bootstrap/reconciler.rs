@@ -1,7 +1,8 @@
 //! The SitebootConfig reconciler: reads what [`plan`] needs (in the management cluster, and the
 //! config's token in the workload cluster through its `<cluster>-kubeconfig` Secret), performs
-//! the step it returns, and writes the status. Killed between any two lines, the next pass reads
-//! what was stored and plans the same step or the one after it.
+//! the write the step it returns describes ([`plan::Step::write`], given a token secret half
+//! minted here) through one `apply`, and writes the status. Killed between any two lines, the
+//! next pass reads what was stored and plans the same step or the one after it.
 //!
 //! The token's secret half exists only in the workload cluster's token Secret and in the data
 //! Secret: it is never logged, put in an Event, or written to the config's status.
@@ -10,11 +11,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine;
-use base64::engine::general_purpose::STANDARD as BASE64;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
@@ -24,25 +22,16 @@ use rand::Rng;
 use serde_json::json;
 use siteboot_boot::dhcp::leases::unix_now;
 
-use super::plan::{
-    self, BootstrapToken, DataSecret, FINALIZER, Kubeconfig, Plan, Requeue, Step, TokenRead,
-};
-use crate::conditions::Reason;
+use super::plan::{self, BootstrapToken, DataSecret, Kubeconfig, Plan, Requeue, TokenRead};
+use super::write::{Level, Note, Request, TOKEN_GROUP, TOKEN_NAMESPACE, Write, token_name};
 use crate::context::{
-    Ctx, Error, Reconciled, key, patch_status_unchanged, report_refused_in_ready, set_finalizer,
+    Ctx, Error, Reconciled, key, patch_status_unchanged, patch_unchanged, report_refused_in_ready,
     write_status,
 };
 use crate::crd::SitebootConfig;
-use crate::crd::capi::CLUSTER_NAME_LABEL;
 use crate::owners::{self, OwnedBy, Owners};
 use crate::workload::Workload;
 
-/// Where bootstrap tokens live in the workload cluster.
-const TOKEN_NAMESPACE: &str = "kube-system";
-/// The group kubeadm gives node bootstrap tokens; the RBAC below is bound to it.
-pub const TOKEN_GROUP: &str = "system:bootstrappers:kubeadm:default-node-token";
-/// The type CAPI gives its Secrets (and that the infrastructure provider reads).
-const CAPI_SECRET_TYPE: &str = "cluster.x-k8s.io/secret";
 /// After losing a compare-and-swap: long enough for the watch to bring the winner's write.
 const LOST_RACE_RETRY: Duration = Duration::from_secs(1);
 
@@ -145,7 +134,10 @@ async fn pass(config: &SitebootConfig, ctx: &Ctx, owners: &Owners) -> Result<Act
     let Plan { step, status, requeue } = plan::plan(&seen);
     let api = configs_api(ctx, config);
     let workload = workload.as_ref().and_then(|w| w.as_ref().ok());
-    let done = perform(config, ctx, &api, workload, step, &status).await?;
+    let done = match step.write(config, &status, &token_part(16)) {
+        Some(write) => apply(config, ctx, &api, workload, write).await?,
+        None => Done::Yes,
+    };
     let requeue = match done {
         Done::Yes => requeue,
         Done::StatusWritten => return Ok(requeue.into()),
@@ -179,7 +171,7 @@ enum TokenFound {
 /// An API server that does not answer is a finding here, not an error (deletion must go on
 /// without it); a refusal is an error.
 async fn read_token(w: &Workload, id: &str) -> Result<TokenFound, Error> {
-    match tokens(w).get_opt(&format!("bootstrap-token-{id}")).await {
+    match tokens(w).get_opt(&token_name(id)).await {
         Ok(Some(secret)) => Ok(TokenFound::Present(parse_token(id, &secret))),
         Ok(None) => Ok(TokenFound::Absent),
         Err(e) if unreachable(&e) => Ok(TokenFound::Unreachable(e.to_string())),
@@ -219,12 +211,6 @@ fn token_part(len: usize) -> String {
     (0..len).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
 }
 
-fn rfc3339(unix: u64) -> String {
-    k8s_openapi::jiff::Timestamp::from_second(unix as i64)
-        .map(|t| t.to_string())
-        .unwrap_or_default()
-}
-
 enum Done {
     Yes,
     /// The step wrote the status itself.
@@ -233,125 +219,84 @@ enum Done {
     LostRace,
 }
 
-fn done<K>(written: Option<K>) -> Done {
-    if written.is_some() { Done::Yes } else { Done::LostRace }
-}
-
-async fn perform(
+/// Performs the write a step describes, then says what it did (nothing if it was done already).
+async fn apply(
     config: &SitebootConfig,
     ctx: &Ctx,
     api: &Api<SitebootConfig>,
     workload: Option<&Workload>,
-    step: Step<'_>,
-    status: &crate::crd::SitebootConfigStatus,
+    write: Write,
 ) -> Result<Done, Error> {
-    let workload = || workload.expect("workload steps are planned only with a usable kubeconfig");
-    Ok(match step {
-        Step::None => Done::Yes,
-        Step::AddFinalizer => done(set_finalizer(api, config, FINALIZER, true).await?),
-        Step::RemoveFinalizer { abandoned } => {
-            if let Some(why) = abandoned {
-                tracing::warn!(config = %key(config), "{why}");
-                ctx.event(config, true, &Reason::TokenAbandoned.to_string(), why).await;
-            }
-            done(set_finalizer(api, config, FINALIZER, false).await?)
+    let Write { request, note } = write;
+    let workload = || workload.expect("workload writes are planned only with a usable kubeconfig");
+    let (object, done) = match request {
+        Request::PatchConfigIfUnchanged(patch) => {
+            let written = patch_unchanged(api, config, patch).await?;
+            let done = if written.is_some() { Done::Yes } else { Done::LostRace };
+            (format!("SitebootConfig {}", key(config)), done)
         }
-        Step::RecordTokenId => match patch_status_unchanged(api, config, status).await? {
-            Some(_) => {
-                let id = status.token_id.as_deref().unwrap_or_default();
-                tracing::info!(config = %key(config), token = %id, "recorded the bootstrap token id");
-                Done::StatusWritten
-            }
-            None => Done::LostRace,
-        },
-        Step::CreateToken { id, expiration } => {
+        Request::WriteStatusIfUnchanged(status) => {
+            let written = patch_status_unchanged(api, config, &status).await?;
+            let done = if written.is_some() { Done::StatusWritten } else { Done::LostRace };
+            (format!("SitebootConfig {}", key(config)), done)
+        }
+        Request::CreateToken(token) => {
             let w = workload();
-            let description =
-                format!("siteboot bootstrap token for SitebootConfig {}", key(config));
-            let token: Secret = serde_json::from_value(json!({
-                "metadata": { "name": format!("bootstrap-token-{id}"), "namespace": TOKEN_NAMESPACE },
-                "type": "bootstrap.kubernetes.io/token",
-                "stringData": {
-                    "description": description,
-                    "token-id": id,
-                    "token-secret": token_part(16),
-                    "expiration": rfc3339(expiration),
-                    "usage-bootstrap-authentication": "true",
-                    "usage-bootstrap-signing": "true",
-                    "auth-extra-groups": TOKEN_GROUP,
-                },
-            }))
-            .expect("a token Secret deserializes");
             match tokens(w).create(&PostParams::default(), &token).await {
-                Ok(_) => {
-                    tracing::info!(config = %key(config), token = %id, cluster = %w.cluster, "created the bootstrap token")
-                }
+                Ok(_) => (token_object(w, &token.name_any()), Done::Yes),
                 // Made by an earlier pass whose answer was lost: the next pass reads it.
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(kube::Error::Api(e)) if e.code == 409 => return Ok(Done::Yes),
                 Err(e) => return Err(w.error(e)),
             }
-            Done::Yes
         }
-        Step::WriteDataSecret(data) => {
-            let w = workload();
-            ensure_node_bootstrap_rbac(w).await?;
-            let owner = OwnerReference {
-                api_version: SitebootConfig::api_version(&()).into_owned(),
-                kind: SitebootConfig::kind(&()).into_owned(),
-                name: config.name_any(),
-                uid: config.uid().unwrap_or_default(),
-                controller: Some(true),
-                block_owner_deletion: Some(true),
-            };
-            let cluster = &w.cluster;
-            let secret: Secret = serde_json::from_value(json!({
-                "metadata": {
-                    "name": config.name_any(),
-                    "namespace": config.namespace(),
-                    "labels": { CLUSTER_NAME_LABEL: cluster },
-                    "ownerReferences": [owner],
-                },
-                "type": CAPI_SECRET_TYPE,
-                "stringData": { "value": data.0, "format": "cloud-config" },
-            }))
-            .expect("a data Secret deserializes");
+        Request::CreateDataSecret(secret) => {
+            ensure_node_bootstrap_rbac(workload()).await?;
             let secrets: Api<Secret> =
                 Api::namespaced(ctx.client.clone(), &config.namespace().unwrap_or_default());
-            match secrets.create(&PostParams::default(), &secret).await {
-                Ok(_) => {
-                    tracing::info!(config = %key(config), "wrote the bootstrap data Secret");
-                    let note = format!("Secret {} holds the bootstrap data", config.name_any());
-                    ctx.event(config, false, &Reason::DataSecretAvailable.to_string(), note).await;
-                    Done::Yes
-                }
+            let done = match secrets.create(&PostParams::default(), &secret).await {
+                Ok(_) => Done::Yes,
                 Err(kube::Error::Api(e)) if e.code == 409 => Done::LostRace,
                 Err(e) => return Err(e.into()),
-            }
+            };
+            (format!("Secret {}", key(&secret)), done)
         }
-        Step::ExtendToken { id, expiration } => {
+        Request::PatchToken { name, patch } => {
             let w = workload();
-            let patch = json!({ "data": { "expiration": BASE64.encode(rfc3339(expiration)) } });
-            let name = format!("bootstrap-token-{id}");
             tokens(w)
                 .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
                 .map_err(|e| w.error(e))?;
-            tracing::debug!(config = %key(config), token = %id, "extended the bootstrap token");
-            Done::Yes
+            (token_object(w, &name), Done::Yes)
         }
-        Step::DeleteToken { id } => {
+        Request::DeleteToken { name } => {
             let w = workload();
-            match tokens(w).delete(&format!("bootstrap-token-{id}"), &DeleteParams::default()).await
-            {
-                Ok(_) => {
-                    tracing::info!(config = %key(config), token = %id, "deleted the bootstrap token")
-                }
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
+            match tokens(w).delete(&name, &DeleteParams::default()).await {
+                Ok(_) => (token_object(w, &name), Done::Yes),
+                Err(kube::Error::Api(e)) if e.code == 404 => return Ok(Done::Yes),
                 Err(e) => return Err(w.error(e)),
             }
-            Done::Yes
         }
-    })
+    };
+    if matches!(done, Done::LostRace) {
+        tracing::debug!(config = %key(config), object, "lost the race: it changed since it was read");
+        return Ok(done);
+    }
+    if let Some(Note { level, log, event }) = note {
+        match level {
+            Level::Debug => tracing::debug!(config = %key(config), object, "{log}"),
+            Level::Info => tracing::info!(config = %key(config), object, "{log}"),
+            Level::Warning => tracing::warn!(config = %key(config), object, "{log}"),
+        }
+        if let Some((reason, message)) = event {
+            ctx.event(config, level == Level::Warning, &reason.to_string(), message).await;
+        }
+    }
+    Ok(done)
+}
+
+/// How logs name the token Secret `name` of workload cluster `w`.
+fn token_object(w: &Workload, name: &str) -> String {
+    format!("Secret {TOKEN_NAMESPACE}/{name} of cluster {}", w.cluster)
 }
 
 /// The ClusterRoleBindings of [`NODE_BOOTSTRAP_BINDINGS`], created where missing (a kubeadm
