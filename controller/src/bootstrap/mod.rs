@@ -3,9 +3,9 @@
 //! behind. It shares the binary and the client with the infrastructure provider, never its
 //! state: it works with any infrastructure provider, and theirs with any bootstrap provider.
 //!
-//! [`plan`] decides the one next step from what was read, [`write`](mod@write) what that step writes (the
-//! token and data Secrets, the patches, their guards); [`reconciler`] reads, performs it and
-//! reports; [`cloud_config`] renders the data. In order, a pass:
+//! [`plan`] decides the one next step from what was read, [`write`](mod@write) what that step
+//! writes (the token and data Secrets, the patches, their guards); [`reconciler`] reads,
+//! performs it and reports; [`cloud_config`] renders the data. In order, a pass:
 //! 1. honours pause (Cluster or annotation): reports Paused and changes nothing
 //! 2. on delete: deletes the config's token in the workload cluster, then drops the finalizer
 //!    (after [`plan::DELETE_GRACE`] of an unreachable workload cluster it lets go, with a

@@ -1,6 +1,6 @@
 //! The SitebootMachine side: the Cluster API InfraMachine contract (v1beta2). [`plan`] decides
-//! the one next step from what was read, [`write`] what that step writes (object, patch, guard);
-//! [`reconciler`] reads, performs it and reports.
+//! the one next step from what was read, [`write`](mod@write) what that step writes (object,
+//! patch, guard); [`reconciler`] reads, performs it and reports.
 //!
 //! In order, a pass:
 //! 1. honours pause (Cluster or annotation): reports Paused and changes nothing
