@@ -460,6 +460,32 @@ pub async fn update_host_status<E>(
     )))
 }
 
+/// What a reconciler says once a planned write landed (or a step that writes nothing ended): a
+/// log line naming the object, and maybe an Event on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    /// Something went wrong before this write: logged as a warning, a Warning Event.
+    pub warning: bool,
+    pub log: String,
+    /// The Event's reason (CamelCase) and message.
+    pub event: Option<(String, String)>,
+}
+
+impl Note {
+    pub fn info(log: impl Into<String>) -> Self {
+        Note { warning: false, log: log.into(), event: None }
+    }
+
+    pub fn warning(log: impl Into<String>) -> Self {
+        Note { warning: true, ..Note::info(log) }
+    }
+
+    /// The same, with an Event.
+    pub fn event(self, reason: impl std::fmt::Display, message: impl Into<String>) -> Self {
+        Note { event: Some((reason.to_string(), message.into())), ..self }
+    }
+}
+
 /// `namespace/name`: how logs, Events and conditions name an object.
 pub fn key<K: ResourceExt>(object: &K) -> String {
     format!("{}/{}", object.namespace().unwrap_or_default(), object.name_any())

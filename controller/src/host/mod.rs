@@ -6,3 +6,4 @@ pub mod lifecycle;
 pub mod plan;
 pub mod reconciler;
 pub mod record;
+pub mod write;

@@ -1,15 +1,18 @@
 //! The Host reconciler's decision, as `machine::plan` is the SitebootMachine's: from the Host
 //! as read and what else the pass observed (the clock and fresh ids, where the Host stands among
 //! the Hosts sharing its boot MAC, the site's settings), the one step this pass takes. Pure: no
-//! I/O, no clock, no randomness, so every branch is a millisecond test; the reconciler performs
-//! the step, and a step whose write lands looks again at once.
+//! I/O, no clock, no randomness, so every branch is a millisecond test. What a step writes, once
+//! the BMC answered if it asks the BMC something, is data too ([`super::write::outcome`]); the
+//! reconciler performs it, and a step whose write lands looks again at once.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::lifecycle::{self, FINALIZER, Fresh, Reboot, Transition};
+use super::lifecycle::{self, Deletion, FINALIZER, Fresh, Reboot, Transition};
 use super::record;
+use super::write::Recheck;
 use crate::conditions::{BOOT_MAC_UNIQUE, check_paused};
-use crate::crd::{Host, HostStatus, WipePolicy, set_condition};
+use crate::crd::{Host, HostState, WipePolicy, set_condition};
 use crate::pools::MacStanding;
 
 /// What the pass observed besides the Host.
@@ -18,6 +21,9 @@ pub struct Observed<'a> {
     pub fresh: &'a Fresh,
     /// Where the Host stands among the Hosts with its boot MAC.
     pub mac: &'a MacStanding,
+    /// The other Hosts with its boot MAC, and where each stands: a change of this Host's
+    /// standing changes theirs, and nothing else would wake them.
+    pub others: &'a [(Arc<Host>, MacStanding)],
     /// How long a ramdisk may say nothing during an operation.
     pub max_silence: Duration,
     /// The site's least wipe.
@@ -31,12 +37,10 @@ pub enum Step {
     ReportPaused,
     /// Paused: nothing until the Host changes.
     Paused,
-    /// Deleted: release, wipe, power off, then let go ([`lifecycle::on_delete`]).
-    Delete,
     /// Every Host carries the finalizer, so a deleted one is wiped before it goes.
     AddFinalizer,
     /// A Host with no state but a lifecycle record (moved, restored): its status rebuilt.
-    Restore { status: Box<HostStatus>, reason: &'static str, message: String },
+    Restore { status: Box<crate::crd::HostStatus>, reason: &'static str, message: String },
     /// The lifecycle record annotation lags the status: rewrite it.
     RecordStale(String),
     /// The `BootMACUnique` condition no longer says where the Host stands: write it (and the
@@ -44,6 +48,9 @@ pub enum Step {
     ReportMac,
     /// Another Host owns the boot MAC: this one does nothing.
     Disowned,
+    /// The retry annotation outlived the quarantine it ended: removed, so that it does not end
+    /// the next one unasked.
+    ClearRetry,
     /// The lifecycle's next state.
     Transit(Transition),
     /// Have the BMC boot the ramdisk of the operation under way.
@@ -58,17 +65,29 @@ pub enum Step {
     Reboot(Reboot),
     /// Nothing to change: refresh the power reading, look again after `again`.
     Idle { again: Duration },
+    /// Deleted, and its disks may hold a tenant's data: the wipe first ([`lifecycle::on_delete`]).
+    WipeBeforeDelete(Transition),
+    /// Deleted, and its consumer still holds it or its wipe runs: look again soon.
+    AwaitDeletion,
+    /// Deleted by `clusterctl move`: let go untouched (it lives on in the target cluster).
+    LetGoMoved,
+    /// Deleted, released and wiped (or forced): power it off and let go.
+    PowerOffAndLetGo,
+    /// Deleted, and the finalizer already gone.
+    Gone,
 }
 
 /// How often a Host with nothing to do is looked at again.
 pub const IDLE: Duration = Duration::from_secs(300);
 /// How often a Host whose ramdisk works is checked for silence.
 pub const SILENCE_CHECK: Duration = Duration::from_secs(30);
+/// How often a deleted Host that waits for its release or wipe is looked at again.
+pub const DELETION_CHECK: Duration = Duration::from_secs(30);
 
 /// The step for `host`, given what the pass `seen`.
 pub fn next(host: &Host, seen: &Observed) -> Step {
-    let conditions = host.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default();
-    let mut paused_conditions = conditions.clone();
+    let conditions = host.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
+    let mut paused_conditions = conditions.to_vec();
     let paused = check_paused(None, host, &mut paused_conditions);
     if paused_conditions != conditions {
         return Step::ReportPaused;
@@ -77,12 +96,12 @@ pub fn next(host: &Host, seen: &Observed) -> Step {
         return Step::Paused;
     }
     if host.metadata.deletion_timestamp.is_some() {
-        return Step::Delete;
+        return deletion(host, seen);
     }
-    if !host.metadata.finalizers.iter().flatten().any(|f| f == FINALIZER) {
+    if !has_finalizer(host) {
         return Step::AddFinalizer;
     }
-    if let Some((status, reason, message)) = record::restore(host) {
+    if let Some((status, reason, message)) = record::restore(host, &seen.fresh.now) {
         return Step::Restore { status: Box::new(status), reason, message };
     }
     if let Some(value) = record::stale(host) {
@@ -93,6 +112,10 @@ pub fn next(host: &Host, seen: &Observed) -> Step {
     }
     if matches!(seen.mac, MacStanding::Duplicate { .. }) {
         return Step::Disowned;
+    }
+    let state = host.status.as_ref().and_then(|s| s.state);
+    if lifecycle::retry_requested(host) && state != Some(HostState::Quarantined) {
+        return Step::ClearRetry;
     }
     if let Some(transition) = transition(host, seen) {
         return Step::Transit(transition);
@@ -117,11 +140,33 @@ pub fn next(host: &Host, seen: &Observed) -> Step {
     Step::Idle { again: if operation { seen.max_silence.min(SILENCE_CHECK) } else { IDLE } }
 }
 
+/// A deleted Host goes once its consumer let go and its disks are wiped
+/// ([`lifecycle::on_delete`]); meanwhile its lifecycle goes on: a consumer that lets go waits
+/// for the wipe it starts.
+fn deletion(host: &Host, seen: &Observed) -> Step {
+    if !has_finalizer(host) {
+        return Step::Gone;
+    }
+    match lifecycle::on_delete(host, seen.min_wipe) {
+        Deletion::WaitForRelease | Deletion::WaitForWipe => match transition(host, seen) {
+            Some(t) => Step::Transit(t),
+            None if lifecycle::boot_due(host, seen.fresh.now.0.as_second()) => Step::RequestBoot,
+            None => Step::AwaitDeletion,
+        },
+        Deletion::Wipe(t) => Step::WipeBeforeDelete(t),
+        Deletion::Moved => Step::LetGoMoved,
+        Deletion::Finish => Step::PowerOffAndLetGo,
+    }
+}
+
+fn has_finalizer(host: &Host) -> bool {
+    host.metadata.finalizers.iter().flatten().any(|f| f == FINALIZER)
+}
+
 /// The lifecycle's next transition, or quarantine for a ramdisk gone silent: what
 /// [`Step::Transit`] writes, and what the write checks again on the Host it reads back.
 pub fn transition(host: &Host, seen: &Observed) -> Option<Transition> {
-    lifecycle::silent(host, seen.max_silence, seen.fresh)
-        .or_else(|| lifecycle::next(host, seen.min_wipe))
+    Recheck::lifecycle(seen).transition(host, seen.fresh)
 }
 
 /// Whether the Host's `BootMACUnique` condition differs from what `standing` says.
@@ -142,50 +187,20 @@ pub fn mac_condition_stale(host: &Host, standing: &MacStanding) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{HostSpec, HostState};
-    use crate::host::record::RECORD_ANNOTATION;
+    use crate::crd::HostSpec;
+    use crate::host::write::{Answer, tests::take};
 
     const MIN_WIPE: WipePolicy = WipePolicy::Quick;
 
     fn seen<'a>(fresh: &'a Fresh, mac: &'a MacStanding) -> Observed<'a> {
-        Observed { fresh, mac, max_silence: Duration::from_secs(600), min_wipe: MIN_WIPE }
+        let others = &[];
+        Observed { fresh, mac, others, max_silence: Duration::from_secs(600), min_wipe: MIN_WIPE }
     }
 
-    /// What the reconciler's write of each bookkeeping step leaves on the Host.
+    /// What the step's writes leave on the Host (the BMC is asked nothing).
     fn perform(host: &mut Host, step: &Step, mac: &MacStanding) {
-        let status = host.status.get_or_insert_with(Default::default);
-        match step {
-            Step::ReportPaused => {
-                let mut conditions = status.conditions.clone();
-                check_paused(None, host, &mut conditions);
-                host.status.as_mut().unwrap().conditions = conditions;
-            }
-            Step::AddFinalizer => host.metadata.finalizers = Some(vec![FINALIZER.to_owned()]),
-            Step::RecordStale(value) => {
-                host.metadata
-                    .annotations
-                    .get_or_insert_with(Default::default)
-                    .insert(RECORD_ANNOTATION.to_owned(), value.clone());
-            }
-            Step::ReportMac => {
-                let (unique, reason, message) = mac.condition(&host.spec.boot_mac_address);
-                let generation = host.metadata.generation;
-                let conditions = &mut host.status.as_mut().unwrap().conditions;
-                set_condition(
-                    conditions,
-                    BOOT_MAC_UNIQUE,
-                    unique,
-                    &reason.to_string(),
-                    &message,
-                    generation,
-                );
-            }
-            Step::Transit(t) => {
-                let fresh = Fresh::now();
-                host.status = Some(lifecycle::apply(host, t, &fresh));
-            }
-            other => panic!("not a step this test performs: {other:?}"),
-        }
+        let fresh = Fresh::now();
+        assert!(take(host, step, &seen(&fresh, mac), Answer::NotAsked), "{step:?} did not land");
     }
 
     /// The steps a Host takes until `until` says stop (at most 10).
@@ -210,7 +225,6 @@ mod tests {
             .map(|s| match s {
                 Step::ReportPaused => "ReportPaused",
                 Step::Paused => "Paused",
-                Step::Delete => "Delete",
                 Step::AddFinalizer => "AddFinalizer",
                 Step::Restore { .. } => "Restore",
                 Step::RecordStale(_) => "RecordStale",
@@ -223,6 +237,12 @@ mod tests {
                 Step::CheckBmc => "CheckBmc",
                 Step::Reboot(_) => "Reboot",
                 Step::Idle { .. } => "Idle",
+                Step::ClearRetry => "ClearRetry",
+                Step::WipeBeforeDelete(_) => "WipeBeforeDelete",
+                Step::AwaitDeletion => "AwaitDeletion",
+                Step::LetGoMoved => "LetGoMoved",
+                Step::PowerOffAndLetGo => "PowerOffAndLetGo",
+                Step::Gone => "Gone",
             })
             .collect()
     }
@@ -261,11 +281,15 @@ mod tests {
             [(crate::crd::capi::PAUSED_ANNOTATION.to_owned(), String::new())].into_iter().collect(),
         );
         host.metadata.deletion_timestamp = Some(crate::crd::now());
+        host.metadata.finalizers = Some(vec![FINALIZER.to_owned()]);
         let taken = steps(&mut host, &MacStanding::Unique, |s| matches!(s, Step::Paused));
         assert_eq!(names(&taken), ["ReportPaused", "Paused"]);
         host.metadata.annotations = None;
-        let taken = steps(&mut host, &MacStanding::Unique, |s| matches!(s, Step::Delete));
-        assert_eq!(names(&taken), ["ReportPaused", "Delete"]);
+        let taken = steps(&mut host, &MacStanding::Unique, |s| matches!(s, Step::PowerOffAndLetGo));
+        assert_eq!(names(&taken), ["ReportPaused", "PowerOffAndLetGo"]);
+        perform(&mut host, &taken[1], &MacStanding::Unique);
+        let fresh = Fresh::now();
+        assert_eq!(next(&host, &seen(&fresh, &MacStanding::Unique)), Step::Gone);
     }
 
     /// With nothing to change, a Host is looked at again soon enough to notice its ramdisk

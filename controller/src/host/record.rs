@@ -10,9 +10,10 @@
 //! and `spec.provisioning`) restores it as Provisioned. Anything else goes through Registering,
 //! which wipes before the host is Available again.
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::{Deserialize, Serialize};
 
-use crate::crd::{Hardware, Host, HostState, HostStatus, Installed, now, set_condition};
+use crate::crd::{Hardware, Host, HostState, HostStatus, Installed, set_condition};
 
 /// Annotation holding the [`Record`] as JSON.
 pub const RECORD_ANNOTATION: &str = "siteboot.dev/lifecycle";
@@ -51,15 +52,15 @@ pub fn stale(host: &Host) -> Option<String> {
         .then(|| serde_json::to_string(&record).expect("a Record serializes"))
 }
 
-/// A status rebuilt from the record, for a Host that has a record and no state (it was moved or
-/// restored), with the reason and message its Event and Ready condition carry.
-pub fn restore(host: &Host) -> Option<(HostStatus, &'static str, String)> {
+/// A status rebuilt from the record at `now`, for a Host that has a record and no state (it was
+/// moved or restored), with the reason and message its Event and Ready condition carry.
+pub fn restore(host: &Host, now: &Time) -> Option<(HostStatus, &'static str, String)> {
     if host.status.as_ref().and_then(|s| s.state).is_some() {
         return None;
     }
     let text = annotation(host)?;
     let mut status = host.status.clone().unwrap_or_default();
-    status.last_transition_time = Some(now());
+    status.last_transition_time = Some(now.clone());
     // A restored host may hold a tenant's data whatever the (editable) record says.
     status.wipe_required = true;
     let (reason, message) = match serde_json::from_str::<Record>(text) {
@@ -109,7 +110,9 @@ pub fn restore(host: &Host) -> Option<(HostStatus, &'static str, String)> {
 /// [`restore`] will give it. A moved Provisioned host that reboots meanwhile then boots its disk,
 /// not the ramdisk, which would stop its workload.
 pub fn state(host: &Host) -> Option<HostState> {
-    host.status.as_ref().and_then(|s| s.state).or_else(|| restore(host)?.0.state)
+    // Only the state is read: any time will do.
+    let whenever = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+    host.status.as_ref().and_then(|s| s.state).or_else(|| restore(host, &whenever)?.0.state)
 }
 
 /// Whether `installed` is what the Host's own spec asks for, for the consumer it names.
@@ -130,7 +133,7 @@ fn annotation(host: &Host) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{ConsumerRef, HostSpec, Image, Provisioning, System};
+    use crate::crd::{ConsumerRef, HostSpec, Image, Provisioning, System, now};
 
     fn image(n: u8) -> Image {
         Image {
@@ -194,7 +197,7 @@ mod tests {
         assert!(stale(&h).unwrap().contains("Deprovisioning"));
         // Conditions, addresses, operations are not part of it: no rewrite when only they change.
         let mut h = moved(provisioned());
-        h.status = restore(&h).map(|(s, ..)| s);
+        h.status = restore(&h, &now()).map(|(s, ..)| s);
         h.status.as_mut().unwrap().addresses.clear();
         assert_eq!(stale(&h), None);
         assert_eq!(stale(&Host::new("new", HostSpec::new("52:54:00:00:00:02"))), None);
@@ -203,7 +206,7 @@ mod tests {
     #[test]
     fn a_moved_provisioned_host_stays_provisioned_with_its_hardware() {
         let h = moved(provisioned());
-        let (status, reason, _) = restore(&h).unwrap();
+        let (status, reason, _) = restore(&h, &now()).unwrap();
         assert_eq!(reason, "Restored");
         assert_eq!(status.state, Some(HostState::Provisioned));
         assert_eq!(status.installed.unwrap().image, image(1));
@@ -211,7 +214,7 @@ mod tests {
         assert!(status.wipe_required);
         // The lifecycle then has nothing to do: no inspection, no imaging, no wipe.
         let mut restored = h.clone();
-        restored.status = restore(&h).map(|(s, ..)| s);
+        restored.status = restore(&h, &now()).map(|(s, ..)| s);
         assert_eq!(super::super::lifecycle::next(&restored, crate::crd::WipePolicy::Quick), None);
     }
 
@@ -237,7 +240,7 @@ mod tests {
             ("other consumer", moved(other)),
             ("forged", forged),
         ] {
-            let (status, ..) = restore(&h).unwrap();
+            let (status, ..) = restore(&h, &now()).unwrap();
             assert_eq!(status.state, Some(HostState::Registering), "{what}");
             assert!(status.wipe_required, "{what}");
             let mut restored = h.clone();
@@ -271,14 +274,14 @@ mod tests {
     fn an_unreadable_record_is_wiped_and_a_host_with_a_state_is_left_alone() {
         let mut h = moved(provisioned());
         h.metadata.annotations.as_mut().unwrap().insert(RECORD_ANNOTATION.into(), "{".into());
-        let (status, reason, message) = restore(&h).unwrap();
+        let (status, reason, message) = restore(&h, &now()).unwrap();
         assert_eq!((status.state, reason), (Some(HostState::Registering), "RestoredUnreadable"));
         assert!(status.wipe_required && message.contains("unreadable"), "{message}");
         // A Host that never had a record starts at Registering the usual way.
-        assert_eq!(restore(&Host::new("new", HostSpec::new("52:54:00:00:00:02"))), None);
+        assert_eq!(restore(&Host::new("new", HostSpec::new("52:54:00:00:00:02")), &now()), None);
         // A Host with a state is not restored, whatever its annotation says.
         let mut live = provisioned();
         live.metadata.annotations = h.metadata.annotations.clone();
-        assert_eq!(restore(&live), None);
+        assert_eq!(restore(&live, &now()), None);
     }
 }

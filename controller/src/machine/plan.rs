@@ -1311,7 +1311,7 @@ mod tests {
                 note: Some(Note {
                     warning: false,
                     log: "claimed a Host".into(),
-                    event: Some(("Claimed", "claimed by SitebootMachine ns/m".into())),
+                    event: Some(("Claimed".into(), "claimed by SitebootMachine ns/m".into())),
                 }),
             }
         );
@@ -1348,7 +1348,7 @@ mod tests {
         assert_eq!(
             note.event,
             Some((
-                "Adopted",
+                "Adopted".into(),
                 "claim taken over by SitebootMachine ns/m after a move or restore".into()
             ))
         );
@@ -1382,7 +1382,7 @@ mod tests {
                 note: Some(Note {
                     warning: false,
                     log: format!("released the Host: {why}"),
-                    event: Some(("Released", why.into())),
+                    event: Some(("Released".into(), why.into())),
                 }),
             }
         );

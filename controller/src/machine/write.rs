@@ -7,6 +7,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
 
 use super::plan::{BINDER_ANNOTATION, FINALIZER, Step, consumed_by};
+pub use crate::context::Note;
 use crate::context::{finalizer_patch, key};
 use crate::crd::{ConsumerRef, Host, HostRef, SitebootMachine};
 
@@ -47,23 +48,6 @@ pub enum Guard {
     Plain,
 }
 
-/// What a successful write says: a log line naming the machine and the target, and an Event on
-/// a Host target.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Note {
-    /// Something went wrong before this write: logged as a warning, a Warning Event.
-    pub warning: bool,
-    pub log: String,
-    /// The Event's reason and message.
-    pub event: Option<(&'static str, String)>,
-}
-
-impl Note {
-    fn info(log: impl Into<String>) -> Self {
-        Note { warning: false, log: log.into(), event: None }
-    }
-}
-
 impl<'a> Step<'a> {
     /// The write this step is, for `sbm` (the machine it was planned for); `None` for a step
     /// that is not one merge patch (nothing, or the bootstrap data handed to the boot plane).
@@ -83,10 +67,8 @@ impl<'a> Step<'a> {
                 (Target::Machine, patch, Guard::Unchanged, None)
             }
             Step::Claim(host) => {
-                let note = Note {
-                    event: Some(("Claimed", format!("claimed by SitebootMachine {}", key(sbm)))),
-                    ..Note::info("claimed a Host")
-                };
+                let note = Note::info("claimed a Host")
+                    .event("Claimed", format!("claimed by SitebootMachine {}", key(sbm)));
                 (Target::Host(host), consume(sbm), Guard::Unchanged, Some(note))
             }
             Step::Adopt(host) => {
@@ -94,10 +76,8 @@ impl<'a> Step<'a> {
                     "claim taken over by SitebootMachine {} after a move or restore",
                     key(sbm)
                 );
-                let note = Note {
-                    event: Some(("Adopted", message)),
-                    ..Note::info("took over the claim of a moved Host")
-                };
+                let note =
+                    Note::info("took over the claim of a moved Host").event("Adopted", message);
                 (Target::Host(host), consume(sbm), Guard::Unchanged, Some(note))
             }
             Step::RecordHostRef(host) => {
@@ -120,7 +100,7 @@ impl<'a> Step<'a> {
                     "the Host {} no longer names this machine; binding it again",
                     host.unwrap_or_default()
                 );
-                let note = Note { warning: true, ..Note::info(log) };
+                let note = Note::warning(log);
                 (
                     Target::Machine,
                     json!({ "spec": { "hostRef": null } }),
@@ -133,10 +113,8 @@ impl<'a> Step<'a> {
                 // Host lifecycle wipes whatever may have been written.
                 debug_assert!(consumed_by(host, sbm));
                 let patch = json!({ "spec": { "consumerRef": null, "provisioning": null } });
-                let note = Note {
-                    event: Some(("Released", why.clone())),
-                    ..Note::info(format!("released the Host: {why}"))
-                };
+                let note =
+                    Note::info(format!("released the Host: {why}")).event("Released", why.clone());
                 (Target::Host(host), patch, Guard::BothUnchanged, Some(note))
             }
             Step::RequestProvisioning { host, provisioning } => {

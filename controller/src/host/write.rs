@@ -1,0 +1,857 @@
+//! What a planned Host [`Step`] does, as data, as `dhcp::server` returns what to send and to
+//! record: the writes (which Host, the change, what is said once it landed), what is said
+//! whatever they do, and when the Host is looked at again. A step that asks the BMC something
+//! takes its [`Answer`] as an input like the Host, so the unit tests assert every write of every
+//! step and every answer; the reconciler asks the BMC and performs the outcome.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use serde_json::{Value, json};
+
+use super::lifecycle::{
+    self, Deletion, FINALIZER, Fresh, REBOOT_ANNOTATION, RETRY_ANNOTATION, Reboot, Transition,
+};
+use super::plan::{self, Observed, Step};
+use super::record::RECORD_ANNOTATION;
+use crate::bmc::{BmcError, Identity};
+use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, check_paused};
+use crate::context::{Note, finalizer_patch};
+use crate::crd::{Host, HostState, HostStatus, Installed, PowerState, WipePolicy, set_condition};
+use crate::pools::MacStanding;
+
+/// How soon a boot or reboot the BMC failed is tried again.
+pub const REBOOT_RETRY: Duration = Duration::from_secs(60);
+/// How soon an ejection of virtual media (and the boot or power-off after it) the BMC failed is
+/// tried again: the same 60 s as [`REBOOT_RETRY`], named apart so either can change alone.
+pub const EJECT_RETRY: Duration = Duration::from_secs(60);
+/// How soon a Host whose reboot annotation was carried out is looked at again.
+const AFTER_REBOOT: Duration = Duration::from_secs(300);
+
+/// What a pass does once its step is chosen and the BMC, if asked, answered.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome<'a> {
+    /// Said first, whatever the writes do: what the BMC answered.
+    pub note: Option<Note>,
+    /// Performed in order. One that does not land (its change no longer applies to the Host as
+    /// read again, or the Host changed under its guard) ends the pass: it was planned from a
+    /// stale read, and the Host is looked at again at once.
+    pub writes: Vec<Write<'a>>,
+    pub again: Again,
+}
+
+/// When the Host is looked at again once the writes landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Again {
+    After(Duration),
+    /// Only when it changes.
+    OnChange,
+}
+
+/// One write of one Host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Write<'a> {
+    /// The Host as it was read.
+    pub target: &'a Host,
+    pub change: Change,
+    /// Said once it landed.
+    pub note: Option<Note>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Change {
+    /// The status, computed again on the Host as read just before it is written (and again
+    /// after a conflict), so the change always sees what it replaces.
+    Status(StatusChange),
+    /// A merge patch, written only if the Host is unchanged since it was read.
+    Patch(Value),
+    /// A merge patch written whatever changed since (an annotation's removal).
+    PlainPatch(Value),
+}
+
+/// A change of a Host's status; [`StatusChange::apply`] computes it on the Host as it is.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StatusChange {
+    /// The `Paused` condition as the annotation says.
+    Paused,
+    /// The status rebuilt from the lifecycle record, if the Host still has no state.
+    Restore(Box<HostStatus>),
+    /// The `BootMACUnique` condition as the standing says.
+    Mac(MacStanding),
+    /// A lifecycle transition made at `fresh`, if `recheck` still computes it.
+    Transit { transition: Transition, fresh: Fresh, recheck: Recheck },
+    /// The BMC was asked at `at` to boot the ramdisk of `operation`.
+    BootRequested { operation: String, at: Time },
+    /// The BMC was asked to boot the disk of `installed` (or refused: the ramdisk reboots).
+    DiskBootAsked { installed: Installed },
+    /// The `BMCReady` condition from the BMC's answer.
+    BmcChecked { ok: bool, reason: &'static str, message: String },
+    /// Virtual media for `operation` carries a token whose hash is `hash`, issued at `at`; the
+    /// hash is stored before the media goes in, so the media works as soon as the BMC fetches
+    /// it. Not once the bootstrap data left: as for a network boot, no new token then.
+    MediaToken { operation: String, hash: String, at: Time },
+    /// The virtual media of an ended operation was ejected.
+    MediaEjected,
+    /// The BMC's power reading.
+    Power(PowerState),
+}
+
+/// Which rule a [`StatusChange::Transit`] is checked against again before it is written.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Recheck {
+    /// The lifecycle's next transition, or quarantine for a ramdisk gone silent.
+    Lifecycle { max_silence: Duration, min_wipe: WipePolicy },
+    /// The wipe a deleted Host needs.
+    DeletionWipe { min_wipe: WipePolicy },
+}
+
+/// What the BMC answered the step that asked it something.
+#[derive(Debug)]
+pub enum Answer {
+    /// Nothing was asked: the step asks the BMC nothing, or the Host has no BMC.
+    NotAsked,
+    /// A boot, reboot, ejection or power-off: done, or why not.
+    Done(Result<(), String>),
+    /// The system the BMC manages.
+    Identity(Result<Option<Identity>, BmcError>),
+    /// The power reading, if the BMC gave one.
+    Power(Option<PowerState>),
+}
+
+impl Recheck {
+    pub fn lifecycle(seen: &Observed) -> Self {
+        Recheck::Lifecycle { max_silence: seen.max_silence, min_wipe: seen.min_wipe }
+    }
+
+    /// The transition this rule computes for `host` at `fresh`.
+    pub fn transition(&self, host: &Host, fresh: &Fresh) -> Option<Transition> {
+        match *self {
+            Recheck::Lifecycle { max_silence, min_wipe } => {
+                lifecycle::silent(host, max_silence, fresh)
+                    .or_else(|| lifecycle::next(host, min_wipe))
+            }
+            Recheck::DeletionWipe { min_wipe } => match lifecycle::on_delete(host, min_wipe) {
+                Deletion::Wipe(t) => Some(t),
+                _ => None,
+            },
+        }
+    }
+}
+
+impl StatusChange {
+    /// The status to write over `current`'s: `None` when the change no longer applies, or
+    /// changes nothing.
+    pub fn apply(&self, current: &Host) -> Option<HostStatus> {
+        let mut status = current.status.clone().unwrap_or_default();
+        let generation = current.metadata.generation;
+        match self {
+            StatusChange::Paused => {
+                check_paused(None, current, &mut status.conditions);
+            }
+            StatusChange::Restore(restored) => {
+                if status.state.is_some() {
+                    return None;
+                }
+                status = (**restored).clone();
+            }
+            StatusChange::Mac(standing) => {
+                let (unique, reason, message) = standing.condition(&current.spec.boot_mac_address);
+                let reason = reason.to_string();
+                let conditions = &mut status.conditions;
+                set_condition(conditions, BOOT_MAC_UNIQUE, unique, &reason, &message, generation);
+            }
+            StatusChange::Transit { transition, fresh, recheck } => {
+                if recheck.transition(current, fresh).as_ref() != Some(transition) {
+                    return None;
+                }
+                status = lifecycle::apply(current, transition, fresh);
+            }
+            StatusChange::BootRequested { operation, at } => {
+                let op = status.operation.as_mut().filter(|op| op.id == *operation)?;
+                op.boot_requested = Some(at.clone());
+            }
+            StatusChange::DiskBootAsked { installed } => {
+                let now = status.installed.as_mut().filter(|now| **now == *installed)?;
+                now.disk_boot_pending = false;
+            }
+            StatusChange::BmcChecked { ok, reason, message } => {
+                let conditions = &mut status.conditions;
+                set_condition(conditions, BMC_READY, *ok, reason, message, generation);
+            }
+            StatusChange::MediaToken { operation, hash, at } => {
+                let op = status.operation.as_mut();
+                let op = op.filter(|op| op.id == *operation && !op.bootstrap_delivered)?;
+                op.token_hash = Some(hash.clone());
+                op.token_address = None;
+                op.token_issued = Some(at.clone());
+                status.media_inserted = true;
+            }
+            StatusChange::MediaEjected => {
+                if status.operation.is_some() {
+                    return None;
+                }
+                status.media_inserted = false;
+            }
+            StatusChange::Power(power) => status.power = Some(*power),
+        }
+        (current.status.as_ref() != Some(&status)).then_some(status)
+    }
+}
+
+impl<'a> Write<'a> {
+    fn status(target: &'a Host, change: StatusChange) -> Self {
+        Write { target, change: Change::Status(change), note: None }
+    }
+
+    fn noted(self, note: Note) -> Self {
+        Write { note: Some(note), ..self }
+    }
+}
+
+impl<'a> Outcome<'a> {
+    fn after(again: Duration) -> Self {
+        Outcome { note: None, writes: Vec::new(), again: Again::After(again) }
+    }
+
+    fn on_change() -> Self {
+        Outcome { again: Again::OnChange, ..Outcome::after(Duration::ZERO) }
+    }
+
+    fn writing(write: Write<'a>) -> Self {
+        Outcome { writes: vec![write], ..Outcome::after(Duration::ZERO) }
+    }
+
+    fn noted(self, note: Note) -> Self {
+        Outcome { note: Some(note), ..self }
+    }
+
+    fn again(self, again: Duration) -> Self {
+        Outcome { again: Again::After(again), ..self }
+    }
+}
+
+/// The virtual-media token write for the operation `host` runs, whose key's hash is `hash`,
+/// minted at `at`: the reconciler inserts the media only once it landed.
+pub fn media_token<'a>(host: &'a Host, hash: String, at: &Time) -> Option<Write<'a>> {
+    let operation = host.status.as_ref()?.operation.as_ref()?.id.clone();
+    Some(Write::status(host, StatusChange::MediaToken { operation, hash, at: at.clone() }))
+}
+
+/// What `step`, planned for `host` from what the pass `seen`, does once the BMC gave `answer`.
+pub fn outcome<'a>(step: &Step, host: &'a Host, seen: &'a Observed, answer: Answer) -> Outcome<'a> {
+    match step {
+        Step::ReportPaused => Outcome::writing(Write::status(host, StatusChange::Paused)),
+        Step::Paused | Step::Gone => Outcome::on_change(),
+        Step::AddFinalizer => Outcome::writing(Write {
+            target: host,
+            change: Change::Patch(finalizer_patch(host, FINALIZER, true)),
+            note: None,
+        }),
+        Step::Restore { status, reason, message } => Outcome::writing(
+            Write::status(host, StatusChange::Restore(status.clone()))
+                .noted(Note::info(message.clone()).event(reason, message.clone())),
+        ),
+        Step::RecordStale(value) => Outcome::writing(Write {
+            target: host,
+            change: Change::Patch(
+                json!({ "metadata": { "annotations": { RECORD_ANNOTATION: value } } }),
+            ),
+            note: None,
+        }),
+        Step::ReportMac => report_mac(host, seen),
+        Step::Disowned => Outcome::after(IDLE_DISOWNED),
+        Step::ClearRetry => Outcome::writing(Write {
+            target: host,
+            change: Change::Patch(without_annotation(RETRY_ANNOTATION)),
+            note: Some(Note::info("removed the retry annotation: the quarantine it ended is over")),
+        }),
+        Step::Transit(transition) => transit(host, seen, transition, Recheck::lifecycle(seen)),
+        Step::WipeBeforeDelete(transition) => {
+            let recheck = Recheck::DeletionWipe { min_wipe: seen.min_wipe };
+            transit(host, seen, transition, recheck)
+        }
+        Step::AwaitDeletion => Outcome::after(plan::DELETION_CHECK),
+        Step::RequestBoot => boot_requested(host, seen, answer.done()),
+        Step::RequestDiskBoot => disk_boot_asked(host, answer.done()),
+        Step::CheckBmc => match answer {
+            Answer::Identity(identity) => bmc_checked(host, seen, &identity),
+            // Never asked (the Host lost its BMC since it was read): the next pass sees.
+            _ => Outcome::after(Duration::ZERO),
+        },
+        Step::Reboot(reboot) => rebooted(host, *reboot, answer.done()),
+        Step::EjectMedia => match answer.done() {
+            Err(e) => Outcome::after(EJECT_RETRY).noted(
+                Note::warning(format!("cannot eject the virtual media: {e}"))
+                    .event("MediaEjectFailed", e),
+            ),
+            Ok(()) => Outcome::writing(
+                Write::status(host, StatusChange::MediaEjected)
+                    .noted(Note::info("virtual media ejected")),
+            ),
+        },
+        Step::LetGoMoved => {
+            let_go(host, Note::info("Host moved to another management cluster: let go untouched"))
+        }
+        Step::PowerOffAndLetGo => {
+            let outcome = let_go(host, Note::info("Host deleted"));
+            match answer {
+                Answer::Done(Err(e)) => {
+                    outcome.noted(Note::warning(format!("cannot power off the deleted host: {e}")))
+                }
+                _ => outcome,
+            }
+        }
+        Step::Idle { again } => {
+            let power = match answer {
+                Answer::Power(Some(power)) => Some(power),
+                _ => None,
+            };
+            let change = power.map(StatusChange::Power).filter(|c| c.apply(host).is_some());
+            let writes = change.map(|c| Write::status(host, c)).into_iter().collect();
+            Outcome { writes, ..Outcome::after(*again) }
+        }
+    }
+}
+
+/// How often a Host that another Host's boot MAC claim disowns is looked at again.
+const IDLE_DISOWNED: Duration = plan::IDLE;
+
+impl Answer {
+    /// A boot, reboot, ejection or power-off's result.
+    fn done(self) -> Result<(), String> {
+        match self {
+            Answer::Done(result) => result,
+            Answer::NotAsked => Err("the host has no spec.bmc".to_owned()),
+            Answer::Identity(_) | Answer::Power(_) => {
+                Err("the BMC was asked something else".into())
+            }
+        }
+    }
+}
+
+/// The `BootMACUnique` condition written on the Host, and on the others with its MAC whose
+/// condition changes with it. A Host that does not keep its MAC is said loudly.
+fn report_mac<'a>(host: &'a Host, seen: &'a Observed) -> Outcome<'a> {
+    let report = |target: &'a Host, standing: &MacStanding| {
+        let change = StatusChange::Mac(standing.clone());
+        change.apply(target)?;
+        let write = Write::status(target, change);
+        let (unique, reason, message) = standing.condition(&target.spec.boot_mac_address);
+        Some(if unique {
+            write
+        } else {
+            write.noted(Note::warning(&message).event(reason, message))
+        })
+    };
+    let others = seen.others.iter().map(|(other, standing)| (&**other, standing));
+    let writes = std::iter::once((host, seen.mac)).chain(others);
+    let writes = writes.filter_map(|(target, standing)| report(target, standing)).collect();
+    Outcome { writes, ..Outcome::after(Duration::ZERO) }
+}
+
+/// A transition, checked again with `recheck` on the Host as written over. A new operation's
+/// ramdisk is booted by the next pass ([`lifecycle::boot_due`]).
+fn transit<'a>(
+    host: &'a Host,
+    seen: &Observed,
+    transition: &Transition,
+    recheck: Recheck,
+) -> Outcome<'a> {
+    let from = host.status.as_ref().and_then(|s| s.state);
+    let Transition { to, reason, message, .. } = transition;
+    let event = format!("{from:?} -> {to:?}: {message}");
+    let log = format!("{event} ({reason})");
+    let note = if *to == HostState::Quarantined { Note::warning(log) } else { Note::info(log) };
+    let change = StatusChange::Transit {
+        transition: transition.clone(),
+        fresh: seen.fresh.clone(),
+        recheck,
+    };
+    let write = Write::status(host, change).noted(note.event(reason, event));
+    let again = if transition.operation.is_some() { Duration::ZERO } else { plan::IDLE };
+    Outcome::writing(write).again(again)
+}
+
+/// The BMC asked to boot the ramdisk of the operation under way: recorded for that operation,
+/// or tried again later. A crash before the record asks again.
+fn boot_requested<'a>(host: &'a Host, seen: &Observed, result: Result<(), String>) -> Outcome<'a> {
+    let Some(operation) = host.status.as_ref().and_then(|s| s.operation.as_ref()) else {
+        return Outcome::after(Duration::ZERO);
+    };
+    let id = &operation.id;
+    match result {
+        Err(e) => Outcome::after(REBOOT_RETRY).noted(
+            Note::warning(format!(
+                "cannot boot the host into the ramdisk of operation {id}: {e}; trying again in {}",
+                humantime::format_duration(REBOOT_RETRY)
+            ))
+            .event("BootFailed", format!("booting the ramdisk of operation {id}: {e}")),
+        ),
+        Ok(()) => {
+            let at = seen.fresh.now.clone();
+            let change = StatusChange::BootRequested { operation: id.clone(), at };
+            let note = Note::info(format!("asked the BMC to boot the ramdisk of operation {id}"));
+            Outcome::writing(Write::status(host, change).noted(note)).again(plan::SILENCE_CHECK)
+        }
+    }
+}
+
+/// The BMC asked to boot the disk just written, once: if it refused, the ramdisk is told to
+/// reboot, into the boot script, which exits to the firmware's boot order. (An appliance that
+/// dies between the BMC's answer and the record asks again: a second restart of a host seconds
+/// into its boot.)
+fn disk_boot_asked(host: &Host, result: Result<(), String>) -> Outcome<'_> {
+    let note = match result {
+        Ok(()) => Note::info("asked the BMC to boot the disk"),
+        Err(e) => Note::warning(format!("cannot boot the disk through the BMC: {e}; the ramdisk reboots into the boot script, which exits to the firmware"))
+            .event("DiskBootFailed", format!("booting the disk: {e}")),
+    };
+    let Some(installed) = host.status.as_ref().and_then(|s| s.installed.clone()) else {
+        return Outcome::after(Duration::ZERO).noted(note);
+    };
+    Outcome::writing(Write::status(host, StatusChange::DiskBootAsked { installed })).noted(note)
+}
+
+/// The BMC's identity answer in the `BMCReady` condition; a Registering host goes on once it is
+/// True. A failing BMC is asked again later and later ([`lifecycle::bmc_recheck_after`]), with
+/// an Event when the reason changes.
+fn bmc_checked<'a>(
+    host: &'a Host,
+    seen: &Observed,
+    identity: &Result<Option<Identity>, BmcError>,
+) -> Outcome<'a> {
+    let (ok, reason, message) = lifecycle::bmc_check(host, identity);
+    let change = StatusChange::BmcChecked { ok, reason, message: message.clone() };
+    // Measured from the condition as this write leaves it.
+    let mut after = host.clone();
+    if let Some(status) = change.apply(host) {
+        after.status = Some(status);
+    }
+    let now = seen.fresh.now.0.as_second();
+    let again = if ok { Duration::ZERO } else { lifecycle::bmc_recheck_after(&after, now) };
+    if change.apply(host).is_none() {
+        return Outcome::after(again);
+    }
+    let log = format!("BMC check: {message}");
+    let note = if ok { Note::info(&log) } else { Note::warning(&log) }.event(reason, log);
+    Outcome::writing(Write::status(host, change).noted(note)).again(again)
+}
+
+/// The reboot annotation carried out, then removed; a BMC that fails keeps it for a later pass.
+/// Without a BMC the operator is told, and the annotation removed.
+fn rebooted(host: &Host, reboot: Reboot, result: Result<(), String>) -> Outcome<'_> {
+    let result = match reboot {
+        Reboot::NoBmc => Err("the host has no spec.bmc: power-cycle it by hand".to_owned()),
+        _ => result,
+    };
+    let note = match &result {
+        Ok(()) => Note::info(format!("{reboot:?} through the BMC"))
+            .event("Rebooted", format!("{reboot:?} through the BMC")),
+        Err(e) => Note::warning(format!("cannot reboot: {e}")).event("RebootFailed", e.clone()),
+    };
+    if reboot != Reboot::NoBmc && result.is_err() {
+        return Outcome::after(REBOOT_RETRY).noted(note);
+    }
+    let change = Change::PlainPatch(without_annotation(REBOOT_ANNOTATION));
+    let write = Write { target: host, change, note: None };
+    Outcome::writing(write).noted(note).again(AFTER_REBOOT)
+}
+
+fn without_annotation(name: &str) -> Value {
+    json!({ "metadata": { "annotations": { name: null } } })
+}
+
+/// The finalizer dropped: the Host goes.
+fn let_go(host: &Host, note: Note) -> Outcome<'_> {
+    let change = Change::Patch(finalizer_patch(host, FINALIZER, false));
+    let write = Write { target: host, change, note: Some(note) };
+    Outcome { again: Again::OnChange, ..Outcome::writing(write) }
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+    use crate::crd::{Bmc, HostSpec, Operation, OperationKind};
+    use crate::host::plan::{IDLE, SILENCE_CHECK, next};
+    use kube::ResourceExt;
+
+    /// What `outcome`'s writes of `host` leave on it, as the API server would: whether each
+    /// landed (the Host is the only writer, so every guard holds).
+    pub fn land(host: &mut Host, outcome: &Outcome) -> bool {
+        let name = host.name_any();
+        for write in outcome.writes.iter().filter(|w| w.target.name_any() == name) {
+            match &write.change {
+                Change::Status(change) => match change.apply(host) {
+                    Some(status) => host.status = Some(status),
+                    None => return false,
+                },
+                Change::Patch(patch) | Change::PlainPatch(patch) => {
+                    let mut object = serde_json::to_value(&*host).unwrap();
+                    merge(&mut object, patch);
+                    *host = serde_json::from_value(object).unwrap();
+                }
+            }
+        }
+        true
+    }
+
+    /// `step`'s outcome for `host` as it is now, given `answer`, landed on it.
+    pub fn take(host: &mut Host, step: &Step, seen: &Observed, answer: Answer) -> bool {
+        let read = host.clone();
+        let outcome = outcome(step, &read, seen, answer);
+        land(host, &outcome)
+    }
+
+    /// RFC 7386's merge patch.
+    fn merge(target: &mut Value, patch: &Value) {
+        let Value::Object(fields) = patch else { return *target = patch.clone() };
+        if !target.is_object() {
+            *target = json!({});
+        }
+        let object = target.as_object_mut().unwrap();
+        for (name, value) in fields {
+            match value {
+                Value::Null => drop(object.remove(name)),
+                _ => merge(object.entry(name.clone()).or_insert(Value::Null), value),
+            }
+        }
+    }
+
+    const MAC: &str = "52:54:00:00:00:01";
+
+    fn observed<'a>(fresh: &'a Fresh, mac: &'a MacStanding) -> Observed<'a> {
+        let max_silence = Duration::from_secs(600);
+        Observed { fresh, mac, others: &[], max_silence, min_wipe: WipePolicy::Quick }
+    }
+
+    /// A pass `secs` from the clock's now (conditions take their transition time from the
+    /// clock).
+    fn at(secs: i64) -> Fresh {
+        let now = k8s_openapi::jiff::Timestamp::now()
+            + k8s_openapi::jiff::SignedDuration::from_secs(secs);
+        Fresh { now: Time(now), operation_id: format!("op{secs}") }
+    }
+
+    fn annotated(mut host: Host, name: &str) -> Host {
+        host.annotations_mut().insert(name.to_owned(), String::new());
+        host
+    }
+
+    /// A Host with a BMC, its finalizer and record, registered and waiting for its BMC check.
+    fn registering() -> Host {
+        let mut host = Host::new("h", HostSpec::new(MAC));
+        host.spec.bmc = Some(Bmc {
+            address: "redfish+https://10.0.0.5/redfish/v1/Systems/1".into(),
+            credentials_name: "creds".into(),
+            certificate_fingerprint: None,
+            boot_mode: None,
+        });
+        let fresh = at(0);
+        let unique = MacStanding::Unique;
+        for _ in 0..10 {
+            let step = next(&host, &observed(&fresh, &unique));
+            if step == Step::CheckBmc {
+                return host;
+            }
+            assert!(
+                take(&mut host, &step, &observed(&fresh, &unique), Answer::NotAsked),
+                "{step:?}"
+            );
+        }
+        panic!("never asked for a BMC check: {:?}", host.status)
+    }
+
+    fn operation(id: &str, virtual_media: bool) -> Operation {
+        Operation {
+            kind: OperationKind::Inspect,
+            id: id.into(),
+            started: at(0).now,
+            token_hash: None,
+            token_address: None,
+            token_issued: None,
+            boot_requested: None,
+            virtual_media,
+            image: None,
+            bootstrap_delivered: false,
+            step: None,
+            last_heard: None,
+            bytes: None,
+        }
+    }
+
+    fn running(id: &str) -> Host {
+        let mut host = registering();
+        host.status.as_mut().unwrap().operation = Some(operation(id, false));
+        host
+    }
+
+    /// The BMC's check: a failure is written once with a warning and asked again after 10 s,
+    /// then later as it keeps failing; the system found lets the Host go on at once.
+    #[test]
+    fn a_bmc_check_is_written_and_asked_again_later_and_later() {
+        let mut host = registering();
+        let unique = MacStanding::Unique;
+        let fresh = at(0);
+        let seen = observed(&fresh, &unique);
+        let refused = || {
+            Answer::Identity(Err(BmcError::Credentials {
+                name: "creds".into(),
+                why: "is missing".into(),
+            }))
+        };
+        let read = host.clone();
+        let failed = outcome(&Step::CheckBmc, &read, &seen, refused());
+        assert_eq!(failed.writes.len(), 1);
+        let note = failed.writes[0].note.clone().unwrap();
+        assert!(note.warning && note.log.starts_with("BMC check: "), "{note:?}");
+        assert_eq!(failed.again, Again::After(Duration::from_secs(10)));
+        assert!(land(&mut host, &failed));
+        let condition = crate::crd::condition(&host.status.as_ref().unwrap().conditions, BMC_READY);
+        assert_eq!(condition.map(|c| c.status.as_str()), Some("False"));
+        // The same failure again: nothing to write, asked again as late as it has been failing.
+        let read = host.clone();
+        let since = condition.unwrap().last_transition_time.0.as_second();
+        let later = Fresh {
+            now: Time(k8s_openapi::jiff::Timestamp::from_second(since + 120).unwrap()),
+            ..at(0)
+        };
+        let seen_later = observed(&later, &unique);
+        let again = outcome(&Step::CheckBmc, &read, &seen_later, refused());
+        assert_eq!((again.writes.len(), again.again), (0, Again::After(Duration::from_secs(120))));
+        // Found: True, and on at once.
+        let found =
+            Answer::Identity(Ok(Some(Identity { uuid: "u".into(), macs: vec![MAC.into()] })));
+        let ok = outcome(&Step::CheckBmc, &read, &seen, found);
+        assert_eq!(ok.again, Again::After(Duration::ZERO));
+        assert!(land(&mut host, &ok));
+        let condition = crate::crd::condition(&host.status.as_ref().unwrap().conditions, BMC_READY);
+        assert_eq!(condition.map(|c| c.status.as_str()), Some("True"));
+    }
+
+    /// Booting the ramdisk: recorded at the pass's time, for the operation asked for only; a
+    /// refusal writes nothing and is tried again in a minute.
+    #[test]
+    fn a_ramdisk_boot_is_recorded_for_its_operation_or_tried_again() {
+        let mut host = running("op-a");
+        let unique = MacStanding::Unique;
+        let fresh = at(5);
+        let seen = observed(&fresh, &unique);
+        let read = host.clone();
+        let refused = outcome(&Step::RequestBoot, &read, &seen, Answer::Done(Err("503".into())));
+        assert!(refused.writes.is_empty());
+        assert_eq!(refused.again, Again::After(REBOOT_RETRY));
+        let note = refused.note.unwrap();
+        assert_eq!(
+            note.event,
+            Some(("BootFailed".into(), "booting the ramdisk of operation op-a: 503".into()))
+        );
+        let booted = outcome(&Step::RequestBoot, &read, &seen, Answer::Done(Ok(())));
+        assert_eq!(
+            booted.writes[0].change,
+            Change::Status(StatusChange::BootRequested {
+                operation: "op-a".into(),
+                at: fresh.now.clone()
+            })
+        );
+        assert_eq!(booted.again, Again::After(SILENCE_CHECK));
+        // Another operation started meanwhile: the record is not its.
+        let mut moved_on = running("op-b");
+        assert!(!land(&mut moved_on, &booted), "written over another operation");
+        assert!(land(&mut host, &booted));
+        let op = host.status.as_ref().unwrap().operation.as_ref().unwrap();
+        assert_eq!(op.boot_requested.as_ref(), Some(&fresh.now));
+    }
+
+    /// Virtual media: the token's hash is stored before the media goes in, for that operation,
+    /// never once the bootstrap data left.
+    #[test]
+    fn a_media_token_is_stored_for_its_operation_until_the_data_left() {
+        let mut host = registering();
+        host.status.as_mut().unwrap().operation = Some(operation("op-a", true));
+        let fresh = at(7);
+        let write = media_token(&host, "hash".into(), &fresh.now).unwrap();
+        let Change::Status(change) = &write.change else { panic!("{write:?}") };
+        let status = change.apply(&host).expect("stored");
+        let op = status.operation.as_ref().unwrap();
+        assert_eq!(
+            (op.token_hash.as_deref(), op.token_issued.as_ref()),
+            (Some("hash"), Some(&fresh.now))
+        );
+        assert!(status.media_inserted);
+        let mut delivered = host.clone();
+        delivered.status.as_mut().unwrap().operation.as_mut().unwrap().bootstrap_delivered = true;
+        assert_eq!(change.apply(&delivered), None, "no new token once the data left");
+        let mut other = host.clone();
+        other.status.as_mut().unwrap().operation = Some(operation("op-b", true));
+        assert_eq!(change.apply(&other), None, "not another operation's");
+    }
+
+    /// The reboot annotation: carried out then removed; kept while the BMC fails; without a
+    /// BMC, removed with the operator told.
+    #[test]
+    fn the_reboot_annotation_is_removed_once_done_or_impossible() {
+        let host = annotated(registering(), REBOOT_ANNOTATION);
+        let unique = MacStanding::Unique;
+        let fresh = at(0);
+        let seen = observed(&fresh, &unique);
+        let removal = Change::PlainPatch(
+            json!({ "metadata": { "annotations": { REBOOT_ANNOTATION: null } } }),
+        );
+        let done = outcome(&Step::Reboot(Reboot::PowerCycle), &host, &seen, Answer::Done(Ok(())));
+        assert_eq!(done.writes.iter().map(|w| &w.change).collect::<Vec<_>>(), [&removal]);
+        assert_eq!(done.note.as_ref().unwrap().event.as_ref().unwrap().0, "Rebooted");
+        assert_eq!(done.again, Again::After(AFTER_REBOOT));
+        let failed =
+            outcome(&Step::Reboot(Reboot::PowerCycle), &host, &seen, Answer::Done(Err("x".into())));
+        assert!(failed.writes.is_empty());
+        assert_eq!(failed.again, Again::After(REBOOT_RETRY));
+        let none = outcome(&Step::Reboot(Reboot::NoBmc), &host, &seen, Answer::NotAsked);
+        assert_eq!(none.writes.iter().map(|w| &w.change).collect::<Vec<_>>(), [&removal]);
+        let note = none.note.unwrap();
+        assert!(note.warning && note.log.contains("power-cycle it by hand"), "{note:?}");
+        let mut landed = host.clone();
+        assert!(land(&mut landed, &done));
+        assert!(!landed.annotations().contains_key(REBOOT_ANNOTATION));
+    }
+
+    /// The retry annotation ends one quarantine: once the Host is Registering again it is
+    /// removed, so a later quarantine is not ended unasked.
+    #[test]
+    fn the_retry_annotation_is_removed_after_the_quarantine_it_ended() {
+        let mut host = annotated(registering(), RETRY_ANNOTATION);
+        host.status.as_mut().unwrap().state = Some(HostState::Quarantined);
+        let unique = MacStanding::Unique;
+        let fresh = at(0);
+        let mut taken = Vec::new();
+        loop {
+            let step = next(&host, &observed(&fresh, &unique));
+            if matches!(step, Step::CheckBmc) || taken.len() == 6 {
+                break;
+            }
+            assert!(take(&mut host, &step, &observed(&fresh, &unique), Answer::NotAsked));
+            taken.push(step);
+        }
+        assert!(
+            matches!(&taken[..], [Step::RecordStale(_), Step::Transit(t), Step::RecordStale(_), Step::ClearRetry] if t.to == HostState::Registering),
+            "{taken:?}"
+        );
+        assert!(!host.annotations().contains_key(RETRY_ANNOTATION));
+    }
+
+    /// A transition is written only if the Host as read again still calls for it.
+    #[test]
+    fn a_transition_is_not_written_over_a_host_that_moved_on() {
+        let host = Host::new("h", HostSpec::new(MAC));
+        let unique = MacStanding::Unique;
+        let fresh = at(0);
+        let seen = observed(&fresh, &unique);
+        let Some(t) = plan::transition(&host, &seen) else { panic!("a new Host registers") };
+        let planned = outcome(&Step::Transit(t.clone()), &host, &seen, Answer::NotAsked);
+        let note = planned.writes[0].note.clone().unwrap();
+        assert_eq!(note.event.unwrap().0, t.reason);
+        let mut registered = host.clone();
+        assert!(land(&mut registered, &planned));
+        assert_eq!(registered.status.as_ref().unwrap().state, Some(t.to));
+        assert!(!land(&mut registered, &planned), "written twice");
+        assert_eq!(planned.again, Again::After(IDLE));
+    }
+
+    /// A deleted Host: waits for its consumer, is wiped, then powered off and let go; a
+    /// failed power-off is said and does not keep it.
+    #[test]
+    fn a_deleted_host_is_wiped_then_powered_off_and_let_go() {
+        let unique = MacStanding::Unique;
+        let fresh = at(0);
+        let mut host = registering();
+        let status = host.status.as_mut().unwrap();
+        // Quarantined mid-provisioning: nothing moves it on by itself.
+        status.state = Some(HostState::Quarantined);
+        status.wipe_required = true;
+        host.spec.consumer_ref = Some(crate::crd::ConsumerRef {
+            api_version: "v".into(),
+            kind: "SitebootMachine".into(),
+            namespace: "ns".into(),
+            name: "m".into(),
+            uid: "u".into(),
+        });
+        host.metadata.deletion_timestamp = Some(fresh.now.clone());
+        let step = |h: &Host| next(h, &observed(&fresh, &unique));
+        assert_eq!(step(&host), Step::AwaitDeletion);
+        host.spec.consumer_ref = None;
+        let wipe = step(&host);
+        let Step::WipeBeforeDelete(t) = &wipe else { panic!("{wipe:?}") };
+        assert_eq!(t.operation, Some(OperationKind::Deprovision));
+        assert!(take(&mut host, &wipe, &observed(&fresh, &unique), Answer::NotAsked));
+        assert_eq!(step(&host), Step::RequestBoot, "the wipe's ramdisk is booted");
+        let status = host.status.as_mut().unwrap();
+        status.operation = None;
+        status.wipe_required = false;
+        assert_eq!(step(&host), Step::PowerOffAndLetGo);
+        let read = host.clone();
+        let seen = observed(&fresh, &unique);
+        let off =
+            outcome(&Step::PowerOffAndLetGo, &read, &seen, Answer::Done(Err("timeout".into())));
+        assert!(
+            off.note.as_ref().unwrap().log.contains("cannot power off the deleted host: timeout")
+        );
+        assert_eq!(off.again, Again::OnChange);
+        assert!(land(&mut host, &off));
+        assert_eq!(step(&host), Step::Gone);
+        // Deleted by a move: let go untouched.
+        let mut moved = annotated(registering(), crate::crd::capi::DELETE_FOR_MOVE_ANNOTATION);
+        moved.metadata.deletion_timestamp = Some(fresh.now.clone());
+        assert_eq!(step(&moved), Step::LetGoMoved);
+    }
+
+    /// The MAC report: this Host's condition, and the others' that change with it; one that
+    /// does not keep the MAC is said loudly.
+    #[test]
+    fn a_shared_mac_is_reported_on_every_host_that_has_it() {
+        let first = std::sync::Arc::new(Host::new("first", HostSpec::new(MAC)));
+        let second = Host::new("second", HostSpec::new(MAC));
+        let owner = MacStanding::Owner { here: vec!["second".into()], elsewhere: 0 };
+        let others = [(first.clone(), owner.clone())];
+        let duplicate = MacStanding::Duplicate { owner: Some("first".into()) };
+        let fresh = at(0);
+        let seen = Observed { others: &others, ..observed(&fresh, &duplicate) };
+        let report = outcome(&Step::ReportMac, &second, &seen, Answer::NotAsked);
+        let targets: Vec<String> = report.writes.iter().map(|w| w.target.name_any()).collect();
+        assert_eq!(targets, ["second", "first"]);
+        assert!(report.writes[0].note.as_ref().is_some_and(|n| n.warning));
+        assert_eq!(report.writes[1].note, None, "the owner keeps it: no warning");
+        // The owner's condition already says so: only this Host's is written.
+        let mut written = (*first).clone();
+        assert!(land(&mut written, &report));
+        let others = [(std::sync::Arc::new(written), owner)];
+        let seen = Observed { others: &others, ..observed(&fresh, &duplicate) };
+        let report = outcome(&Step::ReportMac, &second, &seen, Answer::NotAsked);
+        assert_eq!(report.writes.len(), 1);
+    }
+
+    /// Media of an ended operation: ejected then recorded; a failure is tried again in a minute.
+    /// Power: written only when the reading changed.
+    #[test]
+    fn ejected_media_and_power_readings_are_recorded_when_they_change() {
+        let mut host = registering();
+        host.status.as_mut().unwrap().media_inserted = true;
+        let unique = MacStanding::Unique;
+        let fresh = at(0);
+        let seen = observed(&fresh, &unique);
+        let read = host.clone();
+        let failed = outcome(&Step::EjectMedia, &read, &seen, Answer::Done(Err("x".into())));
+        assert_eq!((failed.writes.len(), failed.again), (0, Again::After(EJECT_RETRY)));
+        let ejected = outcome(&Step::EjectMedia, &read, &seen, Answer::Done(Ok(())));
+        assert!(land(&mut host, &ejected));
+        assert!(!host.status.as_ref().unwrap().media_inserted);
+        let idle = Step::Idle { again: IDLE };
+        let read = host.clone();
+        let on = outcome(&idle, &read, &seen, Answer::Power(Some(PowerState::On)));
+        assert_eq!(on.writes.len(), 1);
+        assert!(land(&mut host, &on));
+        let read = host.clone();
+        let same = outcome(&idle, &read, &seen, Answer::Power(Some(PowerState::On)));
+        assert_eq!((same.writes.len(), same.again), (0, Again::After(IDLE)));
+        let unknown = outcome(&idle, &read, &seen, Answer::NotAsked);
+        assert!(unknown.writes.is_empty());
+    }
+}
