@@ -464,25 +464,43 @@ pub async fn update_host_status<E>(
 /// log line naming the object, and maybe an Event on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Note {
-    /// Something went wrong before this write: logged as a warning, a Warning Event.
-    pub warning: bool,
+    pub level: Level,
     pub log: String,
-    /// The Event's reason (CamelCase) and message.
+    /// The Event's reason (CamelCase) and message: a Warning with [`Level::Warning`], else
+    /// Normal.
     pub event: Option<(String, String)>,
 }
 
+/// How loud a [`Note`] is logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    /// Routine upkeep, written every few minutes.
+    Debug,
+    Info,
+    /// Something went wrong before this write.
+    Warning,
+}
+
 impl Note {
+    pub fn debug(log: impl Into<String>) -> Self {
+        Note { level: Level::Debug, log: log.into(), event: None }
+    }
+
     pub fn info(log: impl Into<String>) -> Self {
-        Note { warning: false, log: log.into(), event: None }
+        Note { level: Level::Info, ..Note::debug(log) }
     }
 
     pub fn warning(log: impl Into<String>) -> Self {
-        Note { warning: true, ..Note::info(log) }
+        Note { level: Level::Warning, ..Note::debug(log) }
     }
 
     /// The same, with an Event.
     pub fn event(self, reason: impl std::fmt::Display, message: impl Into<String>) -> Self {
         Note { event: Some((reason.to_string(), message.into())), ..self }
+    }
+
+    pub fn is_warning(&self) -> bool {
+        self.level == Level::Warning
     }
 }
 

@@ -886,7 +886,7 @@ mod tests {
                 note: Some(Note {
                     level: Level::Warning,
                     log: why.into(),
-                    event: Some((Reason::TokenAbandoned, why.into())),
+                    event: Some((Reason::TokenAbandoned.to_string(), why.into())),
                 }),
             }
         );
@@ -980,7 +980,7 @@ mod tests {
                 level: Level::Info,
                 log: "wrote the bootstrap data Secret".into(),
                 event: Some((
-                    Reason::DataSecretAvailable,
+                    Reason::DataSecretAvailable.to_string(),
                     "Secret worker-0 holds the bootstrap data".into()
                 )),
             })

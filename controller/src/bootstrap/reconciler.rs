@@ -288,7 +288,7 @@ async fn apply(
             Level::Warning => tracing::warn!(config = %key(config), object, "{log}"),
         }
         if let Some((reason, message)) = event {
-            ctx.event(config, level == Level::Warning, &reason.to_string(), message).await;
+            ctx.event(config, level == Level::Warning, &reason, message).await;
         }
     }
     Ok(done)

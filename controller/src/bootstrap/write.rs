@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use super::cloud_config::BootstrapData;
 use super::plan::{FINALIZER, Step};
 use crate::conditions::Reason;
+pub use crate::context::{Level, Note};
 use crate::context::{finalizer_patch, key};
 use crate::crd::capi::CLUSTER_NAME_LABEL;
 use crate::crd::{SitebootConfig, SitebootConfigStatus};
@@ -81,32 +82,6 @@ impl fmt::Debug for Request {
     }
 }
 
-/// What a done write says: a log line naming the config and the object written, and maybe an
-/// Event on the config.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Note {
-    pub level: Level,
-    pub log: String,
-    /// The Event's reason and message: a Warning with [`Level::Warning`], else Normal.
-    pub event: Option<(Reason, String)>,
-}
-
-/// How loud a [`Note`] is logged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Level {
-    /// Routine upkeep, written every few minutes while a host may boot.
-    Debug,
-    Info,
-    /// Something went wrong before this write.
-    Warning,
-}
-
-impl Note {
-    fn info(log: &str) -> Self {
-        Note { level: Level::Info, log: log.into(), event: None }
-    }
-}
-
 impl Step<'_> {
     /// The write this step is, for `config` (the config it was planned for), with `status` the
     /// plan's status and `token_secret` a fresh secret half for a token this step creates;
@@ -123,16 +98,14 @@ impl Step<'_> {
                 (Request::PatchConfigIfUnchanged(finalizer_patch(config, FINALIZER, true)), None)
             }
             Step::RemoveFinalizer { abandoned } => {
-                let note = abandoned.as_ref().map(|why| Note {
-                    level: Level::Warning,
-                    log: why.clone(),
-                    event: Some((Reason::TokenAbandoned, why.clone())),
-                });
+                let note = abandoned
+                    .as_ref()
+                    .map(|why| Note::warning(why).event(Reason::TokenAbandoned, why));
                 (Request::PatchConfigIfUnchanged(finalizer_patch(config, FINALIZER, false)), note)
             }
             Step::RecordTokenId => {
                 let id = status.token_id.as_deref().unwrap_or_default();
-                let note = Note::info(&format!("recorded the bootstrap token id {id}"));
+                let note = Note::info(format!("recorded the bootstrap token id {id}"));
                 (Request::WriteStatusIfUnchanged(status.clone()), Some(note))
             }
             Step::CreateToken { id, expiration } => (
@@ -140,20 +113,16 @@ impl Step<'_> {
                 Some(Note::info("created the bootstrap token")),
             ),
             Step::WriteDataSecret { data, cluster } => {
-                let note = Note {
-                    event: Some((
-                        Reason::DataSecretAvailable,
-                        format!("Secret {} holds the bootstrap data", config.name_any()),
-                    )),
-                    ..Note::info("wrote the bootstrap data Secret")
-                };
+                let note = Note::info("wrote the bootstrap data Secret").event(
+                    Reason::DataSecretAvailable,
+                    format!("Secret {} holds the bootstrap data", config.name_any()),
+                );
                 (Request::CreateDataSecret(data_secret(config, cluster, data)), Some(note))
             }
             Step::ExtendToken { id, expiration } => {
                 let patch =
                     json!({ "data": { "expiration": BASE64.encode(rfc3339(*expiration)) } });
-                let note =
-                    Note { level: Level::Debug, ..Note::info("extended the bootstrap token") };
+                let note = Note::debug("extended the bootstrap token");
                 (Request::PatchToken { name: token_name(id), patch }, Some(note))
             }
             Step::DeleteToken { id } => (

@@ -20,7 +20,9 @@ use super::lifecycle::{Fresh, Reboot};
 use super::plan::{self, Observed, Step};
 use super::write::{self, Again, Answer, Change, Outcome, Write};
 use crate::bmc::{self, BmcError};
-use crate::context::{Ctx, Error, Note, Reconciled, key, patch_unchanged, update_host_status};
+use crate::context::{
+    Ctx, Error, Level, Note, Reconciled, key, patch_unchanged, update_host_status,
+};
 use crate::crd::{Host, HostState, SITE_LABEL};
 use crate::pools::MacStanding;
 use siteboot_agent_server::token;
@@ -204,11 +206,12 @@ async fn apply(ctx: &Ctx, write: Write<'_>) -> Result<bool, kube::Error> {
 
 /// Logs `note` about `host`, and records its Event.
 async fn say(ctx: &Ctx, host: &Host, note: &Note) {
-    match note.warning {
-        true => tracing::warn!(host = %key(host), "{}", note.log),
-        false => tracing::info!(host = %key(host), "{}", note.log),
+    match note.level {
+        Level::Debug => tracing::debug!(host = %key(host), "{}", note.log),
+        Level::Info => tracing::info!(host = %key(host), "{}", note.log),
+        Level::Warning => tracing::warn!(host = %key(host), "{}", note.log),
     }
     if let Some((reason, message)) = &note.event {
-        ctx.event(host, note.warning, reason, message.clone()).await;
+        ctx.event(host, note.is_warning(), reason, message.clone()).await;
     }
 }

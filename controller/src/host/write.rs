@@ -603,7 +603,7 @@ pub mod tests {
         let failed = outcome(&Step::CheckBmc, &read, &seen, refused());
         assert_eq!(failed.writes.len(), 1);
         let note = failed.writes[0].note.clone().unwrap();
-        assert!(note.warning && note.log.starts_with("BMC check: "), "{note:?}");
+        assert!(note.is_warning() && note.log.starts_with("BMC check: "), "{note:?}");
         assert_eq!(failed.again, Again::After(Duration::from_secs(10)));
         assert!(land(&mut host, &failed));
         let condition = crate::crd::condition(&host.status.as_ref().unwrap().conditions, BMC_READY);
@@ -708,7 +708,7 @@ pub mod tests {
         let none = outcome(&Step::Reboot(Reboot::NoBmc), &host, &seen, Answer::NotAsked);
         assert_eq!(none.writes.iter().map(|w| &w.change).collect::<Vec<_>>(), [&removal]);
         let note = none.note.unwrap();
-        assert!(note.warning && note.log.contains("power-cycle it by hand"), "{note:?}");
+        assert!(note.is_warning() && note.log.contains("power-cycle it by hand"), "{note:?}");
         let mut landed = host.clone();
         assert!(land(&mut landed, &done));
         assert!(!landed.annotations().contains_key(REBOOT_ANNOTATION));
@@ -817,7 +817,7 @@ pub mod tests {
         let report = outcome(&Step::ReportMac, &second, &seen, Answer::NotAsked);
         let targets: Vec<String> = report.writes.iter().map(|w| w.target.name_any()).collect();
         assert_eq!(targets, ["second", "first"]);
-        assert!(report.writes[0].note.as_ref().is_some_and(|n| n.warning));
+        assert!(report.writes[0].note.as_ref().is_some_and(|n| n.is_warning()));
         assert_eq!(report.writes[1].note, None, "the owner keeps it: no warning");
         // The owner's condition already says so: only this Host's is written.
         let mut written = (*first).clone();

@@ -670,7 +670,7 @@ mod tests {
         ConsumerRef, Hardware, HostSelector, HostSpec, HostStatus, Image, Installed, Operation,
         SitebootMachineSpec, System, now,
     };
-    use crate::machine::write::{Guard, Note, Target, Write};
+    use crate::machine::write::{Guard, Level, Note, Target, Write};
     use crate::pools::Tenants;
 
     const NOW: u64 = 1_000_000;
@@ -1309,7 +1309,7 @@ mod tests {
                 } } }),
                 guard: Guard::Unchanged,
                 note: Some(Note {
-                    warning: false,
+                    level: Level::Info,
                     log: "claimed a Host".into(),
                     event: Some(("Claimed".into(), "claimed by SitebootMachine ns/m".into())),
                 }),
@@ -1363,7 +1363,7 @@ mod tests {
             (Target::Machine, json!({ "spec": { "hostRef": null } }), Guard::Unchanged)
         );
         let note = write.note.unwrap();
-        assert!(note.warning);
+        assert!(note.is_warning());
         assert_eq!(note.log, "the Host ns/h1 no longer names this machine; binding it again");
     }
 
@@ -1380,7 +1380,7 @@ mod tests {
                 patch: json!({ "spec": { "consumerRef": null, "provisioning": null } }),
                 guard: Guard::BothUnchanged,
                 note: Some(Note {
-                    warning: false,
+                    level: Level::Info,
                     log: format!("released the Host: {why}"),
                     event: Some(("Released".into(), why.into())),
                 }),

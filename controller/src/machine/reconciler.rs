@@ -16,7 +16,7 @@ use kube::{Resource, ResourceExt};
 use siteboot_boot::dhcp::leases::unix_now;
 
 use super::plan::{self, Observed, Plan, Requeue, Step};
-use super::write::{Guard, Note, Target, Write};
+use super::write::{Guard, Level, Note, Target, Write};
 use crate::conditions::{READY, Reason};
 use crate::context::{
     Ctx, Error, Reconciled, key, patch_unchanged, report_refused_in_ready, write_status,
@@ -225,10 +225,10 @@ async fn apply(
         Target::Host(host) => {
             let hosts = ctx.hosts_api(&host.namespace().unwrap_or_default());
             let written = guarded(&hosts, host, patch, guard).await?;
-            if let (Some(written), Some(Note { warning, event: Some((reason, message)), .. })) =
+            if let (Some(written), Some(note @ Note { event: Some((reason, message)), .. })) =
                 (&written, &note)
             {
-                ctx.event(written, *warning, reason, message.clone()).await;
+                ctx.event(written, note.is_warning(), reason, message.clone()).await;
             }
             (format!("Host {}", key(host)), written.is_some())
         }
@@ -246,7 +246,7 @@ async fn apply(
         return Ok(Done::LostRace);
     }
     match note {
-        Some(Note { warning: true, log, .. }) => {
+        Some(Note { level: Level::Warning, log, .. }) => {
             tracing::warn!(machine = %key(sbm), object, "{log}")
         }
         Some(Note { log, .. }) => tracing::info!(machine = %key(sbm), object, "{log}"),

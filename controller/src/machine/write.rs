@@ -7,7 +7,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
 
 use super::plan::{BINDER_ANNOTATION, FINALIZER, Step, consumed_by};
-pub use crate::context::Note;
+pub use crate::context::{Level, Note};
 use crate::context::{finalizer_patch, key};
 use crate::crd::{ConsumerRef, Host, HostRef, SitebootMachine};
 
