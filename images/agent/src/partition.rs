@@ -495,9 +495,13 @@ pub(crate) mod tests {
         let four = written_disk(32, 100, "label: dos\n,4M\n,4M\n,4M\n,4M\n");
         let e = add_seed_partition(four.path(), 100 * MIB, 512, true).unwrap_err();
         assert!(matches!(e, PartitionError::TableFull), "{e}");
-        // A damaged GPT header is refused, not trusted.
+        // A damaged GPT header is refused, not trusted. A byte of the disk GUID is flipped:
+        // written over with a constant, it was left unchanged when the random GUID had that
+        // byte already (1 run in 256).
         let damaged = written_disk(32, 100, "label: gpt\n,,L\n");
-        damaged.as_file().write_all_at(b"X", 512 + 60).unwrap();
+        let mut byte = [0u8];
+        damaged.as_file().read_exact_at(&mut byte, 512 + 60).unwrap();
+        damaged.as_file().write_all_at(&[!byte[0]], 512 + 60).unwrap();
         let e = add_seed_partition(damaged.path(), 100 * MIB, 512, true).unwrap_err();
         assert!(matches!(e, PartitionError::BadGpt("header CRC")), "{e}");
     }
