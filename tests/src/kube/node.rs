@@ -1,5 +1,5 @@
 //! Kubernetes nodes as VMs: the Debian 12 node image `scripts/build-node-image` builds (cached
-//! under `$SITEBOOT_CACHE/images/`) with the peers' kubelet and kubeadm, booted by QEMU through SeaBIOS and
+//! under `$SITEBOOT_CACHE/images/`) with the peers' binaries, booted by QEMU through SeaBIOS and
 //! the image's GRUB from a copy-on-write overlay of its disk with a NoCloud seed (a `cidata`
 //! volume holding user-data and meta-data), as a cloud would boot it.
 //!
@@ -35,13 +35,15 @@ pub struct NodeImage {
 }
 
 impl NodeImage {
-    /// Runs `scripts/build-node-image` with the peers' kubelet and kubeadm: at once when the
-    /// image for these inputs is in the cache, minutes (debootstrap from the Debian mirror) when
-    /// it is not.
+    /// Runs `scripts/build-node-image` with the peers' binaries folder (their kubelet and
+    /// kubeadm, and the control plane's images built from their kube-apiserver,
+    /// kube-controller-manager, kube-scheduler and etcd): at once when the image for these
+    /// inputs is in the cache, minutes (debootstrap from the Debian mirror) when it is not.
     pub fn build(peers: &Peers) -> Result<Self> {
+        let bin = peers.bin(peers::KUBELET);
+        let bin = bin.parent().context("the peers' kubelet has no folder")?;
         let output = Command::new(BUILDER)
-            .arg(peers.bin(peers::KUBELET))
-            .arg(peers.bin(peers::KUBEADM))
+            .arg(bin)
             .output()
             .with_context(|| format!("running {BUILDER}"))?;
         let stderr = String::from_utf8_lossy(&output.stderr);
