@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use russh::client::{self, AuthResult, Handle};
 use russh::keys::{Algorithm, HashAlg, PrivateKey, PrivateKeyWithHashAlg, PublicKeyOrCertificate};
-use russh::{ChannelMsg, Disconnect, Preferred};
+use russh::{ChannelMsg, Disconnect, Preferred, Sig};
 use tokio::net::TcpStream;
 
 use crate::output::{CAPTURE_LIMIT, Captured};
@@ -193,8 +193,9 @@ impl Session {
 
     /// Runs `command` (a shell command line, as `ssh host command` sends it) with `stdin` as its
     /// input (closed after it; empty for none), and returns how it ended and what it printed.
-    /// Past `deadline` the channel is closed and [`SshError::Timeout`] returned; whether the
-    /// command itself stops is up to the server (sshd hangs it up; `sleep` does not care).
+    /// Past `deadline` the command is sent SIGKILL, the channel closed, and [`SshError::Timeout`]
+    /// returned. OpenSSH ignores the signal on a root login: a command that must not outlive
+    /// its deadline there is wrapped in `timeout(1)` by the caller.
     pub async fn run(
         &self,
         command: &str,
@@ -220,6 +221,10 @@ impl Session {
         match tokio::time::timeout(deadline, exchange).await {
             Ok(output) => output,
             Err(_) => {
+                // Ask sshd to kill the command, then hang up. OpenSSH does it for other users
+                // only: for a root login it logs "session signalling requires privilege
+                // separation" and the command runs on.
+                let _ = write.signal(Sig::KILL).await;
                 let _ = write.close().await;
                 Err(SshError::Timeout {
                     what: format!("{command:?} on {}", self.address),
