@@ -254,10 +254,19 @@ impl Session {
         }
     }
 
-    /// Says goodbye to the server.
-    pub async fn close(self) -> Result<(), SshError> {
+    /// Says goodbye to the server, and waits up to `deadline` for the connection to end.
+    pub async fn close(self, deadline: Duration) -> Result<(), SshError> {
         self.handle.disconnect(Disconnect::ByApplication, "", "en").await?;
-        Ok(())
+        let ended =
+            tokio::time::timeout(deadline, self.handle).await.map_err(|_| SshError::Timeout {
+                what: format!("closing the connection to {}", self.address),
+                after: deadline,
+            })?;
+        match ended {
+            // The session ends on the disconnect it was asked to send.
+            Ok(()) | Err(SshError::Protocol(russh::Error::Disconnect)) => Ok(()),
+            Err(err) => Err(err),
+        }
     }
 }
 

@@ -148,7 +148,7 @@ impl Connected {
     }
 
     fn close(self) {
-        self.runtime.block_on(self.session.close()).unwrap();
+        self.runtime.block_on(self.session.close(COMMAND)).unwrap();
     }
 }
 
