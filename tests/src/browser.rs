@@ -45,6 +45,7 @@ pub struct Browser {
 impl Browser {
     /// Starts Chromium inside `ns`.
     pub fn start(ns: &Netns) -> Result<Self> {
+        crate::failure::record_panics();
         let python = selenium_python()?;
         let dir = tempfile::Builder::new().prefix("siteboot-browser-").tempdir()?;
         let log = dir.path().join("driver.log");
@@ -166,7 +167,7 @@ impl Drop for Browser {
             let _ = self.child.wait();
         }
         if std::thread::panicking() {
-            eprintln!("----- browser driver log -----\n{}\n----- end -----", self.log_tail());
+            crate::failure::print_log("browser driver log", &self.log_tail());
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod attack;
 pub mod bench;
 pub mod browser;
 pub mod clients;
+pub mod failure;
 pub mod forward;
 pub mod initramfs;
 pub mod kube;

@@ -24,6 +24,7 @@ pub struct Supervised {
 impl Supervised {
     /// Starts `command` with stdin closed and its output appended to `<log_dir>/<name>.log`.
     pub fn spawn(name: &str, command: &mut Command, log_dir: &Path) -> Result<Self> {
+        crate::failure::record_panics();
         std::fs::create_dir_all(log_dir)
             .with_context(|| format!("creating log directory {}", log_dir.display()))?;
         let log_path = log_dir.join(format!("{name}.log"));
@@ -104,13 +105,8 @@ impl Supervised {
 
     /// Prints the log tail to stderr under a header; used when a test fails.
     pub fn print_log(&self) {
-        eprintln!(
-            "----- {} ({}) -----\n{}\n----- end of {} -----",
-            self.name,
-            self.log_path.display(),
-            self.log_tail(),
-            self.name
-        );
+        let what = format!("{} ({})", self.name, self.log_path.display());
+        crate::failure::print_log(&what, &self.log_tail());
     }
 }
 

@@ -247,19 +247,11 @@ impl Domain {
 
     /// Prints the tail of its console, and of its second serial port if the guest wrote there.
     pub fn print_console(&self) {
-        eprintln!(
-            "----- console of domain {} -----\n{}\n----- end of console of domain {} -----",
-            self.name,
-            tail(&self.console, CONSOLE_TAIL_BYTES),
-            self.name
-        );
+        let what = format!("console of domain {}", self.name);
+        crate::failure::print_log(&what, &tail(&self.console, CONSOLE_TAIL_BYTES));
         if std::fs::metadata(&self.second).is_ok_and(|m| m.len() > 0) {
-            eprintln!(
-                "----- ttyS1 of domain {} -----\n{}\n----- end of ttyS1 of domain {} -----",
-                self.name,
-                tail(&self.second, CONSOLE_TAIL_BYTES),
-                self.name
-            );
+            let what = format!("ttyS1 of domain {}", self.name);
+            crate::failure::print_log(&what, &tail(&self.second, CONSOLE_TAIL_BYTES));
         }
     }
 }

@@ -115,6 +115,7 @@ impl SimHost {
     }
 
     fn spawn(lab: &Netns, bridge: &str, mac: &str, base_url: &str, manual: bool) -> Result<Self> {
+        crate::failure::record_panics();
         let host = Arc::new(ClientHost::attach(lab, bridge, mac)?);
         let shared = Arc::new(Shared {
             mac: mac.to_owned(),
@@ -268,7 +269,8 @@ impl Drop for SimHost {
             let _ = t.join();
         }
         if std::thread::panicking() {
-            eprintln!("----- simulated host {} -----\n{}\n-----", self.shared.mac, self.log());
+            let what = format!("simulated host {}", self.shared.mac);
+            crate::failure::print_log(&what, &self.log());
         }
     }
 }

@@ -302,21 +302,11 @@ impl Qemu {
     }
 
     fn print_console(&self) {
-        eprintln!(
-            "----- console of VM {} ({}) -----\n{}\n----- end of console of VM {} -----",
-            self.name,
-            self.console.display(),
-            self.console_tail(),
-            self.name
-        );
+        let what = format!("console of VM {} ({})", self.name, self.console.display());
+        crate::failure::print_log(&what, &self.console_tail());
         if let Some(second) = &self.second {
-            eprintln!(
-                "----- second serial port of VM {} ({}) -----\n{}\n----- end of second serial port of VM {} -----",
-                self.name,
-                second.display(),
-                clean(tail(second, CONSOLE_TAIL_BYTES).as_bytes()),
-                self.name
-            );
+            let what = format!("second serial port of VM {} ({})", self.name, second.display());
+            crate::failure::print_log(&what, &clean(tail(second, CONSOLE_TAIL_BYTES).as_bytes()));
         }
     }
 }

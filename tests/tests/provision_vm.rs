@@ -246,15 +246,12 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     for (name, result, took) in &results {
         match result {
             Ok(()) => eprintln!("scenario {name}: passed in {took:.0?}"),
-            Err(e) => {
-                eprintln!("scenario {name}: FAILED after {took:.0?}: {e:#}");
-                failed.push(*name);
-            }
+            Err(e) => failed.push(format!("scenario {name}: FAILED after {took:.0?}: {e:#}")),
         }
     }
     if !failed.is_empty() {
         eprintln!("{}", lab.describe().await);
-        panic!("scenarios failed: {failed:?}");
+        panic!("{}", failed.join("\n"));
     }
     // Every Machine was deleted: nothing of theirs is left (the Hosts stay, as inventory).
     let leftovers = lab.leftovers().await.unwrap();
