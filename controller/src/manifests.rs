@@ -770,6 +770,38 @@ const CLUSTER_TEMPLATE: &str = include_str!("manifests/cluster-template.yaml");
 const CLUSTER_TEMPLATE_CLUSTERCLASS: &str =
     include_str!("manifests/cluster-template-clusterclass.yaml");
 const CLUSTERCLASS: &str = include_str!("manifests/clusterclass-siteboot-kubeadm.yaml");
+/// The control plane's `kubeadmConfigSpec`, one text for both flavors: each template has
+/// [`KUBEADM_CONFIG_LINE`] where it goes.
+const CONTROL_PLANE_KUBEADM_CONFIG: &str =
+    include_str!("manifests/control-plane-kubeadm-config.yaml");
+const KUBEADM_CONFIG_LINE: &str = "kubeadmConfigSpec: {} # control-plane-kubeadm-config.yaml";
+
+/// `template` with its [`KUBEADM_CONFIG_LINE`] replaced by the control plane's
+/// `kubeadmConfigSpec`, indented under it.
+fn with_control_plane_config(template: &str) -> String {
+    let mut out = String::with_capacity(template.len() + 2 * CONTROL_PLANE_KUBEADM_CONFIG.len());
+    for line in template.lines() {
+        match line.strip_suffix(KUBEADM_CONFIG_LINE) {
+            Some(indent) if indent.trim().is_empty() => {
+                out.push_str(indent);
+                out.push_str("kubeadmConfigSpec:\n");
+                for spec_line in CONTROL_PLANE_KUBEADM_CONFIG.lines() {
+                    if !spec_line.is_empty() {
+                        out.push_str(indent);
+                        out.push_str("  ");
+                        out.push_str(spec_line);
+                    }
+                    out.push('\n');
+                }
+            }
+            _ => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
 
 /// A clusterctl release: the files clusterctl reads from a provider repository, in the folder
 /// `<repository>/infrastructure-siteboot/<version>/` of a local one.
@@ -818,9 +850,9 @@ releaseSeries:
         files: vec![
             ("metadata.yaml", metadata),
             ("infrastructure-components.yaml", to_yaml(&objects)),
-            ("cluster-template.yaml", CLUSTER_TEMPLATE.to_owned()),
+            ("cluster-template.yaml", with_control_plane_config(CLUSTER_TEMPLATE)),
             ("cluster-template-clusterclass.yaml", CLUSTER_TEMPLATE_CLUSTERCLASS.to_owned()),
-            ("clusterclass-siteboot-kubeadm.yaml", CLUSTERCLASS.to_owned()),
+            ("clusterclass-siteboot-kubeadm.yaml", with_control_plane_config(CLUSTERCLASS)),
         ],
     }
 }
@@ -968,6 +1000,41 @@ mod tests {
         }
         let metadata: Value = serde_norway::from_str(&release.files[0].1).unwrap();
         assert_eq!(metadata["releaseSeries"][0]["contract"], "v1beta2");
+    }
+
+    /// Both flavors' control planes get the one `kubeadmConfigSpec`, as YAML under their spec.
+    #[test]
+    fn both_flavors_carry_the_control_plane_s_kubeadm_config() {
+        let release = clusterctl_release("img:1");
+        let file = |name: &str| &release.files.iter().find(|(n, _)| *n == name).unwrap().1;
+        let spec: Value = serde_norway::from_str(CONTROL_PLANE_KUBEADM_CONFIG).unwrap();
+        let mut seen = Vec::new();
+        for (name, kind) in [
+            ("cluster-template.yaml", "KubeadmControlPlane"),
+            ("clusterclass-siteboot-kubeadm.yaml", "KubeadmControlPlaneTemplate"),
+        ] {
+            assert!(!file(name).contains(KUBEADM_CONFIG_LINE), "{name}");
+            for document in serde_norway::Deserializer::from_str(file(name)) {
+                let object: Value = serde::Deserialize::deserialize(document).unwrap();
+                if object["kind"] == kind {
+                    let in_spec = match kind {
+                        "KubeadmControlPlane" => &object["spec"]["kubeadmConfigSpec"],
+                        _ => &object["spec"]["template"]["spec"]["kubeadmConfigSpec"],
+                    };
+                    assert_eq!(in_spec, &spec, "{name}");
+                    seen.push(name);
+                }
+            }
+        }
+        assert_eq!(seen.len(), 2);
+        // cloud-init reads kubeadm's bootstrap data as a Jinja template, clusterctl substitutes
+        // every dollar sign: the files' contents must hold neither.
+        let text = CONTROL_PLANE_KUBEADM_CONFIG.replace("{{ ds.meta_data.provider_id }}", "");
+        for jinja in ["{{", "{%", "{#"] {
+            assert!(!text.contains(jinja), "{jinja}");
+        }
+        assert_eq!(text.matches('$').collect::<Vec<_>>(), ["$"]);
+        assert!(text.contains("${SITEBOOT_ETCD_IMAGE_TAG:=3.6.16-0}"));
     }
 
     #[test]

@@ -220,6 +220,7 @@ async fn check_cluster_class_cluster(env: &KubeEnv) -> Result<()> {
         "{}",
         kcp.data["spec"]
     );
+    air_gapped_with_keepalived(&kcp)?;
     let infra = &kcp.data["spec"]["machineTemplate"]["spec"]["infrastructureRef"];
     ensure!(infra["kind"] == "SitebootMachineTemplate", "{infra}");
     let templates = env.api(INFRA, "SitebootMachineTemplate", ns);
@@ -245,6 +246,41 @@ async fn check_cluster_class_cluster(env: &KubeEnv) -> Result<()> {
     let spec = &workers.data["spec"]["template"]["spec"];
     ensure!(spec["hostSelector"]["matchLabels"]["siteboot.dev/role"] == "worker", "{spec}");
     ensure!(spec["image"]["url"] == "http://10.99.0.1:8080/files/os.raw", "{spec}");
+    Ok(())
+}
+
+/// A KubeadmControlPlane of either flavor, as the webhooks admitted it: no image pulled nor
+/// add-on installed (kubeadm's nor the control plane's upgrade of them), the etcd image's tag
+/// the node image's, keepalived configured before kubeadm runs.
+fn air_gapped_with_keepalived(kcp: &DynamicObject) -> Result<()> {
+    let annotations = kcp.metadata.annotations.clone().unwrap_or_default();
+    for skip in ["skip-coredns", "skip-kube-proxy"] {
+        let annotation = format!("controlplane.cluster.x-k8s.io/{skip}");
+        ensure!(annotations.contains_key(&annotation), "{annotation}: {annotations:?}");
+    }
+    let spec = &kcp.data["spec"]["kubeadmConfigSpec"];
+    ensure!(
+        spec["initConfiguration"]["skipPhases"] == json!(["addon/kube-proxy", "addon/coredns"]),
+        "{spec}"
+    );
+    for phase in ["initConfiguration", "joinConfiguration"] {
+        ensure!(spec[phase]["nodeRegistration"]["imagePullPolicy"] == "Never", "{spec}");
+    }
+    ensure!(spec["clusterConfiguration"]["etcd"]["local"]["imageTag"] == "3.6.16-0", "{spec}");
+    let commands = spec["preKubeadmCommands"].as_array().context("preKubeadmCommands")?;
+    let at = |command: &str| commands.iter().position(|c| c == command);
+    ensure!(
+        at("/usr/local/sbin/node-images control-plane").is_some()
+            && at("/etc/keepalived/configure-endpoint").is_some(),
+        "{commands:?}"
+    );
+    let files: Vec<&str> =
+        spec["files"].as_array().into_iter().flatten().filter_map(|f| f["path"].as_str()).collect();
+    ensure!(
+        files.contains(&"/etc/keepalived/configure-endpoint")
+            && files.contains(&"/etc/keepalived/keepalived.conf.in"),
+        "{files:?}"
+    );
     Ok(())
 }
 
@@ -387,6 +423,7 @@ async fn check_workload_cluster(env: &KubeEnv) -> Result<()> {
         (kcp.data["spec"]["replicas"].as_i64(), kcp.data["spec"]["version"].as_str())
             == (Some(3), Some("v1.36.3"))
     );
+    air_gapped_with_keepalived(&kcp)?;
     for (template, role) in
         [("edge-1-control-plane", "control-plane"), ("edge-1-workers", "worker")]
     {
