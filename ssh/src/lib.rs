@@ -10,7 +10,8 @@
 //! [`Session::upload`] (a file, whole or not at all, with no shell-quoting hazard: [`upload`]).
 //!
 //! The SSH access Secret is read here ([`access`]): the key, how the host key is trusted, and
-//! the server it is for.
+//! the server it is for. Adopting a host and releasing it are plans of steps as data
+//! ([`adopt`]).
 //!
 //! It depends on no Kubernetes client, so standalone mode can use it; Kubernetes mode's side
 //! (a Host's `spec.access.ssh`, reading its Secret) is the controller's. The SSH protocol is
@@ -19,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod access;
+pub mod adopt;
 pub mod client;
 mod host_key;
 mod output;
