@@ -2,6 +2,9 @@
 //! Kubernetes mode, with the RBAC it ships) logs in to a real sshd on the lab namespace's
 //! loopback with the key of the Host's `siteboot.dev/ssh-access` Secret.
 //!
+//! - a Host editor's Host names the server and another server's Secret: `SSHReady` False
+//!   `SSHCredentialsNotForThisServer` (without the Secret's address), and sshd sees no
+//!   connection;
 //! - the Secret pins another host key: `SSHReady` False `HostKeyMismatch` naming both
 //!   fingerprints, the Host stays Registering, and sshd's log (DEBUG3) has no authentication
 //!   request: it never learnt the user or the client's key;
@@ -150,6 +153,23 @@ async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
     let secrets: Api<Secret> = Api::namespaced(lab.env.client(), NS);
     let hosts = lab.hosts();
     let pp = PostParams::default();
+
+    // A Host editor's attack: their Host names this server, and another server's Secret (the
+    // right host key even). The key goes nowhere: sshd sees no connection at all.
+    let mut other = secret("other", &sshd, ("hostKey", sshd.read("host_ed25519.pub")));
+    let other_data = other.string_data.as_mut().unwrap();
+    other_data.insert("address".into(), "10.99.0.42".into());
+    secrets.create(&pp, &other).await.unwrap();
+    hosts.create(&pp, &host("planted", "52:54:00:00:5e:03", "other")).await.unwrap();
+    let planted = ssh_ready_after(&hosts, "planted", None).await;
+    assert_eq!(
+        (planted.0.as_str(), planted.1.as_str()),
+        ("False", "SSHCredentialsNotForThisServer"),
+        "{planted:?}"
+    );
+    assert!(!planted.2.contains("10.99.0.42"), "the Secret's address is shown: {planted:?}");
+    let log = sshd.process.log();
+    assert!(!log.contains("Connection from"), "siteboot connected for the planted Host:\n{log}");
 
     // Pinned to a key the server does not have.
     let wrong = ("hostKey", sshd.read("not_the_host.pub"));
