@@ -1,6 +1,7 @@
 //! Adopting a running server and releasing it, as plans: each step is data (a file to upload,
 //! a command to run and what its result must be), so the unit tests read every command, and
-//! whoever runs a plan over a [`Session`](crate::Session) does nothing but follow it.
+//! [`follow`] runs a plan over a [`Session`] deciding nothing: it stops at the first step that
+//! fails and says which, with what the host printed kept short and printable.
 //!
 //! What comes from a tenant or a Host (the bootstrap data, the instance-id, the hostname, the
 //! provider-id) travels only as the content of an uploaded file; the one value of a delivery
@@ -19,7 +20,10 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use std::future::Future;
+
 use crate::upload::{FileMode, RemotePath, quote};
+use crate::{ExitStatus, Output, Session, SshError};
 
 /// Where siteboot keeps what it must find again on the host: the delivery marker and the run's
 /// result.
@@ -358,9 +362,115 @@ pub fn reset() -> Vec<Step> {
     ]
 }
 
+/// What a plan is followed on: a [`Session`], or in tests a stand-in.
+pub trait Remote {
+    fn run(
+        &self,
+        line: &str,
+        deadline: Duration,
+    ) -> impl Future<Output = Result<Output, SshError>> + Send;
+    fn upload(
+        &self,
+        path: &RemotePath,
+        mode: FileMode,
+        bytes: &[u8],
+        deadline: Duration,
+    ) -> impl Future<Output = Result<(), SshError>> + Send;
+}
+
+impl Remote for Session {
+    async fn run(&self, line: &str, deadline: Duration) -> Result<Output, SshError> {
+        Session::run(self, line, b"", deadline).await
+    }
+
+    async fn upload(
+        &self,
+        path: &RemotePath,
+        mode: FileMode,
+        bytes: &[u8],
+        deadline: Duration,
+    ) -> Result<(), SshError> {
+        Session::upload(self, path, mode, bytes, deadline).await
+    }
+}
+
+/// Which step of a plan failed, and why. What the host printed is kept short and printable:
+/// it goes into a condition.
+#[derive(Debug, thiserror::Error)]
+pub enum StepFailed {
+    #[error("{what}: {source}")]
+    Ssh { what: &'static str, source: SshError },
+    #[error("{what} failed ({status:?}): {stderr}")]
+    Failed { what: &'static str, status: ExitStatus, stderr: String },
+    #[error("{what}: still there: {left}")]
+    LeftBehind { what: &'static str, left: String },
+    #[error("{what}: {source}")]
+    Progress { what: &'static str, source: AdoptError },
+}
+
+/// How much of what a host printed an error keeps.
+const ECHO: usize = 200;
+
+/// `text` without control characters, at most [`ECHO`] characters.
+fn echoed(text: &str) -> String {
+    let printable = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut kept: String = printable.chars().filter(|c| !c.is_control()).take(ECHO).collect();
+    if printable.chars().count() > ECHO {
+        kept.push('…');
+    }
+    kept
+}
+
+/// Follows `steps` in order on `remote`, stopping at the first that fails.
+pub async fn follow(remote: &impl Remote, steps: &[Step]) -> Result<(), StepFailed> {
+    for step in steps {
+        match step {
+            Step::Upload { path, bytes, mode, what } => remote
+                .upload(path, *mode, bytes, SHORT)
+                .await
+                .map_err(|source| StepFailed::Ssh { what, source })?,
+            Step::Run(command) => {
+                run(remote, command).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs `command` and checks its result as it [`Expect`]s; its stdout.
+async fn run(remote: &impl Remote, command: &Command) -> Result<String, StepFailed> {
+    let what = command.what;
+    let output = remote
+        .run(&command.line, command.deadline)
+        .await
+        .map_err(|source| StepFailed::Ssh { what, source })?;
+    if !output.success() {
+        let stderr = echoed(&output.stderr.text());
+        return Err(StepFailed::Failed { what, status: output.status, stderr });
+    }
+    let stdout = output.stdout.text();
+    if command.expect == Expect::NothingLeft && !stdout.trim().is_empty() {
+        return Err(StepFailed::LeftBehind { what, left: echoed(&stdout) });
+    }
+    Ok(stdout)
+}
+
+/// Where delivery `id` stands on the host behind `remote` ([`probe`], [`progress`]).
+pub async fn where_it_stands(
+    remote: &impl Remote,
+    id: &DeliveryId,
+) -> Result<Progress, StepFailed> {
+    let probe = probe();
+    let probed = run(remote, &probe).await?;
+    progress(&probed, id).map_err(|source| StepFailed::Progress { what: probe.what, source })
+}
+
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
     use super::*;
+    use crate::output::{CAPTURE_LIMIT, Captured};
 
     /// Values a Host or a tenant might write to get a command run or a key injected.
     const HOSTILE: &[&str] = &[
@@ -495,6 +605,92 @@ mod tests {
         assert_eq!("cloud-config".parse(), Ok(DataFormat::CloudConfig));
         assert_eq!("script".parse(), Ok(DataFormat::Script));
         assert!(matches!("ignition".parse::<DataFormat>(), Err(AdoptError::Format(_))));
+    }
+
+    /// A host that answers each command line by its first word after the script's start,
+    /// recording what it was sent.
+    struct Fake {
+        sent: Mutex<Vec<String>>,
+        answer: fn(&str) -> (u32, &'static str, String),
+    }
+
+    impl Remote for Fake {
+        async fn run(&self, line: &str, _: Duration) -> Result<Output, SshError> {
+            self.sent.lock().unwrap().push(line.to_owned());
+            let (code, stdout, stderr) = (self.answer)(line);
+            let captured = |text: &str| {
+                let mut c = Captured::new(CAPTURE_LIMIT);
+                c.push(text.as_bytes());
+                c
+            };
+            Ok(Output {
+                status: ExitStatus::Code(code),
+                stdout: captured(stdout),
+                stderr: captured(&stderr),
+            })
+        }
+
+        async fn upload(
+            &self,
+            path: &RemotePath,
+            _: FileMode,
+            _: &[u8],
+            _: Duration,
+        ) -> Result<(), SshError> {
+            self.sent.lock().unwrap().push(format!("upload {path}"));
+            Ok(())
+        }
+    }
+
+    fn block_on<T>(future: impl Future<Output = T>) -> T {
+        tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(future)
+    }
+
+    /// A plan stops at the first step that fails, which the error names with what the host
+    /// said, short and printable; a verification that prints something fails.
+    #[test]
+    fn a_plan_stops_at_its_first_failing_step_and_says_which() {
+        let not_systemd = Fake {
+            sent: Mutex::default(),
+            answer: |line| match line.contains("os-release") {
+                true => {
+                    (1, "", format!("PID 1 is init, not systemd\n\u{1b}[2J{}", "x".repeat(500)))
+                }
+                false => (0, "", String::new()),
+            },
+        };
+        let steps = deliver(&delivery(DataFormat::CloudConfig, meta("h")));
+        let err = block_on(follow(&not_systemd, &steps)).unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.starts_with("checking the host failed (Code(1)): PID 1 is init"),
+            "{message}"
+        );
+        assert!(
+            !message.chars().any(char::is_control) && message.chars().count() < 260,
+            "{message}"
+        );
+        assert_eq!(not_systemd.sent.lock().unwrap().len(), 1, "steps ran after the check failed");
+
+        let leftovers = Fake {
+            sent: Mutex::default(),
+            answer: |line| match line.contains("[ -e") {
+                true => (0, "/var/lib/kubelet\n", String::new()),
+                false => (0, "", String::new()),
+            },
+        };
+        let err = block_on(follow(&leftovers, &reset())).unwrap_err();
+        assert!(
+            matches!(&err, StepFailed::LeftBehind { left, .. } if left == "/var/lib/kubelet"),
+            "{err}"
+        );
+        assert_eq!(leftovers.sent.lock().unwrap().len(), 4, "the marker went despite leftovers");
+
+        let fine = Fake { sent: Mutex::default(), answer: |_| (0, "", String::new()) };
+        block_on(follow(&fine, &reset())).unwrap();
+        assert_eq!(fine.sent.lock().unwrap().len(), 5);
+        let id: DeliveryId = "op-1".parse().unwrap();
+        assert_eq!(block_on(where_it_stands(&fine, &id)).unwrap(), Progress::NotStarted);
     }
 
     /// The reset removes the state it then verifies gone, the marker after the verification.
