@@ -19,6 +19,10 @@ pub const BOOT_MAC_UNIQUE: &str = "BootMACUnique";
 /// On a Host with `spec.bmc`: siteboot reached its BMC with the Secret's credentials, and the
 /// BMC's system has the host's boot MAC. Checked again each time the Host registers.
 pub const BMC_READY: &str = "BMCReady";
+/// On a Host with `spec.access.ssh` and no BMC: siteboot logged in to its server with the
+/// Secret's key, the server's host key being the pinned (or recorded) one. Checked again each
+/// time the Host registers.
+pub const SSH_READY: &str = "SSHReady";
 /// On a SitebootMachine: the workload cluster's Node of the machine carries its providerID (so
 /// Cluster API can give the Machine its nodeRef).
 pub const NODE_HAS_PROVIDER_ID: &str = "NodeHasProviderID";

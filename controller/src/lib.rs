@@ -23,6 +23,7 @@ pub mod pools;
 pub mod run;
 pub mod selection;
 pub mod site;
+pub mod ssh;
 pub mod template;
 pub mod throttle;
 pub mod workload;

@@ -9,11 +9,18 @@
 //! host needs: [`Session::run`] (a command, its input, its bounded output, a deadline) and
 //! [`Session::upload`] (a file, whole or not at all, with no shell-quoting hazard: [`upload`]).
 //!
+//! The SSH access Secret is read here ([`access`]): the key, how the host key is trusted, and
+//! the server it is for. Adopting a host and releasing it are plans of steps as data
+//! ([`adopt`]).
+//!
 //! It depends on no Kubernetes client, so standalone mode can use it; Kubernetes mode's side
-//! (a Host's SSH access, its key Secret) is the controller's. The SSH protocol is russh's.
+//! (a Host's `spec.access.ssh`, reading its Secret) is the controller's. The SSH protocol is
+//! russh's.
 
 #![forbid(unsafe_code)]
 
+pub mod access;
+pub mod adopt;
 pub mod client;
 mod host_key;
 mod output;
@@ -21,6 +28,9 @@ pub mod upload;
 
 use std::time::Duration;
 
+pub use self::access::{
+    AccessError, BindingError, BoundAccess, Endpoint, HostKeyTrust, SECRET_TYPE,
+};
 pub use self::client::{ClientKey, ExitStatus, Output, Session, Target};
 pub use self::host_key::{HostKey, HostKeyError, HostKeyMismatch, HostKeyPolicy};
 pub use self::output::{CAPTURE_LIMIT, Captured};

@@ -90,6 +90,74 @@ pub struct HostSpec {
     /// trusted relay.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub relay_agent: Option<RelayAgent>,
+    /// How siteboot reaches a host that already runs an OS, instead of (or besides) its BMC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access: Option<Access>,
+}
+
+/// Ways in to a running host (`spec.access`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Access {
+    /// Over SSH, with a key and the server's host key from a Secret.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh: Option<SshAccess>,
+}
+
+/// A host reached over SSH (`spec.access.ssh`). Its Secret (`credentialsName`, type
+/// `siteboot.dev/ssh-access`, in the Host's namespace) holds `privateKey`, the server's
+/// `hostKey` (one OpenSSH line; or `trustOnFirstUse: "true"`, and the key presented first is
+/// recorded in `status.sshHostKey`), and `address` (and optionally `port`): the server the key
+/// is for. A Host whose address or port differs from the Secret's is refused before anything
+/// is sent, so whoever may edit a Host cannot point the key at another machine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SshAccess {
+    /// The server's IP address.
+    pub address: String,
+    /// Default 22.
+    #[serde(default = "default_ssh_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: u16,
+    /// The user siteboot logs in as. Default `root`.
+    #[serde(default = "default_ssh_user")]
+    pub user: String,
+    /// `Adopt` (the default): the host keeps its OS and gets the Machine's bootstrap data
+    /// through its own first-boot path; `Reimage`: it is kexec'ed into the deploy ramdisk and
+    /// imaged as a network-booted host is.
+    #[serde(default)]
+    pub mode: SshMode,
+    /// The SSH access Secret's name, in the Host's namespace.
+    pub credentials_name: String,
+}
+
+/// What siteboot does with a host reached over SSH when it is claimed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum SshMode {
+    #[default]
+    Adopt,
+    Reimage,
+}
+
+fn default_ssh_port() -> u16 {
+    22
+}
+
+fn default_ssh_user() -> String {
+    "root".to_owned()
+}
+
+/// A server's host key recorded on first use (`status.sshHostKey`), for the address and port
+/// it was presented at; pinned from then on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordedHostKey {
+    /// One OpenSSH line, `<algorithm> <base64>`.
+    pub key: String,
+    /// `SHA256:<base64>`, as `ssh-keygen -l` prints it.
+    pub fingerprint: String,
+    pub address: String,
+    pub port: u16,
+    pub recorded: Time,
 }
 
 /// What a host's relay must say about it (`spec.relayAgent`): at least one of the two.
@@ -197,6 +265,7 @@ impl HostSpec {
             root_device_hints: None,
             boot_method: BootMethod::Network,
             relay_agent: None,
+            access: None,
         }
     }
 }
@@ -361,6 +430,10 @@ pub struct HostStatus {
     /// ejected (and the host booted from its disk, or powered off) once the operation ends.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub media_inserted: bool,
+    /// The host key its SSH server presented the first time, when its Secret asks for trust
+    /// on first use: in status, where those who may edit a Host cannot replace it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh_host_key: Option<RecordedHostKey>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Conditions,
 }

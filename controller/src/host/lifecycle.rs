@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use siteboot_agent_server::silence::{RamdiskContact, ramdisk_silence};
 
 use crate::bmc::{BmcError, Identity};
-use crate::conditions::BMC_READY;
+use crate::conditions::{BMC_READY, SSH_READY};
 
 use crate::crd::capi::DELETE_FOR_MOVE_ANNOTATION;
 use crate::crd::{
@@ -39,9 +39,9 @@ pub const FORCE_DELETE_ANNOTATION: &str = "siteboot.dev/force-delete";
 /// Annotation that power-cycles a host through its BMC, into the ramdisk when an operation is
 /// running; removed once done.
 pub const REBOOT_ANNOTATION: &str = "siteboot.dev/reboot";
-/// How soon a failing BMC is checked again, at the least and at the most.
-const BMC_RECHECK_MIN: Duration = Duration::from_secs(10);
-const BMC_RECHECK_MAX: Duration = Duration::from_secs(300);
+/// How soon a failing BMC check or SSH login is tried again, at the least and at the most.
+const ACCESS_RECHECK_MIN: Duration = Duration::from_secs(10);
+const ACCESS_RECHECK_MAX: Duration = Duration::from_secs(300);
 
 /// A change of state, with what the Event says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,8 +73,11 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
                 let why = "spec.bootMethod VirtualMedia needs spec.bmc: the media is inserted through the BMC";
                 return t(HostState::Quarantined, None, "VirtualMediaNeedsBMC", why);
             }
-            if needs_bmc_check(host) {
-                // The reconciler checks the BMC first ([`bmc_check`]).
+            if let Err(e) = crate::ssh::spec_of(host) {
+                return t(HostState::Quarantined, None, e.reason(), &e.to_string());
+            }
+            if needs_bmc_check(host) || needs_ssh_check(host) {
+                // The reconciler checks the BMC ([`bmc_check`]) or logs in over SSH first.
                 return None;
             }
             if status.is_some_and(|s| s.wipe_required) {
@@ -251,7 +254,7 @@ pub fn apply(host: &Host, transition: &Transition, fresh: &Fresh) -> HostStatus 
         HostState::Registering => {
             status.quarantine_reason = None;
             // Each registration checks the BMC again (credentials or the BMC may have changed).
-            status.conditions.retain(|c| c.type_ != BMC_READY);
+            status.conditions.retain(|c| c.type_ != BMC_READY && c.type_ != SSH_READY);
         }
         HostState::Provisioning => status.wipe_required = true,
         // Only a successful wipe (or a site's `min_wipe: none`) leads here from a used host.
@@ -373,6 +376,20 @@ pub fn needs_bmc_check(host: &Host) -> bool {
         && !verified
 }
 
+/// Whether `host` waits in Registering for a login over SSH: it has `spec.access.ssh` and no
+/// BMC (a BMC is the stronger way in, and checked instead), and this registration has not
+/// logged in yet.
+pub fn needs_ssh_check(host: &Host) -> bool {
+    let status = host.status.as_ref();
+    let verified = status
+        .and_then(|s| crate::crd::condition(&s.conditions, SSH_READY))
+        .is_some_and(|c| c.status == "True");
+    host.spec.bmc.is_none()
+        && host.spec.access.as_ref().is_some_and(|a| a.ssh.is_some())
+        && status.and_then(|s| s.state) == Some(HostState::Registering)
+        && !verified
+}
+
 /// The BMC condition from what asking the BMC for the host's identity gave: `(ok, reason,
 /// message)` (see [`crate::bmc::identity_check`]).
 pub fn bmc_check(
@@ -385,14 +402,24 @@ pub fn bmc_check(
 /// When to check a failing BMC again: after as long as it has been failing (so the checks
 /// thin out), between 10 s and 5 min. `now` in seconds since the epoch.
 pub fn bmc_recheck_after(host: &Host, now: i64) -> Duration {
+    recheck_after(host, BMC_READY, now)
+}
+
+/// When to try a failing SSH login again: as [`bmc_recheck_after`], from `SSHReady`.
+pub fn ssh_recheck_after(host: &Host, now: i64) -> Duration {
+    recheck_after(host, SSH_READY, now)
+}
+
+/// After as long as `condition` has been False, between 10 s and 5 min.
+fn recheck_after(host: &Host, condition: &str, now: i64) -> Duration {
     let since = host
         .status
         .as_ref()
-        .and_then(|s| crate::crd::condition(&s.conditions, BMC_READY))
+        .and_then(|s| crate::crd::condition(&s.conditions, condition))
         .filter(|c| c.status == "False")
         .map(|c| c.last_transition_time.0.as_second());
     let failing_for = since.map_or(0, |since| now.saturating_sub(since).max(0) as u64);
-    Duration::from_secs(failing_for).clamp(BMC_RECHECK_MIN, BMC_RECHECK_MAX)
+    Duration::from_secs(failing_for).clamp(ACCESS_RECHECK_MIN, ACCESS_RECHECK_MAX)
 }
 
 /// Whether to have the host's BMC boot the disk just written (a one-time disk boot and a

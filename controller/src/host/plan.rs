@@ -61,6 +61,8 @@ pub enum Step {
     EjectMedia,
     /// Ask the BMC for the host's identity (registration).
     CheckBmc,
+    /// Log in to the host over SSH with its pinned host key (registration, without a BMC).
+    CheckSsh,
     /// Reboot or power as the Host's annotation asks.
     Reboot(Reboot),
     /// Nothing to change: refresh the power reading, look again after `again`.
@@ -131,6 +133,9 @@ pub fn next(host: &Host, seen: &Observed) -> Step {
     }
     if lifecycle::needs_bmc_check(host) {
         return Step::CheckBmc;
+    }
+    if lifecycle::needs_ssh_check(host) {
+        return Step::CheckSsh;
     }
     if let Some(reboot) = lifecycle::reboot(host) {
         return Step::Reboot(reboot);
@@ -235,6 +240,7 @@ mod tests {
                 Step::RequestDiskBoot => "RequestDiskBoot",
                 Step::EjectMedia => "EjectMedia",
                 Step::CheckBmc => "CheckBmc",
+                Step::CheckSsh => "CheckSsh",
                 Step::Reboot(_) => "Reboot",
                 Step::Idle { .. } => "Idle",
                 Step::ClearRetry => "ClearRetry",

@@ -1,5 +1,5 @@
-//! The Host reconciler: reads a Host, has [`plan`] pick its one next step, asks the BMC if the
-//! step does, and performs what [`write::outcome`] makes of that: status written with the
+//! The Host reconciler: reads a Host, has [`plan`] pick its one next step, asks the BMC (or logs
+//! in over SSH) if the step does, and performs what [`write::outcome`] makes of that: status written with the
 //! Host's resourceVersion (re-read and recomputed on conflict), metadata patches guarded the
 //! same way, log lines and Events. Killed between any two lines, it recomputes the same step
 //! from what is stored. It also keeps a finalizer on every Host, so a deleted one is released
@@ -25,6 +25,7 @@ use crate::context::{
 };
 use crate::crd::{Host, HostState, SITE_LABEL};
 use crate::pools::MacStanding;
+use crate::ssh;
 use siteboot_agent_server::token;
 
 /// How soon a Host is looked at again after a write that did not land (it was planned from a
@@ -66,8 +67,12 @@ fn mac_standing(ctx: &Ctx, host: &Host, others: &[Arc<Host>]) -> MacStanding {
     ctx.hosts.pools().mac_standing(host, &others)
 }
 
-/// Asks the Host's BMC what `step` needs of it: the pass's only I/O besides its writes.
+/// Asks the Host's BMC (or its SSH server) what `step` needs of it: the pass's only I/O besides
+/// its writes.
 async fn ask(step: &Step, host: &Host, ctx: &Ctx, fresh: &Fresh) -> Result<Answer, Error> {
+    if *step == Step::CheckSsh {
+        return Ok(Answer::Ssh(ssh::check(host, &ctx.client).await));
+    }
     let asks = matches!(
         step,
         Step::RequestBoot

@@ -15,10 +15,13 @@ use super::lifecycle::{
 use super::plan::{self, Observed, Step};
 use super::record::RECORD_ANNOTATION;
 use crate::bmc::{BmcError, Identity};
-use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, check_paused};
+use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, SSH_READY, check_paused};
 use crate::context::{Note, finalizer_patch};
-use crate::crd::{Host, HostState, HostStatus, Installed, PowerState, WipePolicy, set_condition};
+use crate::crd::{
+    Host, HostState, HostStatus, Installed, PowerState, RecordedHostKey, WipePolicy, set_condition,
+};
 use crate::pools::MacStanding;
+use crate::ssh::{Endpoint, Reached, SshAccessError};
 
 /// How soon a boot or reboot the BMC failed is tried again.
 pub const REBOOT_RETRY: Duration = Duration::from_secs(60);
@@ -86,6 +89,9 @@ pub enum StatusChange {
     DiskBootAsked { installed: Installed },
     /// The `BMCReady` condition from the BMC's answer.
     BmcChecked { ok: bool, reason: &'static str, message: String },
+    /// The `SSHReady` condition from the login's result, and the host key to record on first
+    /// use (never over one already recorded for that server).
+    SshChecked { ok: bool, reason: &'static str, message: String, record: Option<RecordedHostKey> },
     /// Virtual media for `operation` carries a token whose hash is `hash`, issued at `at`; the
     /// hash is stored before the media goes in, so the media works as soon as the BMC fetches
     /// it. Not once the bootstrap data left: as for a network boot, no new token then.
@@ -116,6 +122,9 @@ pub enum Answer {
     Identity(Result<Option<Identity>, BmcError>),
     /// The power reading, if the BMC gave one.
     Power(Option<PowerState>),
+    /// The SSH login: the server reached, or why not. Nothing was sent to a server whose host
+    /// key was not the pinned one.
+    Ssh(Result<Reached, SshAccessError>),
 }
 
 impl Recheck {
@@ -177,6 +186,19 @@ impl StatusChange {
             StatusChange::BmcChecked { ok, reason, message } => {
                 let conditions = &mut status.conditions;
                 set_condition(conditions, BMC_READY, *ok, reason, message, generation);
+            }
+            StatusChange::SshChecked { ok, reason, message, record } => {
+                let conditions = &mut status.conditions;
+                set_condition(conditions, SSH_READY, *ok, reason, message, generation);
+                if let Some(record) = record {
+                    // A key recorded since the login was planned is the one pinned: kept.
+                    let endpoint =
+                        Endpoint { address: record.address.parse().ok()?, port: record.port };
+                    if crate::ssh::recorded(current, endpoint).is_some() {
+                        return None;
+                    }
+                    status.ssh_host_key = Some(record.clone());
+                }
             }
             StatusChange::MediaToken { operation, hash, at } => {
                 let op = status.operation.as_mut();
@@ -278,6 +300,10 @@ pub fn outcome<'a>(step: &Step, host: &'a Host, seen: &'a Observed, answer: Answ
             // Never asked (the Host lost its BMC since it was read): the next pass sees.
             _ => Outcome::after(Duration::ZERO),
         },
+        Step::CheckSsh => match answer {
+            Answer::Ssh(login) => ssh_checked(host, seen, login),
+            _ => Outcome::after(Duration::ZERO),
+        },
         Step::Reboot(reboot) => rebooted(host, *reboot, answer.done()),
         Step::EjectMedia => match answer.done() {
             Err(e) => Outcome::after(EJECT_RETRY).noted(
@@ -322,7 +348,7 @@ impl Answer {
         match self {
             Answer::Done(result) => result,
             Answer::NotAsked => Err("the host has no spec.bmc".to_owned()),
-            Answer::Identity(_) | Answer::Power(_) => {
+            Answer::Identity(_) | Answer::Power(_) | Answer::Ssh(_) => {
                 Err("the BMC was asked something else".into())
             }
         }
@@ -437,6 +463,51 @@ fn bmc_checked<'a>(
     Outcome::writing(Write::status(host, change).noted(note)).again(again)
 }
 
+/// The SSH login's result in the `SSHReady` condition, with the host key presented recorded on
+/// first use; a Registering host goes on once it is True. A failing login is tried again later
+/// and later ([`lifecycle::ssh_recheck_after`]), with an Event when the reason changes.
+fn ssh_checked<'a>(
+    host: &'a Host,
+    seen: &Observed,
+    login: Result<Reached, SshAccessError>,
+) -> Outcome<'a> {
+    let (ok, reason, message, record) = match login {
+        Ok(Reached { endpoint, user, host_key, first_use }) => {
+            let fingerprint = host_key.fingerprint();
+            let server = format!("{user}@{} port {}", endpoint.address, endpoint.port);
+            let record = first_use.then(|| RecordedHostKey {
+                key: host_key.to_string(),
+                fingerprint: fingerprint.clone(),
+                address: endpoint.address.to_string(),
+                port: endpoint.port,
+                recorded: seen.fresh.now.clone(),
+            });
+            let message = match first_use {
+                true => format!(
+                    "logged in as {server}; its host key {fingerprint} was trusted on first use and is recorded in status.sshHostKey"
+                ),
+                false => format!("logged in as {server}, host key {fingerprint}"),
+            };
+            (true, "LoggedIn", message, record)
+        }
+        Err(e) => (false, e.reason(), e.to_string(), None),
+    };
+    let change = StatusChange::SshChecked { ok, reason, message: message.clone(), record };
+    // Measured from the condition as this write leaves it.
+    let mut after = host.clone();
+    if let Some(status) = change.apply(host) {
+        after.status = Some(status);
+    }
+    let now = seen.fresh.now.0.as_second();
+    let again = if ok { Duration::ZERO } else { lifecycle::ssh_recheck_after(&after, now) };
+    if change.apply(host).is_none() {
+        return Outcome::after(again);
+    }
+    let log = format!("SSH check: {message}");
+    let note = if ok { Note::info(&log) } else { Note::warning(&log) }.event(reason, log);
+    Outcome::writing(Write::status(host, change).noted(note)).again(again)
+}
+
 /// The reboot annotation carried out, then removed; a BMC that fails keeps it for a later pass.
 /// Without a BMC the operator is told, and the annotation removed.
 fn rebooted(host: &Host, reboot: Reboot, result: Result<(), String>) -> Outcome<'_> {
@@ -471,7 +542,7 @@ fn let_go(host: &Host, note: Note) -> Outcome<'_> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
-    use crate::crd::{Bmc, HostSpec, Operation, OperationKind};
+    use crate::crd::{Access, Bmc, HostSpec, Operation, OperationKind, SshAccess, SshMode};
     use crate::host::plan::{IDLE, SILENCE_CHECK, next};
     use kube::ResourceExt;
 
@@ -559,6 +630,151 @@ pub mod tests {
             );
         }
         panic!("never asked for a BMC check: {:?}", host.status)
+    }
+
+    /// A Host reached over SSH (no BMC), registered and waiting for its login.
+    fn registering_over_ssh() -> Host {
+        let mut host = Host::new("h", HostSpec::new(MAC));
+        host.spec.access = Some(Access {
+            ssh: Some(SshAccess {
+                address: "10.0.0.7".into(),
+                port: 22,
+                user: "root".into(),
+                mode: SshMode::Adopt,
+                credentials_name: "ssh".into(),
+            }),
+        });
+        let fresh = at(0);
+        let unique = MacStanding::Unique;
+        for _ in 0..10 {
+            let step = next(&host, &observed(&fresh, &unique));
+            if step == Step::CheckSsh {
+                return host;
+            }
+            assert!(
+                take(&mut host, &step, &observed(&fresh, &unique), Answer::NotAsked),
+                "{step:?}"
+            );
+        }
+        panic!("never asked for an SSH login: {:?}", host.status)
+    }
+
+    const HOST_KEY: &str =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEe0hXrhIoIm5D1N1oKghyAzTUuDQC6I3KUIfwm0ncX4";
+    const HOST_KEY_SHA256: &str = "SHA256:t6d8j15eRbRn9Rf4ubBEjXKgM19vUQJ2ncv6llQPJdg";
+
+    fn reached(first_use: bool) -> Answer {
+        Answer::Ssh(Ok(Reached {
+            endpoint: Endpoint { address: "10.0.0.7".parse().unwrap(), port: 22 },
+            user: "root".into(),
+            host_key: HOST_KEY.parse().unwrap(),
+            first_use,
+        }))
+    }
+
+    fn ssh_ready(host: &Host) -> Option<(String, String, String)> {
+        let conditions = &host.status.as_ref()?.conditions;
+        let c = crate::crd::condition(conditions, SSH_READY)?;
+        Some((c.status.clone(), c.reason.clone(), c.message.clone()))
+    }
+
+    /// A server presenting another key: SSHReady False HostKeyMismatch with both fingerprints,
+    /// nothing recorded, the Host waits in Registering and is tried again later.
+    #[test]
+    fn a_wrong_host_key_is_a_condition_with_both_fingerprints_and_the_host_waits() {
+        let mut host = registering_over_ssh();
+        let unique = MacStanding::Unique;
+        let fresh = at(0);
+        let seen = observed(&fresh, &unique);
+        let mismatch = || {
+            Answer::Ssh(Err(SshAccessError::Connect(crate::ssh::SshError::HostKeyMismatch {
+                address: "10.0.0.7:22".into(),
+                mismatch: siteboot_ssh::HostKeyMismatch {
+                    pinned: HOST_KEY_SHA256.into(),
+                    presented: "SHA256:someoneelse".into(),
+                },
+            })))
+        };
+        let read = host.clone();
+        let refused = outcome(&Step::CheckSsh, &read, &seen, mismatch());
+        assert_eq!(refused.again, Again::After(Duration::from_secs(10)));
+        assert!(refused.writes[0].note.as_ref().unwrap().is_warning());
+        assert!(land(&mut host, &refused));
+        let (status, reason, message) = ssh_ready(&host).unwrap();
+        assert_eq!((status.as_str(), reason.as_str()), ("False", "HostKeyMismatch"));
+        assert!(message.contains(HOST_KEY_SHA256) && message.contains("SHA256:someoneelse"));
+        assert!(message.contains("nothing was sent"), "{message}");
+        assert_eq!(host.status.as_ref().unwrap().ssh_host_key, None);
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Registering));
+        assert_eq!(next(&host, &observed(&fresh, &unique)), Step::CheckSsh);
+        // The same failure again writes nothing.
+        let read = host.clone();
+        assert!(outcome(&Step::CheckSsh, &read, &seen, mismatch()).writes.is_empty());
+    }
+
+    /// The pinned key: True, nothing recorded, and the Host goes on at once.
+    #[test]
+    fn a_login_with_the_pinned_key_registers_the_host() {
+        let mut host = registering_over_ssh();
+        let unique = MacStanding::Unique;
+        let fresh = at(0);
+        let read = host.clone();
+        let seen = observed(&fresh, &unique);
+        let ok = outcome(&Step::CheckSsh, &read, &seen, reached(false));
+        assert_eq!(ok.again, Again::After(Duration::ZERO));
+        assert!(land(&mut host, &ok));
+        let (status, reason, message) = ssh_ready(&host).unwrap();
+        assert_eq!((status.as_str(), reason.as_str()), ("True", "LoggedIn"));
+        assert!(message.contains(HOST_KEY_SHA256), "{message}");
+        assert_eq!(host.status.as_ref().unwrap().ssh_host_key, None);
+        let Step::Transit(t) = next(&host, &observed(&fresh, &unique)) else { panic!() };
+        assert_eq!(t.to, HostState::Inspecting);
+    }
+
+    /// Trust on first use: the key presented is recorded with its server, once; a record made
+    /// meanwhile is never written over.
+    #[test]
+    fn a_key_trusted_on_first_use_is_recorded_once() {
+        let mut host = registering_over_ssh();
+        let unique = MacStanding::Unique;
+        let fresh = at(3);
+        let read = host.clone();
+        let seen = observed(&fresh, &unique);
+        let first = outcome(&Step::CheckSsh, &read, &seen, reached(true));
+        let mut raced = host.clone();
+        assert!(land(&mut host, &first));
+        let record = host.status.as_ref().unwrap().ssh_host_key.clone().unwrap();
+        assert_eq!(
+            (
+                record.key.as_str(),
+                record.fingerprint.as_str(),
+                record.address.as_str(),
+                record.port
+            ),
+            (HOST_KEY, HOST_KEY_SHA256, "10.0.0.7", 22)
+        );
+        assert_eq!(record.recorded, fresh.now);
+        let (status, _, message) = ssh_ready(&host).unwrap();
+        assert_eq!(status, "True");
+        assert!(message.contains("trusted on first use"), "{message}");
+        // Another pass recorded a key for this server since this one read the Host.
+        let mut other = record.clone();
+        other.key =
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA9IjL3v+T4wGZl7pvvK3dAtZF0VaMdfG4LhT96lCyDY"
+                .into();
+        raced.status.as_mut().unwrap().ssh_host_key = Some(other.clone());
+        assert!(!land(&mut raced, &first), "a recorded key was written over");
+        assert_eq!(raced.status.unwrap().ssh_host_key, Some(other));
+    }
+
+    /// A Host with a BMC and SSH access registers through its BMC, as before.
+    #[test]
+    fn a_host_with_a_bmc_is_checked_through_it_not_over_ssh() {
+        let mut host = registering();
+        host.spec.access = registering_over_ssh().spec.access;
+        let fresh = at(0);
+        assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::CheckBmc);
+        assert!(!lifecycle::needs_ssh_check(&host));
     }
 
     fn operation(id: &str, virtual_media: bool) -> Operation {

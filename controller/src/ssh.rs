@@ -1,0 +1,287 @@
+//! A Host's SSH access: its `spec.access.ssh` parsed ([`spec_of`]), bound to the Secret that
+//! `credentialsName` names ([`access_for`], as [`crate::bmc::redfish_for`] binds a BMC's
+//! credentials), and the host-key policy the connection uses ([`policy`]). No I/O here but
+//! [`check`], the registration's connection; the outcome of its answer is
+//! [`crate::host::write`]'s.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+pub use siteboot_ssh::{
+    AccessError, BindingError, BoundAccess, ClientKey, Endpoint, HostKey, HostKeyPolicy,
+    HostKeyTrust, SECRET_TYPE, Session, SshError, Target,
+};
+
+use crate::crd::{Host, RecordedHostKey, SshMode};
+
+/// How long the registration's connection (TCP, handshake, login) may take.
+const CONNECT_DEADLINE: Duration = Duration::from_secs(20);
+
+/// A Host's `spec.access.ssh`, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SshSpec {
+    pub endpoint: Endpoint,
+    pub target: Target,
+    pub user: String,
+    pub mode: SshMode,
+    pub credentials_name: String,
+}
+
+/// Why siteboot cannot, or did not, reach a Host's server over SSH. None repeats what the
+/// Secret holds: its content is not the Host editor's to read.
+#[derive(Debug, thiserror::Error)]
+pub enum SshAccessError {
+    #[error("spec.access.ssh.address {0:?} is not an IP address")]
+    InvalidAddress(String),
+    #[error("spec.access.ssh: {0}")]
+    InvalidTarget(String),
+    #[error("the SSH access Secret {name} {why}")]
+    Secret { name: String, why: String },
+    #[error(
+        "the SSH access Secret {name} has type {found:?}, not {SECRET_TYPE:?}: nothing was sent"
+    )]
+    SecretType { name: String, found: String },
+    /// The address is offered only for the case that the Host's is the right one.
+    #[error(
+        "the SSH access Secret {namespace}/{name} does not name the server it is for, so its key \
+         is used nowhere. If it is the key of the server at {address}, add its address to the \
+         Secret: kubectl -n {namespace} patch secret {name} --type merge -p \
+         '{{\"stringData\":{{\"address\":\"{address}\"}}}}'"
+    )]
+    Unbound { namespace: String, name: String, address: IpAddr },
+    #[error(
+        "the SSH access Secret {name} is for another server than spec.access.ssh \
+         ({address} port {port}): nothing was sent"
+    )]
+    NotForThisServer { name: String, address: IpAddr, port: u16 },
+    #[error("status.sshHostKey cannot be read: {0}; remove it to record the key again")]
+    RecordUnreadable(String),
+    /// The connection: the host key, the login, the network.
+    #[error(transparent)]
+    Connect(#[from] SshError),
+}
+
+impl SshAccessError {
+    /// CamelCase, for a condition's reason and an Event.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::InvalidAddress(_) | Self::InvalidTarget(_) => "SSHSpecInvalid",
+            Self::Secret { .. } | Self::SecretType { .. } => "SSHCredentialsMissing",
+            Self::Unbound { .. } => "SSHCredentialsUnbound",
+            Self::NotForThisServer { .. } => "SSHCredentialsNotForThisServer",
+            Self::RecordUnreadable(_) => "SSHHostKeyRecordInvalid",
+            Self::Connect(e) => match e {
+                SshError::HostKeyMismatch { .. } => "HostKeyMismatch",
+                SshError::UnacceptableHostKey { .. } | SshError::HostCertificate { .. } => {
+                    "HostKeyUnacceptable"
+                }
+                SshError::AuthenticationRejected { .. } => "SSHAuthenticationRejected",
+                SshError::Connect { .. } | SshError::Timeout { .. } => "SSHUnreachable",
+                _ => "SSHFailed",
+            },
+        }
+    }
+}
+
+/// `host`'s SSH access, if it has one; an error when it cannot be used at all (no I/O).
+pub fn spec_of(host: &Host) -> Result<Option<SshSpec>, SshAccessError> {
+    let Some(ssh) = host.spec.access.as_ref().and_then(|a| a.ssh.as_ref()) else {
+        return Ok(None);
+    };
+    let address: IpAddr =
+        ssh.address.parse().map_err(|_| SshAccessError::InvalidAddress(ssh.address.clone()))?;
+    let target = Target::new(&address.to_string(), ssh.port, &ssh.user)
+        .map_err(|e| SshAccessError::InvalidTarget(e.to_string()))?;
+    Ok(Some(SshSpec {
+        endpoint: Endpoint { address, port: ssh.port },
+        target,
+        user: ssh.user.clone(),
+        mode: ssh.mode,
+        credentials_name: ssh.credentials_name.clone(),
+    }))
+}
+
+/// The access in the Secret `spec` names (`None`: there is none), read from `namespace`: only
+/// if it is an SSH access Secret for the server `spec` names. No I/O.
+pub fn access_for(
+    spec: &SshSpec,
+    namespace: &str,
+    secret: Option<&Secret>,
+) -> Result<BoundAccess, SshAccessError> {
+    let name = spec.credentials_name.clone();
+    let full = format!("{namespace}/{name}");
+    let secret = secret.ok_or_else(|| SshAccessError::Secret {
+        name: full.clone(),
+        why: "does not exist".into(),
+    })?;
+    let found = secret.type_.clone().unwrap_or_default();
+    if found != SECRET_TYPE {
+        return Err(SshAccessError::SecretType { name: full, found });
+    }
+    let data = secret.data.clone().unwrap_or_default();
+    let data = data.into_iter().map(|(key, ByteString(bytes))| (key, bytes)).collect();
+    let Endpoint { address, port } = spec.endpoint;
+    BoundAccess::from_secret_data(&data, spec.endpoint).map_err(|e| match e {
+        BindingError::Unusable(e) => SshAccessError::Secret { name: full, why: e.to_string() },
+        BindingError::Unbound => {
+            SshAccessError::Unbound { namespace: namespace.to_owned(), name, address }
+        }
+        BindingError::OtherAddress | BindingError::OtherPort => {
+            SshAccessError::NotForThisServer { name: full, address, port }
+        }
+    })
+}
+
+/// The host key a connection to `access`'s server accepts: the Secret's pin; under trust on
+/// first use, the key recorded in `host`'s status for that server, or (none yet) whatever the
+/// server presents, to be recorded.
+pub fn policy(host: &Host, access: &BoundAccess) -> Result<HostKeyPolicy, SshAccessError> {
+    match access.trust() {
+        HostKeyTrust::Pinned(key) => Ok(HostKeyPolicy::Pinned(key.clone())),
+        HostKeyTrust::OnFirstUse => match recorded(host, access.endpoint()) {
+            None => Ok(HostKeyPolicy::TrustOnFirstUse),
+            Some(record) => record.key.parse().map(HostKeyPolicy::Pinned).map_err(
+                |e: siteboot_ssh::HostKeyError| SshAccessError::RecordUnreadable(e.to_string()),
+            ),
+        },
+    }
+}
+
+/// The host key `host`'s status recorded for the server at `endpoint`, if any.
+pub fn recorded(host: &Host, endpoint: Endpoint) -> Option<&RecordedHostKey> {
+    let record = host.status.as_ref()?.ssh_host_key.as_ref()?;
+    let same = record.address.parse() == Ok(endpoint.address) && record.port == endpoint.port;
+    same.then_some(record)
+}
+
+/// What the registration's connection found: the server's key, and whether it is to be
+/// recorded (trust on first use, and none recorded yet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reached {
+    pub endpoint: Endpoint,
+    pub user: String,
+    pub host_key: HostKey,
+    pub first_use: bool,
+}
+
+/// Connects to `host`'s server with the key its Secret holds, checking the host key inside the
+/// handshake, logs in, and hangs up: the registration of a Host reached over SSH.
+pub async fn check(host: &Host, client: &kube::Client) -> Result<Reached, SshAccessError> {
+    let Some(spec) = spec_of(host)? else {
+        return Err(SshAccessError::InvalidTarget("the Host has no spec.access.ssh".into()));
+    };
+    let namespace = kube::ResourceExt::namespace(host).unwrap_or_default();
+    let secrets: kube::Api<Secret> = kube::Api::namespaced(client.clone(), &namespace);
+    let name = &spec.credentials_name;
+    let secret = secrets.get_opt(name).await.map_err(|e| SshAccessError::Secret {
+        name: format!("{namespace}/{name}"),
+        why: format!("cannot be read: {e}"),
+    })?;
+    let access = access_for(&spec, &namespace, secret.as_ref())?;
+    let policy = policy(host, &access)?;
+    let session = Session::connect(&spec.target, access.key(), &policy, CONNECT_DEADLINE).await?;
+    let reached = Reached {
+        endpoint: spec.endpoint,
+        user: spec.user.clone(),
+        host_key: session.host_key().clone(),
+        first_use: policy == HostKeyPolicy::TrustOnFirstUse,
+    };
+    // The login is what registration proves; a slow goodbye changes nothing.
+    if let Err(e) = session.close(CONNECT_DEADLINE).await {
+        tracing::debug!(host = %crate::context::key(host), "closing the SSH connection: {e}");
+    }
+    Ok(reached)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::crd::{Access, HostSpec, HostStatus, SshAccess};
+
+    const PRIVATE_KEY: &str = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\nQyNTUxOQAAACBHtIV64SKCJuQ9TdaCoIcgM01Lg0AuiNylCH8JtJ3F+AAAAJBx4HtwceB7\ncAAAAAtzc2gtZWQyNTUxOQAAACBHtIV64SKCJuQ9TdaCoIcgM01Lg0AuiNylCH8JtJ3F+A\nAAAEBAP0sERiFkFrIz0omAHUUluhVum32a57sKOPbsMZQ2sEe0hXrhIoIm5D1N1oKghyAz\nTUuDQC6I3KUIfwm0ncX4AAAADHJvb3RAZml4dHVyZQE=\n-----END OPENSSH PRIVATE KEY-----\n";
+    const HOST_KEY: &str =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEe0hXrhIoIm5D1N1oKghyAzTUuDQC6I3KUIfwm0ncX4";
+
+    pub fn host(address: &str) -> Host {
+        let mut host = Host::new("adopted", HostSpec::new("52:54:00:00:00:01"));
+        host.metadata.namespace = Some("metal".into());
+        host.spec.access = Some(Access {
+            ssh: Some(SshAccess {
+                address: address.into(),
+                port: 22,
+                user: "root".into(),
+                mode: SshMode::Adopt,
+                credentials_name: "ssh".into(),
+            }),
+        });
+        host
+    }
+
+    fn secret(pairs: &[(&str, &str)], type_: &str) -> Secret {
+        let data: BTreeMap<String, ByteString> =
+            pairs.iter().map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec()))).collect();
+        Secret { data: Some(data), type_: Some(type_.into()), ..Secret::default() }
+    }
+
+    fn bind(host: &Host, secret: &Secret) -> Result<BoundAccess, SshAccessError> {
+        access_for(&spec_of(host)?.unwrap(), "metal", Some(secret))
+    }
+
+    #[test]
+    fn the_secret_binds_the_key_to_its_server_and_type() {
+        let pinned = [("privateKey", PRIVATE_KEY), ("hostKey", HOST_KEY), ("address", "10.0.0.5")];
+        assert!(bind(&host("10.0.0.5"), &secret(&pinned, SECRET_TYPE)).is_ok());
+        // A Host editor points the Host at another machine: the key goes nowhere.
+        let other = bind(&host("10.0.0.66"), &secret(&pinned, SECRET_TYPE)).unwrap_err();
+        assert_eq!(other.reason(), "SSHCredentialsNotForThisServer", "{other}");
+        assert!(!other.to_string().contains("10.0.0.5"), "the Secret's address leaked: {other}");
+        // Another kind of Secret (a tenant's kubernetes.io/ssh-auth) is not an access Secret.
+        let typed = bind(&host("10.0.0.5"), &secret(&pinned, "kubernetes.io/ssh-auth"));
+        assert_eq!(typed.unwrap_err().reason(), "SSHCredentialsMissing");
+        let unbound = bind(&host("10.0.0.5"), &secret(&pinned[..2], SECRET_TYPE)).unwrap_err();
+        assert_eq!(unbound.reason(), "SSHCredentialsUnbound");
+        assert!(unbound.to_string().contains(r#"-p '{"stringData":{"address":"10.0.0.5"}}'"#));
+        let missing = access_for(&spec_of(&host("10.0.0.5")).unwrap().unwrap(), "metal", None);
+        assert_eq!(missing.unwrap_err().reason(), "SSHCredentialsMissing");
+        let named = spec_of(&host("server.example")).unwrap_err();
+        assert_eq!(named.reason(), "SSHSpecInvalid");
+        let mut odd = host("10.0.0.5");
+        odd.spec.access.as_mut().unwrap().ssh.as_mut().unwrap().user = "root; reboot".into();
+        assert_eq!(spec_of(&odd).unwrap_err().reason(), "SSHSpecInvalid");
+    }
+
+    /// Trust on first use pins the key recorded for this server once there is one.
+    #[test]
+    fn the_policy_is_the_secret_s_pin_or_the_key_recorded_on_first_use() {
+        let pinned = [("privateKey", PRIVATE_KEY), ("hostKey", HOST_KEY), ("address", "10.0.0.5")];
+        let tofu =
+            [("privateKey", PRIVATE_KEY), ("trustOnFirstUse", "true"), ("address", "10.0.0.5")];
+        let mut host = host("10.0.0.5");
+        let key: HostKey = HOST_KEY.parse().unwrap();
+        let access = bind(&host, &secret(&pinned, SECRET_TYPE)).unwrap();
+        assert_eq!(policy(&host, &access).unwrap(), HostKeyPolicy::Pinned(key.clone()));
+        let access = bind(&host, &secret(&tofu, SECRET_TYPE)).unwrap();
+        assert_eq!(policy(&host, &access).unwrap(), HostKeyPolicy::TrustOnFirstUse);
+        let record = |address: &str, key: &str| RecordedHostKey {
+            key: key.into(),
+            fingerprint: String::new(),
+            address: address.into(),
+            port: 22,
+            recorded: crate::crd::now(),
+        };
+        host.status = Some(HostStatus {
+            ssh_host_key: Some(record("10.0.0.5", HOST_KEY)),
+            ..HostStatus::default()
+        });
+        assert_eq!(policy(&host, &access).unwrap(), HostKeyPolicy::Pinned(key));
+        // Recorded for another server: not this one's.
+        host.status.as_mut().unwrap().ssh_host_key = Some(record("10.0.0.9", HOST_KEY));
+        assert_eq!(policy(&host, &access).unwrap(), HostKeyPolicy::TrustOnFirstUse);
+        host.status.as_mut().unwrap().ssh_host_key = Some(record("10.0.0.5", "garbage"));
+        assert_eq!(policy(&host, &access).unwrap_err().reason(), "SSHHostKeyRecordInvalid");
+    }
+}

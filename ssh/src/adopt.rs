@@ -1,0 +1,708 @@
+//! Adopting a running server and releasing it, as plans: each step is data (a file to upload,
+//! a command to run and what its result must be), so the unit tests read every command, and
+//! [`follow`] runs a plan over a [`Session`] deciding nothing: it stops at the first step that
+//! fails and says which, with what the host printed kept short and printable.
+//!
+//! What comes from a tenant or a Host (the bootstrap data, the instance-id, the hostname, the
+//! provider-id) travels only as the content of an uploaded file; the one value of a delivery
+//! that appears on a command line, its id, is siteboot's, a plain word, and single-quoted all
+//! the same ([`quote`]). Every command runs under `timeout(1)`: sshd does not pass a kill signal
+//! to a root login's command, so a deadline on the channel alone would leave it running.
+//!
+//! Delivery runs the data once. The run is started as a transient systemd unit (it outlives a
+//! dropped connection and ends with the data's run: nothing of siteboot's stays running), and
+//! its start claims the host's delivery marker with an exclusive create: a second start for the
+//! same delivery finds the marker and runs nothing. A delivery resumed after a crash
+//! [`probe`]s first and learns from the marker and the run's result file where it stands
+//! ([`progress`]).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use std::future::Future;
+
+use crate::upload::{FileMode, RemotePath, quote};
+use crate::{ExitStatus, Output, Session, SshError};
+
+/// Where siteboot keeps what it must find again on the host: the delivery marker and the run's
+/// result.
+pub const STATE_DIR: &str = "/var/lib/siteboot/adopt";
+/// cloud-init's NoCloud seed directory: read as the data source at the next cloud-init run.
+pub const SEED_DIR: &str = "/var/lib/cloud/seed/nocloud";
+/// The transient unit that runs the data.
+const RUN_UNIT: &str = "siteboot-adopt";
+/// How long the data's run may take (a kubeadm join pulls images).
+pub const RUN_LIMIT: Duration = Duration::from_secs(30 * 60);
+/// How long a short command (a check, a probe, a removal) may take.
+const SHORT: Duration = Duration::from_secs(60);
+/// How long `kubeadm reset` may take (it drains nothing, but waits on etcd and the runtime).
+const RESET_LIMIT: Duration = Duration::from_secs(5 * 60);
+/// What the channel waits beyond a command's own `timeout(1)`: for it to report.
+const CHANNEL_GRACE: Duration = Duration::from_secs(15);
+
+/// One step of a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Write `bytes` to `path` with `mode`, whole or not at all.
+    Upload {
+        path: RemotePath,
+        bytes: Vec<u8>,
+        mode: FileMode,
+        what: &'static str,
+    },
+    Run(Command),
+}
+
+/// A command, bounded by `timeout(1)` on the server, and what its result must be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Command {
+    /// The command line sent: the script under `timeout`.
+    pub line: String,
+    /// What it does or checks, for a condition saying which step failed.
+    pub what: &'static str,
+    pub expect: Expect,
+    /// How long the channel waits for it.
+    pub deadline: Duration,
+}
+
+/// What a command's result must be for its step to have worked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expect {
+    /// Exit status 0; stderr says what is wrong otherwise.
+    Success,
+    /// Exit status 0 and nothing on stdout: each line printed is something left behind.
+    NothingLeft,
+    /// Whatever it prints is read by the caller ([`progress`]).
+    Output,
+}
+
+impl Command {
+    /// `script` run by `sh` under `timeout limit`: the one place a command line is made.
+    fn new(what: &'static str, script: &str, limit: Duration, expect: Expect) -> Self {
+        let line = format!("timeout {} sh -c {}", limit.as_secs(), quote(script));
+        Self { line, what, expect, deadline: limit + CHANNEL_GRACE }
+    }
+}
+
+/// A delivery's id: siteboot's operation id, a plain word (letters, digits, `.`, `_`, `-`; at
+/// most 64), so that the marker it is written into never holds anything else.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryId(String);
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdoptError {
+    #[error("a delivery id is 1 to 64 letters, digits, '.', '_' or '-'")]
+    DeliveryId,
+    #[error(
+        "bootstrap data format {0:?} cannot be delivered to a running host (cloud-config and script can)"
+    )]
+    Format(String),
+    #[error("the host's delivery marker is unreadable: {0:?}")]
+    Probe(String),
+}
+
+impl FromStr for DeliveryId {
+    type Err = AdoptError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let word = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+        if s.is_empty() || s.len() > 64 || !s.chars().all(word) {
+            return Err(AdoptError::DeliveryId);
+        }
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl fmt::Display for DeliveryId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// How the bootstrap data is run (its Secret's `format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataFormat {
+    /// cloud-init user-data: seeded as NoCloud, and cloud-init run on it.
+    CloudConfig,
+    /// A program (`#!` first): run as it is.
+    Script,
+}
+
+impl FromStr for DataFormat {
+    type Err = AdoptError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cloud-config" => Ok(Self::CloudConfig),
+            "script" => Ok(Self::Script),
+            other => Err(AdoptError::Format(other.chars().take(32).collect())),
+        }
+    }
+}
+
+/// The NoCloud meta-data: what the host is to cloud-init and to Kubernetes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaData {
+    pub instance_id: String,
+    pub local_hostname: String,
+    pub provider_id: String,
+}
+
+impl MetaData {
+    /// As JSON, which is YAML: every value a JSON string, whatever it holds.
+    fn to_bytes(&self) -> Vec<u8> {
+        let meta = serde_json::json!({
+            "instance-id": self.instance_id,
+            "local-hostname": self.local_hostname,
+            "provider-id": self.provider_id,
+        });
+        let mut bytes = serde_json::to_vec_pretty(&meta).expect("strings serialize");
+        bytes.push(b'\n');
+        bytes
+    }
+}
+
+/// A Machine's bootstrap data for one host, in one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    pub id: DeliveryId,
+    pub meta: MetaData,
+    pub data: Vec<u8>,
+    pub format: DataFormat,
+}
+
+/// The command that says where the host stands: its delivery marker and its run's result
+/// (see [`progress`]).
+pub fn probe() -> Command {
+    let script = format!(
+        "cd {dir} 2>/dev/null || exit 0; \
+         for f in delivery result; do [ -f $f ] && printf '%s=%s\\n' $f \"$(head -c 80 $f)\"; done; \
+         exit 0",
+        dir = quote(STATE_DIR)
+    );
+    Command::new("reading the delivery marker", &script, SHORT, Expect::Output)
+}
+
+/// Where a delivery stands on the host, from what [`probe`] printed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Progress {
+    /// No delivery was started: [`deliver`]'s steps, from the first.
+    NotStarted,
+    /// This delivery's run was started and has not finished (or was cut off before it could
+    /// say: it is never started again).
+    Running,
+    /// This delivery's run ended with this exit status.
+    Finished(i32),
+    /// Another delivery was started on this host, and no reset ran since: nothing is sent.
+    OtherDelivery,
+}
+
+/// Where `id` stands, from [`probe`]'s output.
+pub fn progress(probed: &str, id: &DeliveryId) -> Result<Progress, AdoptError> {
+    let mut marker = None;
+    let mut result = None;
+    for line in probed.lines() {
+        match line.split_once('=') {
+            Some(("delivery", value)) => marker = Some(value.trim()),
+            Some(("result", value)) => result = Some(value.trim()),
+            _ => return Err(AdoptError::Probe(line.chars().take(80).collect())),
+        }
+    }
+    Ok(match (marker, result) {
+        (None, None) => Progress::NotStarted,
+        (None, Some(_)) => return Err(AdoptError::Probe("a result without a delivery".into())),
+        (Some(marker), _) if marker != id.0 => Progress::OtherDelivery,
+        (Some(_), None) => Progress::Running,
+        (Some(_), Some(code)) => Progress::Finished(
+            code.parse().map_err(|_| AdoptError::Probe(code.chars().take(16).collect()))?,
+        ),
+    })
+}
+
+/// The host can be adopted: a Linux with os-release, systemd as PID 1 (the run is a systemd
+/// unit), the tools the format needs, and no kubelet state of a previous life.
+fn check(format: DataFormat) -> Command {
+    let tools = match format {
+        DataFormat::CloudConfig => "systemd-run cloud-init",
+        DataFormat::Script => "systemd-run",
+    };
+    let script = format!(
+        "fail() {{ echo \"$*\" >&2; exit 1; }}; \
+         [ -r /etc/os-release ] || fail 'no /etc/os-release'; \
+         [ \"$(cat /proc/1/comm)\" = systemd ] || fail \"PID 1 is $(cat /proc/1/comm), not systemd\"; \
+         for t in {tools}; do command -v $t >/dev/null || fail \"$t is not installed\"; done; \
+         for p in /etc/kubernetes/kubelet.conf /etc/kubernetes/admin.conf /etc/kubernetes/pki \
+                  /var/lib/kubelet/config.yaml /var/lib/kubelet/pki; do \
+           [ -e $p ] && fail \"$p exists: a previous kubelet's state (reset the host first)\"; \
+         done; \
+         systemctl is-active --quiet kubelet && fail 'kubelet is running'; \
+         exit 0"
+    );
+    Command::new("checking the host", &script, SHORT, Expect::Success)
+}
+
+fn path(text: &str) -> RemotePath {
+    text.parse().expect("a constant absolute path")
+}
+
+/// Seeds, claims and starts `delivery`, for a host where [`progress`] said
+/// [`Progress::NotStarted`]. The last step claims the marker and starts the run in one
+/// command: if the marker exists it fails, and nothing runs.
+pub fn deliver(delivery: &Delivery) -> Vec<Step> {
+    let private = FileMode::new(0o600).expect("permission bits");
+    let mut steps = vec![Step::Run(check(delivery.format))];
+    let run = match delivery.format {
+        DataFormat::CloudConfig => {
+            steps.push(Step::Upload {
+                path: path(&format!("{SEED_DIR}/meta-data")),
+                bytes: delivery.meta.to_bytes(),
+                mode: private,
+                what: "writing the NoCloud meta-data",
+            });
+            steps.push(Step::Upload {
+                path: path(&format!("{SEED_DIR}/user-data")),
+                bytes: delivery.data.clone(),
+                mode: private,
+                what: "writing the NoCloud user-data",
+            });
+            // A clean slate, so this instance's modules run; then cloud-init's own stages, as
+            // at boot.
+            "cloud-init clean --logs && cloud-init init --local && cloud-init init && \
+             cloud-init modules --mode=config && cloud-init modules --mode=final"
+                .to_owned()
+        }
+        DataFormat::Script => {
+            let script = format!("{STATE_DIR}/bootstrap");
+            steps.push(Step::Upload {
+                path: path(&script),
+                bytes: delivery.data.clone(),
+                mode: FileMode::new(0o700).expect("permission bits"),
+                what: "writing the bootstrap script",
+            });
+            quote(&script)
+        }
+    };
+    let dir = quote(STATE_DIR);
+    // The unit writes its result atomically; timeout(1) inside bounds the run, so the result is
+    // written even when it is cut off.
+    let unit_script = format!(
+        "timeout {limit} sh -c {run}; echo $? > {dir}/result.partial && mv -f {dir}/result.partial {dir}/result",
+        limit = RUN_LIMIT.as_secs(),
+        run = quote(&run),
+    );
+    let start = format!(
+        "mkdir -p {dir} && (set -C && printf '%s\\n' {id} > {dir}/delivery) && \
+         systemd-run --unit={RUN_UNIT} --collect --quiet --property=RuntimeMaxSec={max} \
+         sh -c {unit}",
+        id = quote(&delivery.id.0),
+        max = RUN_LIMIT.as_secs() + 60,
+        unit = quote(&unit_script),
+    );
+    steps.push(Step::Run(Command::new("starting the run", &start, SHORT, Expect::Success)));
+    steps
+}
+
+/// What a node's Kubernetes state is made of, removed by a reset and checked gone after it.
+const KUBERNETES_STATE: &[&str] = &[
+    "/etc/kubernetes",
+    "/var/lib/kubelet",
+    "/var/lib/etcd",
+    "/etc/cni/net.d",
+    "/var/lib/cni",
+    "/var/lib/containerd",
+    "/run/containerd",
+];
+
+/// Releases an adopted host: its Kubernetes state goes (kubelet, containerd's state, CNI,
+/// certificates), its OS and data disks stay; the last step prints what is left, and must
+/// print nothing. The delivery marker goes last, so a reset cut short is a host still adopted,
+/// and is run again. Every step can run again.
+pub fn reset() -> Vec<Step> {
+    let state: Vec<String> = KUBERNETES_STATE.iter().map(|p| quote(p)).collect();
+    let state = state.join(" ");
+    let run =
+        |what, script: &str, limit| Step::Run(Command::new(what, script, limit, Expect::Success));
+    vec![
+        // kubeadm's own reset when it is there (it knows the node's etcd member, its
+        // certificates); what it leaves or fails at, the steps after remove.
+        run(
+            "kubeadm reset",
+            "if command -v kubeadm >/dev/null; then kubeadm reset -f || echo 'kubeadm reset failed; removing by hand' >&2; fi; exit 0",
+            RESET_LIMIT,
+        ),
+        run(
+            "stopping kubelet and containerd",
+            "for u in kubelet containerd; do systemctl disable --now $u.service 2>/dev/null; done; \
+             if systemctl is-active --quiet kubelet || systemctl is-active --quiet containerd; then \
+               echo 'kubelet or containerd still runs' >&2; exit 1; fi; exit 0",
+            SHORT,
+        ),
+        run(
+            "removing the node's Kubernetes state",
+            &format!(
+                "findmnt -rn -o TARGET | grep -E '^/var/lib/(kubelet|containerd)/|^/run/containerd/' \
+                 | sort -r | while read -r m; do umount -l \"$(printf '%b' \"$m\")\"; done; \
+                 rm -rf {state} {seed}",
+                seed = quote(SEED_DIR),
+            ),
+            SHORT,
+        ),
+        Step::Run(Command::new(
+            "verifying the reset",
+            &format!(
+                "for p in {state}; do [ -e \"$p\" ] && echo \"$p\"; done; \
+                 for u in kubelet containerd; do systemctl is-active --quiet $u && echo \"$u running\"; done; \
+                 exit 0"
+            ),
+            SHORT,
+            Expect::NothingLeft,
+        )),
+        run("removing the delivery marker", &format!("rm -rf {}", quote(STATE_DIR)), SHORT),
+    ]
+}
+
+/// What a plan is followed on: a [`Session`], or in tests a stand-in.
+pub trait Remote {
+    fn run(
+        &self,
+        line: &str,
+        deadline: Duration,
+    ) -> impl Future<Output = Result<Output, SshError>> + Send;
+    fn upload(
+        &self,
+        path: &RemotePath,
+        mode: FileMode,
+        bytes: &[u8],
+        deadline: Duration,
+    ) -> impl Future<Output = Result<(), SshError>> + Send;
+}
+
+impl Remote for Session {
+    async fn run(&self, line: &str, deadline: Duration) -> Result<Output, SshError> {
+        Session::run(self, line, b"", deadline).await
+    }
+
+    async fn upload(
+        &self,
+        path: &RemotePath,
+        mode: FileMode,
+        bytes: &[u8],
+        deadline: Duration,
+    ) -> Result<(), SshError> {
+        Session::upload(self, path, mode, bytes, deadline).await
+    }
+}
+
+/// Which step of a plan failed, and why. What the host printed is kept short and printable:
+/// it goes into a condition.
+#[derive(Debug, thiserror::Error)]
+pub enum StepFailed {
+    #[error("{what}: {source}")]
+    Ssh { what: &'static str, source: SshError },
+    #[error("{what} failed ({status:?}): {stderr}")]
+    Failed { what: &'static str, status: ExitStatus, stderr: String },
+    #[error("{what}: still there: {left}")]
+    LeftBehind { what: &'static str, left: String },
+    #[error("{what}: {source}")]
+    Progress { what: &'static str, source: AdoptError },
+}
+
+/// How much of what a host printed an error keeps.
+const ECHO: usize = 200;
+
+/// `text` without control characters, at most [`ECHO`] characters.
+fn echoed(text: &str) -> String {
+    let printable = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut kept: String = printable.chars().filter(|c| !c.is_control()).take(ECHO).collect();
+    if printable.chars().count() > ECHO {
+        kept.push('…');
+    }
+    kept
+}
+
+/// Follows `steps` in order on `remote`, stopping at the first that fails.
+pub async fn follow(remote: &impl Remote, steps: &[Step]) -> Result<(), StepFailed> {
+    for step in steps {
+        match step {
+            Step::Upload { path, bytes, mode, what } => remote
+                .upload(path, *mode, bytes, SHORT)
+                .await
+                .map_err(|source| StepFailed::Ssh { what, source })?,
+            Step::Run(command) => {
+                run(remote, command).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs `command` and checks its result as it [`Expect`]s; its stdout.
+async fn run(remote: &impl Remote, command: &Command) -> Result<String, StepFailed> {
+    let what = command.what;
+    let output = remote
+        .run(&command.line, command.deadline)
+        .await
+        .map_err(|source| StepFailed::Ssh { what, source })?;
+    if !output.success() {
+        let stderr = echoed(&output.stderr.text());
+        return Err(StepFailed::Failed { what, status: output.status, stderr });
+    }
+    let stdout = output.stdout.text();
+    if command.expect == Expect::NothingLeft && !stdout.trim().is_empty() {
+        return Err(StepFailed::LeftBehind { what, left: echoed(&stdout) });
+    }
+    Ok(stdout)
+}
+
+/// Where delivery `id` stands on the host behind `remote` ([`probe`], [`progress`]).
+pub async fn where_it_stands(
+    remote: &impl Remote,
+    id: &DeliveryId,
+) -> Result<Progress, StepFailed> {
+    let probe = probe();
+    let probed = run(remote, &probe).await?;
+    progress(&probed, id).map_err(|source| StepFailed::Progress { what: probe.what, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::output::{CAPTURE_LIMIT, Captured};
+
+    /// Values a Host or a tenant might write to get a command run or a key injected.
+    const HOSTILE: &[&str] = &[
+        "it's",
+        "'; touch /tmp/pwned; '",
+        "$(touch /tmp/pwned)",
+        "`touch /tmp/pwned`",
+        "a\nprovider-id: siteboot://other/host",
+        "x\" , \"provider-id\": \"evil",
+        "\\'\\",
+        "é ✓ \u{0}",
+    ];
+
+    fn delivery(format: DataFormat, meta: MetaData) -> Delivery {
+        Delivery {
+            id: "op-1".parse().unwrap(),
+            meta,
+            data: b"#cloud-config\n{}\n".to_vec(),
+            format,
+        }
+    }
+
+    fn meta(value: &str) -> MetaData {
+        MetaData {
+            instance_id: value.into(),
+            local_hostname: value.into(),
+            provider_id: format!("siteboot://metal/{value}"),
+        }
+    }
+
+    fn lines(steps: &[Step]) -> Vec<&str> {
+        steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Run(c) => Some(c.line.as_str()),
+                Step::Upload { .. } => None,
+            })
+            .collect()
+    }
+
+    /// The meta-data reads back as exactly the three values, whatever they hold.
+    #[test]
+    fn hostile_meta_data_is_data_in_an_uploaded_file_and_never_on_a_command_line() {
+        let plain = deliver(&delivery(DataFormat::CloudConfig, meta("h")));
+        for value in HOSTILE {
+            let steps = deliver(&delivery(DataFormat::CloudConfig, meta(value)));
+            // The command lines do not depend on the values at all.
+            assert_eq!(lines(&steps), lines(&plain), "{value:?} reached a command line");
+            let Step::Upload { path, bytes, mode, .. } = &steps[1] else { panic!("{steps:?}") };
+            assert_eq!(path.to_string(), "/var/lib/cloud/seed/nocloud/meta-data");
+            assert_eq!(mode.bits(), 0o600);
+            let read: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+            assert_eq!(
+                read,
+                serde_json::json!({
+                    "instance-id": value,
+                    "local-hostname": value,
+                    "provider-id": format!("siteboot://metal/{value}"),
+                }),
+                "{value:?}"
+            );
+        }
+    }
+
+    /// Every command line is `timeout N sh -c '<script>'`, one word after `-c`, and a real
+    /// shell parses it (dry: `sh -n`).
+    #[test]
+    fn every_command_is_bounded_by_timeout_and_parses() {
+        let mut steps = deliver(&delivery(DataFormat::CloudConfig, meta("h")));
+        steps.extend(deliver(&delivery(DataFormat::Script, meta("h"))));
+        steps.extend(reset());
+        let mut commands: Vec<Command> = steps
+            .into_iter()
+            .filter_map(|s| match s {
+                Step::Run(c) => Some(c),
+                Step::Upload { .. } => None,
+            })
+            .collect();
+        commands.push(probe());
+        for command in &commands {
+            let rest = command.line.strip_prefix("timeout ").expect(&command.line);
+            let (secs, script) = rest.split_once(" sh -c ").expect(&command.line);
+            let secs: u64 = secs.parse().unwrap();
+            assert_eq!(command.deadline, Duration::from_secs(secs) + CHANNEL_GRACE);
+            // The script's quoting is the one function's, and the shell reads it back whole.
+            let out = std::process::Command::new("sh")
+                .args(["-c", &format!("printf %s {script}")])
+                .output()
+                .unwrap();
+            let inner = String::from_utf8(out.stdout).unwrap();
+            assert_eq!(quote(&inner), script);
+            let parsed = std::process::Command::new("sh").args(["-n", "-c", &inner]).output();
+            assert!(parsed.unwrap().status.success(), "{inner}");
+        }
+    }
+
+    /// The probe, run by a real shell on a scratch directory standing in for the host's state,
+    /// reads back as where the delivery stands; the claim creates the marker once only.
+    #[test]
+    fn a_resumed_delivery_learns_where_it_stands_and_never_starts_twice() {
+        let id: DeliveryId = "op-1".parse().unwrap();
+        let dir = std::env::temp_dir().join(format!("siteboot-adopt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let on_host = |line: &str| {
+            let line = line.replace(STATE_DIR, dir.to_str().unwrap());
+            std::process::Command::new("sh").args(["-c", &line]).output().unwrap()
+        };
+        let probed = |_: ()| String::from_utf8(on_host(&probe().line).stdout).unwrap();
+        assert_eq!(progress(&probed(()), &id), Ok(Progress::NotStarted));
+        // The claim of the start command, without systemd-run.
+        let steps = deliver(&delivery(DataFormat::Script, meta("h")));
+        let start = &lines(&steps)[1];
+        let claim = start.split(" && systemd-run").next().unwrap().to_owned() + "'";
+        assert!(on_host(&claim).status.success(), "{claim}");
+        assert!(!on_host(&claim).status.success(), "the marker was claimed twice");
+        assert_eq!(progress(&probed(()), &id), Ok(Progress::Running));
+        std::fs::write(dir.join("result"), "0\n").unwrap();
+        assert_eq!(progress(&probed(()), &id), Ok(Progress::Finished(0)));
+        let other: DeliveryId = "op-2".parse().unwrap();
+        assert_eq!(progress(&probed(()), &other), Ok(Progress::OtherDelivery));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(progress("garbage", &id).is_err());
+        assert!(progress("result=0\n", &id).is_err());
+        assert!(progress("delivery=op-1\nresult=x\n", &id).is_err());
+    }
+
+    #[test]
+    fn delivery_ids_are_plain_words_and_formats_are_known() {
+        for bad in ["", "a b", "a'b", "a\nb", &"x".repeat(65)] {
+            assert_eq!(bad.parse::<DeliveryId>(), Err(AdoptError::DeliveryId), "{bad:?}");
+        }
+        assert_eq!("cloud-config".parse(), Ok(DataFormat::CloudConfig));
+        assert_eq!("script".parse(), Ok(DataFormat::Script));
+        assert!(matches!("ignition".parse::<DataFormat>(), Err(AdoptError::Format(_))));
+    }
+
+    /// A host that answers each command line by its first word after the script's start,
+    /// recording what it was sent.
+    struct Fake {
+        sent: Mutex<Vec<String>>,
+        answer: fn(&str) -> (u32, &'static str, String),
+    }
+
+    impl Remote for Fake {
+        async fn run(&self, line: &str, _: Duration) -> Result<Output, SshError> {
+            self.sent.lock().unwrap().push(line.to_owned());
+            let (code, stdout, stderr) = (self.answer)(line);
+            let captured = |text: &str| {
+                let mut c = Captured::new(CAPTURE_LIMIT);
+                c.push(text.as_bytes());
+                c
+            };
+            Ok(Output {
+                status: ExitStatus::Code(code),
+                stdout: captured(stdout),
+                stderr: captured(&stderr),
+            })
+        }
+
+        async fn upload(
+            &self,
+            path: &RemotePath,
+            _: FileMode,
+            _: &[u8],
+            _: Duration,
+        ) -> Result<(), SshError> {
+            self.sent.lock().unwrap().push(format!("upload {path}"));
+            Ok(())
+        }
+    }
+
+    fn block_on<T>(future: impl Future<Output = T>) -> T {
+        tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(future)
+    }
+
+    /// A plan stops at the first step that fails, which the error names with what the host
+    /// said, short and printable; a verification that prints something fails.
+    #[test]
+    fn a_plan_stops_at_its_first_failing_step_and_says_which() {
+        let not_systemd = Fake {
+            sent: Mutex::default(),
+            answer: |line| match line.contains("os-release") {
+                true => {
+                    (1, "", format!("PID 1 is init, not systemd\n\u{1b}[2J{}", "x".repeat(500)))
+                }
+                false => (0, "", String::new()),
+            },
+        };
+        let steps = deliver(&delivery(DataFormat::CloudConfig, meta("h")));
+        let err = block_on(follow(&not_systemd, &steps)).unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.starts_with("checking the host failed (Code(1)): PID 1 is init"),
+            "{message}"
+        );
+        assert!(
+            !message.chars().any(char::is_control) && message.chars().count() < 260,
+            "{message}"
+        );
+        assert_eq!(not_systemd.sent.lock().unwrap().len(), 1, "steps ran after the check failed");
+
+        let leftovers = Fake {
+            sent: Mutex::default(),
+            answer: |line| match line.contains("[ -e") {
+                true => (0, "/var/lib/kubelet\n", String::new()),
+                false => (0, "", String::new()),
+            },
+        };
+        let err = block_on(follow(&leftovers, &reset())).unwrap_err();
+        assert!(
+            matches!(&err, StepFailed::LeftBehind { left, .. } if left == "/var/lib/kubelet"),
+            "{err}"
+        );
+        assert_eq!(leftovers.sent.lock().unwrap().len(), 4, "the marker went despite leftovers");
+
+        let fine = Fake { sent: Mutex::default(), answer: |_| (0, "", String::new()) };
+        block_on(follow(&fine, &reset())).unwrap();
+        assert_eq!(fine.sent.lock().unwrap().len(), 5);
+        let id: DeliveryId = "op-1".parse().unwrap();
+        assert_eq!(block_on(where_it_stands(&fine, &id)).unwrap(), Progress::NotStarted);
+    }
+
+    /// The reset removes the state it then verifies gone, the marker after the verification.
+    #[test]
+    fn the_reset_removes_the_node_state_verifies_it_and_then_the_marker() {
+        let steps = reset();
+        let Step::Run(verify) = &steps[3] else { panic!() };
+        assert_eq!(verify.expect, Expect::NothingLeft);
+        for state in KUBERNETES_STATE {
+            assert!(lines(&steps)[2].contains(state), "{state} is not removed");
+            assert!(verify.line.contains(state), "{state} is not verified");
+        }
+        assert!(lines(&steps)[4].contains(STATE_DIR));
+    }
+}

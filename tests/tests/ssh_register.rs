@@ -1,0 +1,222 @@
+//! A Host reached over SSH registers through the real Host reconciler: the appliance (in
+//! Kubernetes mode, with the RBAC it ships) logs in to a real sshd on the lab namespace's
+//! loopback with the key of the Host's `siteboot.dev/ssh-access` Secret.
+//!
+//! - a Host editor's Host names the server and another server's Secret: `SSHReady` False
+//!   `SSHCredentialsNotForThisServer` (without the Secret's address), and sshd sees no
+//!   connection;
+//! - the Secret pins another host key: `SSHReady` False `HostKeyMismatch` naming both
+//!   fingerprints, the Host stays Registering, and sshd's log (DEBUG3) has no authentication
+//!   request: it never learnt the user or the client's key;
+//! - the Secret fixed to the server's key: `SSHReady` True `LoggedIn`, the Host goes on;
+//! - a second Host whose Secret asks for trust on first use: True, and `status.sshHostKey` is
+//!   the server's `.pub`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+use siteboot_controller::conditions::SSH_READY;
+use siteboot_controller::crd::{
+    Access, Host, HostSpec, HostState, SITE_LABEL, SshAccess, SshMode, condition,
+};
+use siteboot_controller::ssh::SECRET_TYPE;
+use siteboot_tests::netns;
+use siteboot_tests::process::Supervised;
+use siteboot_tests::provider::{NS, ProviderLab, SITE};
+use siteboot_tests::wait;
+
+const PORT: u16 = 2222;
+const STEP: Duration = Duration::from_secs(120);
+
+/// sshd on the lab namespace's loopback, with keys the test made. Dropped before its files.
+struct Sshd {
+    process: Supervised,
+    dir: tempfile::TempDir,
+}
+
+impl Sshd {
+    fn start(lab: &ProviderLab) -> Self {
+        let dir = tempfile::Builder::new().prefix("siteboot-sshd-").tempdir().unwrap();
+        for name in ["host_ed25519", "client", "not_the_host"] {
+            netns::run(
+                Command::new("ssh-keygen")
+                    .args(["-q", "-t", "ed25519", "-N", "", "-C", &format!("{name}@test"), "-f"])
+                    .arg(dir.path().join(name)),
+            )
+            .unwrap();
+        }
+        std::fs::copy(dir.path().join("client.pub"), dir.path().join("authorized_keys")).unwrap();
+        let config = dir.path().join("sshd_config");
+        let d = dir.path().display();
+        std::fs::write(
+            &config,
+            format!(
+                "Port {PORT}\nListenAddress 127.0.0.1\nHostKey {d}/host_ed25519\n\
+                 AuthorizedKeysFile {d}/authorized_keys\nPidFile none\nUsePAM no\n\
+                 StrictModes no\nPermitRootLogin prohibit-password\nPubkeyAuthentication yes\n\
+                 PasswordAuthentication no\nKbdInteractiveAuthentication no\nLogLevel DEBUG3\n"
+            ),
+        )
+        .unwrap();
+        std::fs::create_dir_all("/run/sshd").unwrap();
+        let mut sshd = lab.lab.command("/usr/sbin/sshd");
+        sshd.arg("-D").arg("-E").arg(dir.path().join("sshd.log")).arg("-f").arg(&config);
+        let process = Supervised::spawn("sshd", &mut sshd, dir.path()).unwrap();
+        let sshd = Self { process, dir };
+        wait::for_("sshd to listen", Duration::from_secs(10), || {
+            sshd.process
+                .log()
+                .contains(&format!("Server listening on 127.0.0.1 port {PORT}"))
+                .then_some(())
+        })
+        .unwrap();
+        sshd
+    }
+
+    fn read(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(name)).unwrap()
+    }
+
+    fn fingerprint(&self, name: &str) -> String {
+        let path = self.dir.path().join(format!("{name}.pub"));
+        let out = netns::output(Command::new("ssh-keygen").arg("-lf").arg(&path)).unwrap();
+        out.split_whitespace().nth(1).unwrap().to_owned()
+    }
+}
+
+fn secret(name: &str, sshd: &Sshd, trust: (&str, String)) -> Secret {
+    Secret {
+        metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
+        type_: Some(SECRET_TYPE.into()),
+        string_data: Some(BTreeMap::from([
+            ("privateKey".to_owned(), sshd.read("client")),
+            (trust.0.to_owned(), trust.1),
+            ("address".to_owned(), "127.0.0.1".to_owned()),
+            ("port".to_owned(), PORT.to_string()),
+        ])),
+        ..Default::default()
+    }
+}
+
+fn host(name: &str, mac: &str, credentials: &str) -> Host {
+    let mut host = Host::new(name, HostSpec::new(mac));
+    host.metadata.labels = Some(BTreeMap::from([(SITE_LABEL.to_owned(), SITE.to_owned())]));
+    host.spec.access = Some(Access {
+        ssh: Some(SshAccess {
+            address: "127.0.0.1".into(),
+            port: PORT,
+            user: "root".into(),
+            mode: SshMode::Adopt,
+            credentials_name: credentials.into(),
+        }),
+    });
+    host
+}
+
+/// The Host's SSHReady condition once it differs from `before`: `(status, reason, message)`.
+async fn ssh_ready_after(
+    hosts: &Api<Host>,
+    name: &str,
+    before: Option<&(String, String, String)>,
+) -> (String, String, String) {
+    wait::for_async("the Host's SSHReady condition", STEP, || async {
+        let status = hosts.get(name).await.ok()?.status?;
+        let c = condition(&status.conditions, SSH_READY)?;
+        let now = (c.status.clone(), c.reason.clone(), c.message.clone());
+        (Some(&now) != before).then_some(now)
+    })
+    .await
+    .unwrap()
+}
+
+/// What sshd logs once a client goes past the key exchange.
+fn login_needles(client_pub: &Path) -> Vec<String> {
+    let out = netns::output(Command::new("ssh-keygen").arg("-lf").arg(client_pub)).unwrap();
+    vec![
+        "receive packet: type 5 ".into(),
+        "userauth-request for user".into(),
+        "Accepted publickey".into(),
+        out.split_whitespace().nth(1).unwrap().to_owned(),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
+    let lab = ProviderLab::start(0, |_| {}).await.unwrap();
+    let sshd = Sshd::start(&lab);
+    let secrets: Api<Secret> = Api::namespaced(lab.env.client(), NS);
+    let hosts = lab.hosts();
+    let pp = PostParams::default();
+
+    // A Host editor's attack: their Host names this server, and another server's Secret (the
+    // right host key even). The key goes nowhere: sshd sees no connection at all.
+    let mut other = secret("other", &sshd, ("hostKey", sshd.read("host_ed25519.pub")));
+    let other_data = other.string_data.as_mut().unwrap();
+    other_data.insert("address".into(), "10.99.0.42".into());
+    secrets.create(&pp, &other).await.unwrap();
+    hosts.create(&pp, &host("planted", "52:54:00:00:5e:03", "other")).await.unwrap();
+    let planted = ssh_ready_after(&hosts, "planted", None).await;
+    assert_eq!(
+        (planted.0.as_str(), planted.1.as_str()),
+        ("False", "SSHCredentialsNotForThisServer"),
+        "{planted:?}"
+    );
+    assert!(!planted.2.contains("10.99.0.42"), "the Secret's address is shown: {planted:?}");
+    let log = sshd.process.log();
+    assert!(!log.contains("Connection from"), "siteboot connected for the planted Host:\n{log}");
+
+    // Pinned to a key the server does not have.
+    let wrong = ("hostKey", sshd.read("not_the_host.pub"));
+    secrets.create(&pp, &secret("pinned", &sshd, wrong)).await.unwrap();
+    hosts.create(&pp, &host("adopted", "52:54:00:00:5e:01", "pinned")).await.unwrap();
+    let refused = ssh_ready_after(&hosts, "adopted", None).await;
+    assert_eq!(
+        (refused.0.as_str(), refused.1.as_str()),
+        ("False", "HostKeyMismatch"),
+        "{refused:?}"
+    );
+    for name in ["not_the_host", "host_ed25519"] {
+        assert!(refused.2.contains(&sshd.fingerprint(name)), "{name}: {refused:?}");
+    }
+    // Past a few rechecks, sshd has seen connections and not one authentication request.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let log = sshd.process.log();
+    assert!(log.contains("Connection from 127.0.0.1"), "siteboot never connected:\n{log}");
+    for needle in login_needles(&sshd.dir.path().join("client.pub")) {
+        assert!(
+            !log.contains(&needle),
+            "sshd's log has {needle:?}: more than the key exchange was sent"
+        );
+    }
+    let state = hosts.get("adopted").await.unwrap().status.unwrap().state;
+    assert_eq!(state, Some(HostState::Registering));
+
+    // The Secret fixed: the recheck logs in.
+    let fixed = json!({ "stringData": { "hostKey": sshd.read("host_ed25519.pub") } });
+    secrets.patch("pinned", &PatchParams::default(), &Patch::Merge(&fixed)).await.unwrap();
+    let ok = ssh_ready_after(&hosts, "adopted", Some(&refused)).await;
+    assert_eq!((ok.0.as_str(), ok.1.as_str()), ("True", "LoggedIn"), "{ok:?}");
+    assert!(ok.2.contains(&sshd.fingerprint("host_ed25519")), "{ok:?}");
+    assert!(sshd.process.log().contains("Accepted publickey for root"));
+    assert_eq!(hosts.get("adopted").await.unwrap().status.unwrap().ssh_host_key, None);
+
+    // Trust on first use: the key presented is recorded.
+    let tofu = ("trustOnFirstUse", "true".to_owned());
+    secrets.create(&pp, &secret("tofu", &sshd, tofu)).await.unwrap();
+    hosts.create(&pp, &host("tofu", "52:54:00:00:5e:02", "tofu")).await.unwrap();
+    let ok = ssh_ready_after(&hosts, "tofu", None).await;
+    assert_eq!((ok.0.as_str(), ok.1.as_str()), ("True", "LoggedIn"), "{ok:?}");
+    let record = hosts.get("tofu").await.unwrap().status.unwrap().ssh_host_key.unwrap();
+    let public = sshd.read("host_ed25519.pub");
+    let mut words = public.split_whitespace();
+    let line = format!("{} {}", words.next().unwrap(), words.next().unwrap());
+    assert_eq!(record.key, line);
+    assert_eq!(record.fingerprint, sshd.fingerprint("host_ed25519"));
+    assert_eq!((record.address.as_str(), record.port), ("127.0.0.1", PORT));
+}
