@@ -21,6 +21,7 @@ pub mod process;
 pub mod provider;
 pub mod redfish;
 pub mod sim;
+pub mod sshd;
 pub mod timeline;
 pub mod tls;
 pub mod venv;

@@ -23,10 +23,8 @@ use siteboot_ssh::{
     Target,
 };
 use siteboot_tests::netns::{self, Netns};
-use siteboot_tests::process::Supervised;
-use siteboot_tests::wait;
+use siteboot_tests::sshd::{self, PORT};
 
-const PORT: u16 = 2222;
 const CONNECT: Duration = Duration::from_secs(20);
 const COMMAND: Duration = Duration::from_secs(20);
 
@@ -34,59 +32,28 @@ const COMMAND: Duration = Duration::from_secs(20);
 /// order: sshd first (its log printed if the test is failing), then its files, then the
 /// namespace.
 struct Sshd {
-    process: Supervised,
-    dir: tempfile::TempDir,
+    server: sshd::Sshd,
     ns: Netns,
     user: String,
 }
 
 impl Sshd {
     fn start(tag: &str) -> Self {
-        let dir = tempfile::Builder::new().prefix("siteboot-sshd-").tempdir().unwrap();
-        for (name, kind) in [
+        let ns = Netns::new(tag).unwrap();
+        let keys = [
             ("host_ed25519", "ed25519"),
             ("host_ecdsa", "ecdsa"),
             ("client", "ed25519"),
             ("other_client", "ed25519"),
             ("not_the_host", "ed25519"),
-        ] {
-            keygen(dir.path(), name, kind);
-        }
-        std::fs::copy(dir.path().join("client.pub"), dir.path().join("authorized_keys")).unwrap();
-        let config = dir.path().join("sshd_config");
-        let d = dir.path().display();
-        std::fs::write(
-            &config,
-            format!(
-                "Port {PORT}\nListenAddress 127.0.0.1\n\
-                 HostKey {d}/host_ed25519\nHostKey {d}/host_ecdsa\n\
-                 AuthorizedKeysFile {d}/authorized_keys\n\
-                 PidFile none\nUsePAM no\nStrictModes no\n\
-                 PermitRootLogin prohibit-password\nPubkeyAuthentication yes\n\
-                 PasswordAuthentication no\nKbdInteractiveAuthentication no\n\
-                 LogLevel DEBUG3\n"
-            ),
-        )
-        .unwrap();
-        // sshd's privilege separation directory, which the openssh-server service would make.
-        std::fs::create_dir_all("/run/sshd").unwrap();
-
-        let ns = Netns::new(tag).unwrap();
-        let mut sshd = ns.command("/usr/sbin/sshd");
-        // -E, not -e: with -e, the debug lines of a session's child before it execs the
-        // command land in the command's stderr. The file is the one Supervised prints.
-        sshd.arg("-D").arg("-E").arg(dir.path().join("sshd.log")).arg("-f").arg(&config);
-        let process = Supervised::spawn("sshd", &mut sshd, dir.path()).unwrap();
+        ];
+        let server = sshd::Sshd::start(&ns, &keys).unwrap();
         let user = netns::output(Command::new("id").arg("-un")).unwrap().trim().to_owned();
-        let sshd = Self { process, dir, ns, user };
-        sshd.wait_log("sshd to listen", |log| {
-            log.contains(&format!("Server listening on 127.0.0.1 port {PORT}"))
-        });
-        sshd
+        Self { server, ns, user }
     }
 
     fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
+        self.server.path(name)
     }
 
     fn key(&self, name: &str) -> ClientKey {
@@ -114,25 +81,16 @@ impl Sshd {
             .unwrap()
     }
 
-    /// What sshd logs (at DEBUG3) once a client goes past the key exchange: the service
-    /// request (message 5) that starts authentication, the user's name, the client's key.
     fn login_needles(&self) -> Vec<String> {
-        vec![
-            "receive packet: type 5 ".into(),
-            format!("userauth-request for user {}", self.user),
-            "publickey".into(),
-            format!("Accepted publickey for {}", self.user),
-            keygen_fingerprint(&self.path("client.pub")),
-            "Starting session".into(),
-        ]
+        self.server.login_needles(&self.user).unwrap()
     }
 
     fn log(&self) -> String {
-        self.process.log()
+        self.server.log()
     }
 
     fn wait_log(&self, what: &str, done: impl Fn(&str) -> bool) {
-        wait::for_(what, Duration::from_secs(10), || done(&self.log()).then_some(())).unwrap();
+        self.server.wait_log(what, done).unwrap()
     }
 }
 
@@ -155,21 +113,6 @@ impl Connected {
 fn runtime() -> tokio::runtime::Runtime {
     // Not current-thread: russh's session task runs between calls, as it does in siteboot.
     tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
-}
-
-fn keygen(dir: &Path, name: &str, kind: &str) {
-    netns::run(
-        Command::new("ssh-keygen")
-            .args(["-q", "-t", kind, "-N", "", "-C", &format!("{name}@test"), "-f"])
-            .arg(dir.join(name)),
-    )
-    .unwrap();
-}
-
-/// `ssh-keygen -lf`'s fingerprint of a `.pub` file.
-fn keygen_fingerprint(path: &Path) -> String {
-    let out = netns::output(Command::new("ssh-keygen").arg("-lf").arg(path)).unwrap();
-    out.split_whitespace().nth(1).unwrap().to_owned()
 }
 
 #[test]
@@ -220,8 +163,8 @@ fn commands_run_and_files_arrive_on_the_pinned_server() {
     assert_eq!(std::fs::read(&path).unwrap(), b"second");
     assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o600);
     let home = netns::output(Command::new("sh").args(["-c", "echo ~"])).unwrap();
-    for dir in [sshd.dir.path(), Path::new(home.trim())] {
-        assert!(!dir.join("pwned").exists(), "a path ran a command in {}", dir.display());
+    for pwned in [sshd.path("pwned"), Path::new(home.trim()).join("pwned")] {
+        assert!(!pwned.exists(), "a path ran a command: {} exists", pwned.display());
     }
     assert!(!sshd.path(&format!("{name}.siteboot-partial")).exists());
 
@@ -282,7 +225,10 @@ fn a_wrong_host_key_is_refused_before_anything_is_sent() {
         Err(SshError::HostKeyMismatch { mismatch, .. }) => {
             assert_eq!(mismatch.pinned, pinned.fingerprint());
             assert_eq!(mismatch.presented, presented.fingerprint());
-            assert_eq!(mismatch.presented, keygen_fingerprint(&sshd.path("host_ed25519.pub")));
+            assert_eq!(
+                mismatch.presented,
+                sshd::fingerprint(&sshd.path("host_ed25519.pub")).unwrap()
+            );
         }
         Err(other) => panic!("refused, but not for the host key: {other}"),
         Ok(_) => panic!("connected to a server whose host key is not the pinned one"),
@@ -317,7 +263,7 @@ fn trust_on_first_use_returns_the_server_s_key_to_pin() {
         recorded.to_string(),
         format!("{} {}", words.next().unwrap(), words.next().unwrap())
     );
-    assert_eq!(recorded.fingerprint(), keygen_fingerprint(&sshd.path("host_ed25519.pub")));
+    assert_eq!(recorded.fingerprint(), sshd::fingerprint(&sshd.path("host_ed25519.pub")).unwrap());
 
     // What was recorded, pinned from then on, lets the same server in.
     let pinned = recorded.to_string().parse().unwrap();

@@ -13,8 +13,6 @@
 //!   the server's `.pub`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
@@ -26,76 +24,18 @@ use siteboot_controller::crd::{
     Access, Host, HostSpec, HostState, SITE_LABEL, SshAccess, SshMode, condition,
 };
 use siteboot_controller::ssh::SECRET_TYPE;
-use siteboot_tests::netns;
-use siteboot_tests::process::Supervised;
 use siteboot_tests::provider::{NS, ProviderLab, SITE};
+use siteboot_tests::sshd::{PORT, Sshd};
 use siteboot_tests::wait;
 
-const PORT: u16 = 2222;
 const STEP: Duration = Duration::from_secs(120);
-
-/// sshd on the lab namespace's loopback, with keys the test made. Dropped before its files.
-struct Sshd {
-    process: Supervised,
-    dir: tempfile::TempDir,
-}
-
-impl Sshd {
-    fn start(lab: &ProviderLab) -> Self {
-        let dir = tempfile::Builder::new().prefix("siteboot-sshd-").tempdir().unwrap();
-        for name in ["host_ed25519", "client", "not_the_host"] {
-            netns::run(
-                Command::new("ssh-keygen")
-                    .args(["-q", "-t", "ed25519", "-N", "", "-C", &format!("{name}@test"), "-f"])
-                    .arg(dir.path().join(name)),
-            )
-            .unwrap();
-        }
-        std::fs::copy(dir.path().join("client.pub"), dir.path().join("authorized_keys")).unwrap();
-        let config = dir.path().join("sshd_config");
-        let d = dir.path().display();
-        std::fs::write(
-            &config,
-            format!(
-                "Port {PORT}\nListenAddress 127.0.0.1\nHostKey {d}/host_ed25519\n\
-                 AuthorizedKeysFile {d}/authorized_keys\nPidFile none\nUsePAM no\n\
-                 StrictModes no\nPermitRootLogin prohibit-password\nPubkeyAuthentication yes\n\
-                 PasswordAuthentication no\nKbdInteractiveAuthentication no\nLogLevel DEBUG3\n"
-            ),
-        )
-        .unwrap();
-        std::fs::create_dir_all("/run/sshd").unwrap();
-        let mut sshd = lab.lab.command("/usr/sbin/sshd");
-        sshd.arg("-D").arg("-E").arg(dir.path().join("sshd.log")).arg("-f").arg(&config);
-        let process = Supervised::spawn("sshd", &mut sshd, dir.path()).unwrap();
-        let sshd = Self { process, dir };
-        wait::for_("sshd to listen", Duration::from_secs(10), || {
-            sshd.process
-                .log()
-                .contains(&format!("Server listening on 127.0.0.1 port {PORT}"))
-                .then_some(())
-        })
-        .unwrap();
-        sshd
-    }
-
-    fn read(&self, name: &str) -> String {
-        std::fs::read_to_string(self.dir.path().join(name)).unwrap()
-    }
-
-    fn fingerprint(&self, name: &str) -> String {
-        let path = self.dir.path().join(format!("{name}.pub"));
-        let out = netns::output(Command::new("ssh-keygen").arg("-lf").arg(&path)).unwrap();
-        out.split_whitespace().nth(1).unwrap().to_owned()
-    }
-}
 
 fn secret(name: &str, sshd: &Sshd, trust: (&str, String)) -> Secret {
     Secret {
         metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
         type_: Some(SECRET_TYPE.into()),
         string_data: Some(BTreeMap::from([
-            ("privateKey".to_owned(), sshd.read("client")),
+            ("privateKey".to_owned(), sshd.read("client").unwrap()),
             (trust.0.to_owned(), trust.1),
             ("address".to_owned(), "127.0.0.1".to_owned()),
             ("port".to_owned(), PORT.to_string()),
@@ -135,28 +75,18 @@ async fn ssh_ready_after(
     .unwrap()
 }
 
-/// What sshd logs once a client goes past the key exchange.
-fn login_needles(client_pub: &Path) -> Vec<String> {
-    let out = netns::output(Command::new("ssh-keygen").arg("-lf").arg(client_pub)).unwrap();
-    vec![
-        "receive packet: type 5 ".into(),
-        "userauth-request for user".into(),
-        "Accepted publickey".into(),
-        out.split_whitespace().nth(1).unwrap().to_owned(),
-    ]
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
     let lab = ProviderLab::start(0, |_| {}).await.unwrap();
-    let sshd = Sshd::start(&lab);
+    let keys = [("host_ed25519", "ed25519"), ("client", "ed25519"), ("not_the_host", "ed25519")];
+    let sshd = Sshd::start(&lab.lab, &keys).unwrap();
     let secrets: Api<Secret> = Api::namespaced(lab.env.client(), NS);
     let hosts = lab.hosts();
     let pp = PostParams::default();
 
     // A Host editor's attack: their Host names this server, and another server's Secret (the
     // right host key even). The key goes nowhere: sshd sees no connection at all.
-    let mut other = secret("other", &sshd, ("hostKey", sshd.read("host_ed25519.pub")));
+    let mut other = secret("other", &sshd, ("hostKey", sshd.read("host_ed25519.pub").unwrap()));
     let other_data = other.string_data.as_mut().unwrap();
     other_data.insert("address".into(), "10.99.0.42".into());
     secrets.create(&pp, &other).await.unwrap();
@@ -168,11 +98,11 @@ async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
         "{planted:?}"
     );
     assert!(!planted.2.contains("10.99.0.42"), "the Secret's address is shown: {planted:?}");
-    let log = sshd.process.log();
+    let log = sshd.log();
     assert!(!log.contains("Connection from"), "siteboot connected for the planted Host:\n{log}");
 
     // Pinned to a key the server does not have.
-    let wrong = ("hostKey", sshd.read("not_the_host.pub"));
+    let wrong = ("hostKey", sshd.read("not_the_host.pub").unwrap());
     secrets.create(&pp, &secret("pinned", &sshd, wrong)).await.unwrap();
     hosts.create(&pp, &host("adopted", "52:54:00:00:5e:01", "pinned")).await.unwrap();
     let refused = ssh_ready_after(&hosts, "adopted", None).await;
@@ -182,13 +112,13 @@ async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
         "{refused:?}"
     );
     for name in ["not_the_host", "host_ed25519"] {
-        assert!(refused.2.contains(&sshd.fingerprint(name)), "{name}: {refused:?}");
+        assert!(refused.2.contains(&sshd.fingerprint(name).unwrap()), "{name}: {refused:?}");
     }
     // Past a few rechecks, sshd has seen connections and not one authentication request.
     tokio::time::sleep(Duration::from_secs(15)).await;
-    let log = sshd.process.log();
+    let log = sshd.log();
     assert!(log.contains("Connection from 127.0.0.1"), "siteboot never connected:\n{log}");
-    for needle in login_needles(&sshd.dir.path().join("client.pub")) {
+    for needle in sshd.login_needles("root").unwrap() {
         assert!(
             !log.contains(&needle),
             "sshd's log has {needle:?}: more than the key exchange was sent"
@@ -198,12 +128,12 @@ async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
     assert_eq!(state, Some(HostState::Registering));
 
     // The Secret fixed: the recheck logs in.
-    let fixed = json!({ "stringData": { "hostKey": sshd.read("host_ed25519.pub") } });
+    let fixed = json!({ "stringData": { "hostKey": sshd.read("host_ed25519.pub").unwrap() } });
     secrets.patch("pinned", &PatchParams::default(), &Patch::Merge(&fixed)).await.unwrap();
     let ok = ssh_ready_after(&hosts, "adopted", Some(&refused)).await;
     assert_eq!((ok.0.as_str(), ok.1.as_str()), ("True", "LoggedIn"), "{ok:?}");
-    assert!(ok.2.contains(&sshd.fingerprint("host_ed25519")), "{ok:?}");
-    assert!(sshd.process.log().contains("Accepted publickey for root"));
+    assert!(ok.2.contains(&sshd.fingerprint("host_ed25519").unwrap()), "{ok:?}");
+    assert!(sshd.log().contains("Accepted publickey for root"));
     assert_eq!(hosts.get("adopted").await.unwrap().status.unwrap().ssh_host_key, None);
 
     // Trust on first use: the key presented is recorded.
@@ -213,10 +143,10 @@ async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
     let ok = ssh_ready_after(&hosts, "tofu", None).await;
     assert_eq!((ok.0.as_str(), ok.1.as_str()), ("True", "LoggedIn"), "{ok:?}");
     let record = hosts.get("tofu").await.unwrap().status.unwrap().ssh_host_key.unwrap();
-    let public = sshd.read("host_ed25519.pub");
+    let public = sshd.read("host_ed25519.pub").unwrap();
     let mut words = public.split_whitespace();
     let line = format!("{} {}", words.next().unwrap(), words.next().unwrap());
     assert_eq!(record.key, line);
-    assert_eq!(record.fingerprint, sshd.fingerprint("host_ed25519"));
+    assert_eq!(record.fingerprint, sshd.fingerprint("host_ed25519").unwrap());
     assert_eq!((record.address.as_str(), record.port), ("127.0.0.1", PORT));
 }
