@@ -79,7 +79,7 @@ pub enum Expect {
 
 impl Command {
     /// `script` run by `sh` under `timeout limit`: the one place a command line is made.
-    fn new(what: &'static str, script: &str, limit: Duration, expect: Expect) -> Self {
+    pub(crate) fn new(what: &'static str, script: &str, limit: Duration, expect: Expect) -> Self {
         let line = format!("timeout {} sh -c {}", limit.as_secs(), quote(script));
         Self { line, what, expect, deadline: limit + CHANNEL_GRACE }
     }
