@@ -1,14 +1,17 @@
 //! A Host's SSH access: its `spec.access.ssh` parsed ([`spec_of`]), bound to the Secret that
 //! `credentialsName` names ([`access_for`], as [`crate::bmc::redfish_for`] binds a BMC's
 //! credentials), and the host-key policy the connection uses ([`policy`]). No I/O here but
-//! [`check`], the registration's connection; the outcome of its answer is
-//! [`crate::host::write`]'s.
+//! [`check`], the registration's connection, and [`inspect`], the inspection's; the outcome of
+//! their answers is [`crate::host::write`]'s. [`identify`] takes an inspection's report only
+//! from this Host's machine.
 
 use std::net::IpAddr;
 use std::time::Duration;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
+use siteboot_agent_api::Hardware;
+use siteboot_ssh::inspect::{self, InspectError, Report};
 pub use siteboot_ssh::{
     AccessError, BindingError, BoundAccess, ClientKey, Endpoint, HostKey, HostKeyPolicy,
     HostKeyTrust, SECRET_TYPE, Session, SshError, Target,
@@ -61,6 +64,10 @@ pub enum SshAccessError {
     /// The connection: the host key, the login, the network.
     #[error(transparent)]
     Connect(#[from] SshError),
+    #[error("the inspection command failed: {0}")]
+    InspectionFailed(String),
+    #[error("the server's inspection report is unreadable: {0}")]
+    Report(#[from] InspectError),
 }
 
 impl SshAccessError {
@@ -72,6 +79,7 @@ impl SshAccessError {
             Self::Unbound { .. } => "SSHCredentialsUnbound",
             Self::NotForThisServer { .. } => "SSHCredentialsNotForThisServer",
             Self::RecordUnreadable(_) => "SSHHostKeyRecordInvalid",
+            Self::InspectionFailed(_) | Self::Report(_) => "SSHInspectionFailed",
             Self::Connect(e) => match e {
                 SshError::HostKeyMismatch { .. } => "HostKeyMismatch",
                 SshError::UnacceptableHostKey { .. } | SshError::HostCertificate { .. } => {
@@ -167,8 +175,12 @@ pub struct Reached {
 }
 
 /// Connects to `host`'s server with the key its Secret holds, checking the host key inside the
-/// handshake, logs in, and hangs up: the registration of a Host reached over SSH.
-pub async fn check(host: &Host, client: &kube::Client) -> Result<Reached, SshAccessError> {
+/// handshake, and logs in: the session, and whether its key is to be recorded (trust on first
+/// use, none recorded yet).
+async fn connect(
+    host: &Host,
+    client: &kube::Client,
+) -> Result<(Session, SshSpec, bool), SshAccessError> {
     let Some(spec) = spec_of(host)? else {
         return Err(SshAccessError::InvalidTarget("the Host has no spec.access.ssh".into()));
     };
@@ -182,17 +194,90 @@ pub async fn check(host: &Host, client: &kube::Client) -> Result<Reached, SshAcc
     let access = access_for(&spec, &namespace, secret.as_ref())?;
     let policy = policy(host, &access)?;
     let session = Session::connect(&spec.target, access.key(), &policy, CONNECT_DEADLINE).await?;
+    Ok((session, spec, policy == HostKeyPolicy::TrustOnFirstUse))
+}
+
+/// Hangs up; a slow goodbye changes nothing.
+async fn hang_up(host: &Host, session: Session) {
+    if let Err(e) = session.close(CONNECT_DEADLINE).await {
+        tracing::debug!(host = %crate::context::key(host), "closing the SSH connection: {e}");
+    }
+}
+
+/// Logs in to `host`'s server and hangs up: the registration of a Host reached over SSH.
+pub async fn check(host: &Host, client: &kube::Client) -> Result<Reached, SshAccessError> {
+    let (session, spec, first_use) = connect(host, client).await?;
     let reached = Reached {
         endpoint: spec.endpoint,
         user: spec.user.clone(),
         host_key: session.host_key().clone(),
-        first_use: policy == HostKeyPolicy::TrustOnFirstUse,
+        first_use,
     };
-    // The login is what registration proves; a slow goodbye changes nothing.
-    if let Err(e) = session.close(CONNECT_DEADLINE).await {
-        tracing::debug!(host = %crate::context::key(host), "closing the SSH connection: {e}");
-    }
+    hang_up(host, session).await;
     Ok(reached)
+}
+
+/// Logs in to `host`'s server (its key pinned by now) and runs [`inspect::command`]: what
+/// the server says it is. Whether it is this Host's machine is [`identify`]'s question.
+pub async fn inspect(host: &Host, client: &kube::Client) -> Result<Report, SshAccessError> {
+    let (session, _, _) = connect(host, client).await?;
+    let command = inspect::command();
+    let output = session.run(&command.line, &[], command.deadline).await;
+    hang_up(host, session).await;
+    let output = output?;
+    if !output.success() || output.stdout.truncated() {
+        let stderr: String = output.stderr.text().chars().take(200).collect();
+        return Err(SshAccessError::InspectionFailed(format!("{:?}: {stderr:?}", output.status)));
+    }
+    Ok(inspect::parse(output.stdout.bytes())?)
+}
+
+/// Why an inspected server is not `host`'s machine. Says what was seen, bounded: the server's
+/// MACs and UUID passed [`inspect::parse`], so they are plain hex.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotThisHost {
+    #[error(
+        "the server at spec.access.ssh has no interface with spec.bootMACAddress {boot_mac}; it has {seen}: nothing is recorded of it"
+    )]
+    NoBootMac { boot_mac: String, seen: String },
+    #[error(
+        "the server at spec.access.ssh has system UUID {seen}, not {recorded} as inspected before: nothing is recorded of it"
+    )]
+    OtherUuid { recorded: String, seen: String },
+}
+
+/// At most this many MACs are named in a refusal.
+const MACS_NAMED: usize = 8;
+
+/// The hardware `report` describes, if the server is `host`'s machine: positive evidence only,
+/// one of its interfaces has the Host's boot MAC (what a network boot would have proved), and
+/// a system UUID recorded by an earlier inspection is the one it has now.
+pub fn identify(host: &Host, report: &Report) -> Result<Hardware, NotThisHost> {
+    let boot_mac = &host.spec.boot_mac_address;
+    if !report.has_mac(boot_mac) {
+        let macs = report.macs();
+        let mut seen = macs.iter().take(MACS_NAMED).copied().collect::<Vec<_>>().join(", ");
+        if macs.len() > MACS_NAMED {
+            seen.push_str(&format!(" and {} more", macs.len() - MACS_NAMED));
+        }
+        if macs.is_empty() {
+            seen = "no Ethernet interface".into();
+        }
+        let boot_mac: String = boot_mac.chars().take(17).collect();
+        return Err(NotThisHost::NoBootMac { boot_mac, seen });
+    }
+    let hardware = report.hardware();
+    let recorded = host.status.as_ref().and_then(|s| s.hardware.as_ref()?.system.as_ref());
+    if let Some(recorded) = recorded {
+        let seen = hardware.system.as_ref().map(|s| s.uuid.as_str());
+        if seen != Some(recorded.uuid.as_str()) {
+            return Err(NotThisHost::OtherUuid {
+                recorded: recorded.uuid.clone(),
+                seen: seen.unwrap_or("none").to_owned(),
+            });
+        }
+    }
+    Ok(hardware)
 }
 
 #[cfg(test)]

@@ -8,9 +8,12 @@
 //! - the Secret pins another host key: `SSHReady` False `HostKeyMismatch` naming both
 //!   fingerprints, the Host stays Registering, and sshd's log (DEBUG3) has no authentication
 //!   request: it never learnt the user or the client's key;
-//! - the Secret fixed to the server's key: `SSHReady` True `LoggedIn`, the Host goes on;
+//! - the Secret fixed to the server's key: `SSHReady` True `LoggedIn`, and the Host, whose boot
+//!   MAC is the lab namespace's bridge's, is inspected over SSH: Available, with hardware whose
+//!   NICs include that MAC and whose system UUID is this machine's;
 //! - a second Host whose Secret asks for trust on first use: True, and `status.sshHostKey` is
-//!   the server's `.pub`.
+//!   the server's `.pub`; its boot MAC is on no interface of the server, so it is quarantined
+//!   `SSHServerIsNotThisHost` with no hardware, and never Available.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -19,11 +22,12 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
-use siteboot_controller::conditions::SSH_READY;
+use siteboot_controller::conditions::{READY, SSH_READY};
 use siteboot_controller::crd::{
     Access, Host, HostSpec, HostState, SITE_LABEL, SshAccess, SshMode, condition,
 };
 use siteboot_controller::ssh::SECRET_TYPE;
+use siteboot_tests::netns::Netns;
 use siteboot_tests::provider::{NS, ProviderLab, SITE};
 use siteboot_tests::sshd::{PORT, Sshd};
 use siteboot_tests::wait;
@@ -57,6 +61,33 @@ fn host(name: &str, mac: &str, credentials: &str) -> Host {
         }),
     });
     host
+}
+
+/// The MAC of `link` in `ns`, as `ip link` shows it: a MAC the server there really has.
+fn mac_of(ns: &Netns, link: &str) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-n", ns.name(), "link", "show", link])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut words = text.split_whitespace().skip_while(|w| *w != "link/ether");
+    words.nth(1).unwrap_or_else(|| panic!("no link/ether in {text:?}")).to_owned()
+}
+
+/// Past registration and inspection: where an SSH Host's inspection leaves it.
+fn settled(state: HostState) -> bool {
+    !matches!(state, HostState::Registering | HostState::Inspecting)
+}
+
+/// The Host once `done` accepts its state.
+async fn host_when(hosts: &Api<Host>, name: &str, done: impl Fn(HostState) -> bool) -> Host {
+    wait::for_async("the Host's state", STEP, || async {
+        let host = hosts.get(name).await.ok()?;
+        let state = host.status.as_ref()?.state?;
+        done(state).then_some(host)
+    })
+    .await
+    .unwrap()
 }
 
 /// The Host's SSHReady condition once it differs from `before`: `(status, reason, message)`.
@@ -104,7 +135,8 @@ async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
     // Pinned to a key the server does not have.
     let wrong = ("hostKey", sshd.read("not_the_host.pub").unwrap());
     secrets.create(&pp, &secret("pinned", &sshd, wrong)).await.unwrap();
-    hosts.create(&pp, &host("adopted", "52:54:00:00:5e:01", "pinned")).await.unwrap();
+    let boot_mac = mac_of(&lab.lab, "br0");
+    hosts.create(&pp, &host("adopted", &boot_mac, "pinned")).await.unwrap();
     let refused = ssh_ready_after(&hosts, "adopted", None).await;
     assert_eq!(
         (refused.0.as_str(), refused.1.as_str()),
@@ -136,6 +168,20 @@ async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
     assert!(sshd.log().contains("Accepted publickey for root"));
     assert_eq!(hosts.get("adopted").await.unwrap().status.unwrap().ssh_host_key, None);
 
+    // Inspected over SSH: the server has the boot MAC, so it is this Host's machine.
+    let adopted = host_when(&hosts, "adopted", settled).await;
+    let status = adopted.status.unwrap();
+    assert_eq!(status.state, Some(HostState::Available), "{:?}", status.conditions);
+    let hardware = status.hardware.unwrap();
+    assert!(hardware.nics.iter().any(|n| n.mac == boot_mac), "{boot_mac}: {hardware:?}");
+    assert!(hardware.cpus > 0 && hardware.memory_mib > 0, "{hardware:?}");
+    let uuid = std::fs::read_to_string("/sys/class/dmi/id/product_uuid").ok();
+    assert_eq!(
+        hardware.system.map(|s| s.uuid),
+        uuid.map(|u| u.trim().to_ascii_lowercase()),
+        "the system UUID is not this machine's"
+    );
+
     // Trust on first use: the key presented is recorded.
     let tofu = ("trustOnFirstUse", "true".to_owned());
     secrets.create(&pp, &secret("tofu", &sshd, tofu)).await.unwrap();
@@ -149,4 +195,13 @@ async fn a_host_reached_over_ssh_registers_only_with_its_pinned_host_key() {
     assert_eq!(record.key, line);
     assert_eq!(record.fingerprint, sshd.fingerprint("host_ed25519").unwrap());
     assert_eq!((record.address.as_str(), record.port), ("127.0.0.1", PORT));
+
+    // Its boot MAC is none of the server's: not this Host's machine, whatever it logged in to.
+    let tofu = host_when(&hosts, "tofu", settled).await;
+    let status = tofu.status.unwrap();
+    assert_eq!(status.state, Some(HostState::Quarantined), "{:?}", status.conditions);
+    let ready = condition(&status.conditions, READY).unwrap();
+    assert_eq!(ready.reason, "SSHServerIsNotThisHost", "{ready:?}");
+    assert!(ready.message.contains(&boot_mac), "the MACs seen are not named: {ready:?}");
+    assert_eq!(status.hardware, None);
 }

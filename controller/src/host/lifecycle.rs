@@ -390,6 +390,18 @@ pub fn needs_ssh_check(host: &Host) -> bool {
         && !verified
 }
 
+/// Whether `host` is inspected over SSH: it is reached over SSH without a BMC (no ramdisk
+/// boots on a server that already runs), and inspection is under way.
+pub fn needs_ssh_inspection(host: &Host) -> bool {
+    let status = host.status.as_ref();
+    host.spec.bmc.is_none()
+        && host.spec.access.as_ref().is_some_and(|a| a.ssh.is_some())
+        && status.and_then(|s| s.state) == Some(HostState::Inspecting)
+        && status
+            .and_then(|s| s.operation.as_ref())
+            .is_some_and(|op| op.kind == OperationKind::Inspect)
+}
+
 /// The BMC condition from what asking the BMC for the host's identity gave: `(ok, reason,
 /// message)` (see [`crate::bmc::identity_check`]).
 pub fn bmc_check(

@@ -63,6 +63,8 @@ pub enum Step {
     CheckBmc,
     /// Log in to the host over SSH with its pinned host key (registration, without a BMC).
     CheckSsh,
+    /// Inspect the host over SSH: it runs, and boots no ramdisk.
+    InspectOverSsh,
     /// Reboot or power as the Host's annotation asks.
     Reboot(Reboot),
     /// Nothing to change: refresh the power reading, look again after `again`.
@@ -136,6 +138,9 @@ pub fn next(host: &Host, seen: &Observed) -> Step {
     }
     if lifecycle::needs_ssh_check(host) {
         return Step::CheckSsh;
+    }
+    if lifecycle::needs_ssh_inspection(host) {
+        return Step::InspectOverSsh;
     }
     if let Some(reboot) = lifecycle::reboot(host) {
         return Step::Reboot(reboot);
@@ -241,6 +246,7 @@ mod tests {
                 Step::EjectMedia => "EjectMedia",
                 Step::CheckBmc => "CheckBmc",
                 Step::CheckSsh => "CheckSsh",
+                Step::InspectOverSsh => "InspectOverSsh",
                 Step::Reboot(_) => "Reboot",
                 Step::Idle { .. } => "Idle",
                 Step::ClearRetry => "ClearRetry",

@@ -73,6 +73,9 @@ async fn ask(step: &Step, host: &Host, ctx: &Ctx, fresh: &Fresh) -> Result<Answe
     if *step == Step::CheckSsh {
         return Ok(Answer::Ssh(ssh::check(host, &ctx.client).await));
     }
+    if *step == Step::InspectOverSsh {
+        return Ok(Answer::Inspected(ssh::inspect(host, &ctx.client).await));
+    }
     let asks = matches!(
         step,
         Step::RequestBoot

@@ -18,10 +18,12 @@ use crate::bmc::{BmcError, Identity};
 use crate::conditions::{BMC_READY, BOOT_MAC_UNIQUE, SSH_READY, check_paused};
 use crate::context::{Note, finalizer_patch};
 use crate::crd::{
-    Host, HostState, HostStatus, Installed, PowerState, RecordedHostKey, WipePolicy, set_condition,
+    Hardware, Host, HostState, HostStatus, Installed, OperationKind, PowerState, RecordedHostKey,
+    WipePolicy, set_condition,
 };
 use crate::pools::MacStanding;
 use crate::ssh::{Endpoint, Reached, SshAccessError};
+use siteboot_ssh::inspect::Report;
 
 /// How soon a boot or reboot the BMC failed is tried again.
 pub const REBOOT_RETRY: Duration = Duration::from_secs(60);
@@ -92,6 +94,9 @@ pub enum StatusChange {
     /// The `SSHReady` condition from the login's result, and the host key to record on first
     /// use (never over one already recorded for that server).
     SshChecked { ok: bool, reason: &'static str, message: String, record: Option<RecordedHostKey> },
+    /// The server of an SSH Host inspected for `operation` at `fresh`: its hardware written and
+    /// the Host Available, in one write, or (not this Host's machine) `Err`, the quarantine.
+    SshInspected { operation: String, fresh: Fresh, result: Box<Result<Hardware, Transition>> },
     /// Virtual media for `operation` carries a token whose hash is `hash`, issued at `at`; the
     /// hash is stored before the media goes in, so the media works as soon as the BMC fetches
     /// it. Not once the bootstrap data left: as for a network boot, no new token then.
@@ -125,6 +130,8 @@ pub enum Answer {
     /// The SSH login: the server reached, or why not. Nothing was sent to a server whose host
     /// key was not the pinned one.
     Ssh(Result<Reached, SshAccessError>),
+    /// The inspection over SSH: what the server said it is, or why it said nothing.
+    Inspected(Result<Report, SshAccessError>),
 }
 
 impl Recheck {
@@ -198,6 +205,34 @@ impl StatusChange {
                         return None;
                     }
                     status.ssh_host_key = Some(record.clone());
+                }
+            }
+            StatusChange::SshInspected { operation, fresh, result } => {
+                let op = status.operation.as_ref();
+                if status.state != Some(HostState::Inspecting)
+                    || op.map(|op| &op.id) != Some(operation)
+                {
+                    return None;
+                }
+                status = match &**result {
+                    Ok(hardware) => lifecycle::completed(
+                        current,
+                        OperationKind::Inspect,
+                        true,
+                        "",
+                        Some(hardware.clone()),
+                        fresh,
+                    ),
+                    Err(quarantine) => lifecycle::apply(current, quarantine, fresh),
+                };
+                // A login that failed during the inspection is over.
+                if result.is_ok() {
+                    let message = "logged in and inspected the server";
+                    let ssh_ready = crate::crd::condition(&status.conditions, SSH_READY);
+                    if ssh_ready.is_some_and(|c| c.status != "True") {
+                        let conditions = &mut status.conditions;
+                        set_condition(conditions, SSH_READY, true, "LoggedIn", message, generation);
+                    }
                 }
             }
             StatusChange::MediaToken { operation, hash, at } => {
@@ -304,6 +339,12 @@ pub fn outcome<'a>(step: &Step, host: &'a Host, seen: &'a Observed, answer: Answ
             Answer::Ssh(login) => ssh_checked(host, seen, login),
             _ => Outcome::after(Duration::ZERO),
         },
+        Step::InspectOverSsh => match answer {
+            Answer::Inspected(Ok(report)) => inspected(host, seen, &report),
+            // Unreachable, or an unreadable report: SSHReady says why, and it is tried again.
+            Answer::Inspected(Err(e)) => ssh_checked(host, seen, Err(e)),
+            _ => Outcome::after(Duration::ZERO),
+        },
         Step::Reboot(reboot) => rebooted(host, *reboot, answer.done()),
         Step::EjectMedia => match answer.done() {
             Err(e) => Outcome::after(EJECT_RETRY).noted(
@@ -348,7 +389,7 @@ impl Answer {
         match self {
             Answer::Done(result) => result,
             Answer::NotAsked => Err("the host has no spec.bmc".to_owned()),
-            Answer::Identity(_) | Answer::Power(_) | Answer::Ssh(_) => {
+            Answer::Identity(_) | Answer::Power(_) | Answer::Ssh(_) | Answer::Inspected(_) => {
                 Err("the BMC was asked something else".into())
             }
         }
@@ -507,6 +548,48 @@ fn ssh_checked<'a>(
     let note = if ok { Note::info(&log) } else { Note::warning(&log) }.event(reason, log);
     Outcome::writing(Write::status(host, change).noted(note)).again(again)
 }
+
+/// An SSH Host's server inspected: Available with its hardware if it is this Host's machine
+/// ([`crate::ssh::identify`]), else quarantined with nothing of it recorded.
+fn inspected<'a>(host: &'a Host, seen: &Observed, report: &Report) -> Outcome<'a> {
+    let Some(operation) = host.status.as_ref().and_then(|s| s.operation.as_ref()) else {
+        return Outcome::after(Duration::ZERO);
+    };
+    let (result, note) = match crate::ssh::identify(host, report) {
+        Ok(hardware) => {
+            let os = report.os.as_ref().map_or(String::new(), |os| match &os.version {
+                Some(version) => format!(", {} {version}", os.id),
+                None => format!(", {}", os.id),
+            });
+            let log = format!(
+                "inspected over SSH: {} CPUs, {} MiB, {} disks{os}",
+                hardware.cpus,
+                hardware.memory_mib,
+                hardware.disks.len()
+            );
+            (Ok(hardware), Note::info(&log).event("Inspected", log))
+        }
+        Err(e) => {
+            let message = e.to_string();
+            let quarantine = Transition {
+                to: HostState::Quarantined,
+                operation: None,
+                reason: SERVER_NOT_THIS_HOST,
+                message: message.clone(),
+            };
+            (Err(quarantine), Note::warning(&message).event(SERVER_NOT_THIS_HOST, message))
+        }
+    };
+    let change = StatusChange::SshInspected {
+        operation: operation.id.clone(),
+        fresh: seen.fresh.clone(),
+        result: Box::new(result),
+    };
+    Outcome::writing(Write::status(host, change).noted(note)).again(plan::IDLE)
+}
+
+/// The reason of a quarantine for a server reached over SSH that is not the Host's machine.
+pub const SERVER_NOT_THIS_HOST: &str = "SSHServerIsNotThisHost";
 
 /// The reboot annotation carried out, then removed; a BMC that fails keeps it for a later pass.
 /// Without a BMC the operator is told, and the annotation removed.
@@ -775,6 +858,124 @@ pub mod tests {
         let fresh = at(0);
         assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::CheckBmc);
         assert!(!lifecycle::needs_ssh_check(&host));
+        // Nor inspected over SSH: its ramdisk boots.
+        host.status.as_mut().unwrap().state = Some(HostState::Inspecting);
+        host.status.as_mut().unwrap().operation = Some(operation("op", false));
+        assert!(!lifecycle::needs_ssh_inspection(&host));
+    }
+
+    /// An SSH Host registered (its login done) and Inspecting.
+    fn inspecting_over_ssh() -> Host {
+        let mut host = registering_over_ssh();
+        let fresh = at(0);
+        let unique = MacStanding::Unique;
+        assert!(take(&mut host, &Step::CheckSsh, &observed(&fresh, &unique), reached(false)));
+        for _ in 0..10 {
+            let step = next(&host, &observed(&fresh, &unique));
+            if step == Step::InspectOverSsh {
+                return host;
+            }
+            let seen = observed(&fresh, &unique);
+            assert!(take(&mut host, &step, &seen, Answer::NotAsked), "{step:?}");
+        }
+        panic!("never inspected over SSH: {:?}", host.status)
+    }
+
+    fn report(macs: &[&str], uuid: &str) -> Report {
+        let mut text = format!("uuid {uuid}\ncpus 4\nmemkb 8388608\ndisk vda 20971520\n");
+        for (i, mac) in macs.iter().enumerate() {
+            text.push_str(&format!("nic eth{i} {mac}\n"));
+        }
+        siteboot_ssh::inspect::parse(text.as_bytes()).unwrap()
+    }
+
+    const UUID: &str = "0b5a1c2d-0000-4000-8000-0123456789ab";
+
+    /// The server has the boot MAC: its hardware, and Available, in one write.
+    #[test]
+    fn a_server_with_the_boot_mac_is_inspected_and_the_host_available() {
+        let mut host = inspecting_over_ssh();
+        let fresh = at(1);
+        let unique = MacStanding::Unique;
+        let read = host.clone();
+        let seen = observed(&fresh, &unique);
+        let answer = Answer::Inspected(Ok(report(&["52:54:00:00:00:09", MAC], UUID)));
+        let done = outcome(&Step::InspectOverSsh, &read, &seen, answer);
+        assert_eq!(done.writes.len(), 1);
+        assert!(land(&mut host, &done));
+        let status = host.status.as_ref().unwrap();
+        assert_eq!(status.state, Some(HostState::Available));
+        assert_eq!(status.operation, None);
+        let hardware = status.hardware.as_ref().unwrap();
+        assert_eq!(hardware.system.as_ref().unwrap().uuid, UUID);
+        assert_eq!((hardware.cpus, hardware.memory_mib), (4, 8192));
+        assert!(hardware.nics.iter().any(|n| n.mac == MAC));
+        assert_eq!(hardware.disks[0].size_bytes, 20971520 * 512);
+        assert!(!matches!(next(&host, &observed(&fresh, &unique)), Step::InspectOverSsh));
+    }
+
+    /// Another machine at that address (no interface has the boot MAC): quarantined with the
+    /// MACs seen, and nothing of it recorded.
+    #[test]
+    fn a_server_without_the_boot_mac_is_not_this_host() {
+        let mut host = inspecting_over_ssh();
+        let fresh = at(1);
+        let unique = MacStanding::Unique;
+        let read = host.clone();
+        let seen = observed(&fresh, &unique);
+        let answer = Answer::Inspected(Ok(report(&["52:54:00:00:00:09"], UUID)));
+        let refused = outcome(&Step::InspectOverSsh, &read, &seen, answer);
+        assert!(refused.writes[0].note.as_ref().unwrap().is_warning());
+        assert!(land(&mut host, &refused));
+        let status = host.status.as_ref().unwrap();
+        assert_eq!(status.state, Some(HostState::Quarantined));
+        assert_eq!(status.hardware, None);
+        let ready = crate::crd::condition(&status.conditions, crate::conditions::READY).unwrap();
+        assert_eq!(ready.reason, SERVER_NOT_THIS_HOST);
+        assert!(ready.message.contains("52:54:00:00:00:09"), "{}", ready.message);
+        assert!(ready.message.contains(MAC), "{}", ready.message);
+    }
+
+    /// A system UUID recorded by an earlier inspection must be the server's still.
+    #[test]
+    fn a_server_with_another_system_uuid_than_recorded_is_not_this_host() {
+        let mut host = inspecting_over_ssh();
+        let recorded = report(&[MAC], UUID).hardware();
+        host.status.as_mut().unwrap().hardware = Some(recorded);
+        let other = report(&[MAC], "0b5a1c2d-0000-4000-8000-00000000ffff");
+        let e = crate::ssh::identify(&host, &other).unwrap_err();
+        assert!(matches!(e, crate::ssh::NotThisHost::OtherUuid { .. }), "{e}");
+        assert!(crate::ssh::identify(&host, &report(&[MAC], UUID)).is_ok());
+        let fresh = at(1);
+        let unique = MacStanding::Unique;
+        let read = host.clone();
+        let seen = observed(&fresh, &unique);
+        let refused = outcome(&Step::InspectOverSsh, &read, &seen, Answer::Inspected(Ok(other)));
+        assert!(land(&mut host, &refused));
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Quarantined));
+    }
+
+    /// Unreachable: SSHReady False says why, the Host stays Inspecting and is tried again.
+    #[test]
+    fn an_unreachable_server_is_inspected_again_later() {
+        let mut host = inspecting_over_ssh();
+        let fresh = at(1);
+        let unique = MacStanding::Unique;
+        let read = host.clone();
+        let seen = observed(&fresh, &unique);
+        let e = SshAccessError::InspectionFailed("Code(1): \"\"".into());
+        let failed = outcome(&Step::InspectOverSsh, &read, &seen, Answer::Inspected(Err(e)));
+        assert!(land(&mut host, &failed));
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Inspecting));
+        let (status, reason, _) = ssh_ready(&host).unwrap();
+        assert_eq!((status.as_str(), reason.as_str()), ("False", "SSHInspectionFailed"));
+        assert_eq!(next(&host, &observed(&fresh, &unique)), Step::InspectOverSsh);
+        // Then it answers: Available, and SSHReady True again.
+        let read = host.clone();
+        let answer = Answer::Inspected(Ok(report(&[MAC], UUID)));
+        assert!(land(&mut host, &outcome(&Step::InspectOverSsh, &read, &seen, answer)));
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Available));
+        assert_eq!(ssh_ready(&host).unwrap().0, "True");
     }
 
     fn operation(id: &str, virtual_media: bool) -> Operation {
