@@ -470,7 +470,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::output::{CAPTURE_LIMIT, Captured};
+    use crate::output::Captured;
 
     /// Values a Host or a tenant might write to get a command run or a key injected.
     const HOSTILE: &[&str] = &[
@@ -618,15 +618,10 @@ mod tests {
         async fn run(&self, line: &str, _: Duration) -> Result<Output, SshError> {
             self.sent.lock().unwrap().push(line.to_owned());
             let (code, stdout, stderr) = (self.answer)(line);
-            let captured = |text: &str| {
-                let mut c = Captured::new(CAPTURE_LIMIT);
-                c.push(text.as_bytes());
-                c
-            };
             Ok(Output {
                 status: ExitStatus::Code(code),
-                stdout: captured(stdout),
-                stderr: captured(&stderr),
+                stdout: Captured::of(stdout.as_bytes()),
+                stderr: Captured::of(stderr.as_bytes()),
             })
         }
 

@@ -19,6 +19,14 @@ impl Captured {
         Self { bytes: Vec::new(), total: 0, limit }
     }
 
+    /// `data`, captured as a command's stream would be: what a stand-in for a server (a test's)
+    /// answers.
+    pub fn of(data: &[u8]) -> Self {
+        let mut captured = Self::new(CAPTURE_LIMIT);
+        captured.push(data);
+        captured
+    }
+
     pub(crate) fn push(&mut self, data: &[u8]) {
         self.total += data.len() as u64;
         let room = self.limit.saturating_sub(self.bytes.len());
