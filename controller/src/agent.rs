@@ -163,17 +163,17 @@ impl HostRecords<'_> {
         }
         Ok(Ok(sbm))
     }
+}
 
-    /// The host name a provisioned host gets: its Machine's name (what CAPI expects the Node
-    /// to be called), else its consumer's, else the Host's.
-    async fn machine_name(&self, host: &Host) -> Result<String, Failure> {
-        let Some(consumer) = &host.spec.consumer_ref else { return Ok(host.name_any()) };
-        let machines: Api<SitebootMachine> =
-            Api::namespaced(self.ctx.client.clone(), &consumer.namespace);
-        let sbm = machines.get_opt(&consumer.name).await.map_err(Failure::Store)?;
-        let owner = sbm.as_ref().and_then(owner_machine_ref);
-        Ok(owner.map(|o| o.name.clone()).unwrap_or_else(|| consumer.name.clone()))
-    }
+/// The host name a provisioned host gets (written by its ramdisk, or delivered over SSH): its
+/// Machine's name (what CAPI expects the Node to be called), else its consumer's, else the
+/// Host's.
+pub async fn machine_name(client: &kube::Client, host: &Host) -> Result<String, kube::Error> {
+    let Some(consumer) = &host.spec.consumer_ref else { return Ok(host.name_any()) };
+    let machines: Api<SitebootMachine> = Api::namespaced(client.clone(), &consumer.namespace);
+    let sbm = machines.get_opt(&consumer.name).await?;
+    let owner = sbm.as_ref().and_then(owner_machine_ref);
+    Ok(owner.map(|o| o.name.clone()).unwrap_or_else(|| consumer.name.clone()))
 }
 
 fn opened(op: Operation) -> Opened {
@@ -243,7 +243,9 @@ impl Records for HostRecords<'_> {
             hints: host.spec.root_device_hints.clone().unwrap_or_default(),
             meta_data: MetaData {
                 instance_id: op.id.clone(),
-                local_hostname: Some(self.machine_name(host).await?),
+                local_hostname: Some(
+                    machine_name(&self.ctx.client, host).await.map_err(Failure::Store)?,
+                ),
                 provider_id: Some(provider_id(host)),
             },
         })

@@ -11,6 +11,9 @@ use std::time::Duration;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use siteboot_agent_api::Hardware;
+use siteboot_ssh::adopt::{
+    self, AdoptError, Delivery, DeliveryId, MetaData, Progress, Remote, STATE_DIR, StepFailed,
+};
 use siteboot_ssh::inspect::{self, InspectError, Report};
 pub use siteboot_ssh::{
     AccessError, BindingError, BoundAccess, ClientKey, Endpoint, HostKey, HostKeyPolicy,
@@ -18,6 +21,7 @@ pub use siteboot_ssh::{
 };
 
 use crate::crd::{Host, RecordedHostKey, SshMode};
+use crate::handoff::BootstrapData;
 
 /// How long the registration's connection (TCP, handshake, login) may take.
 const CONNECT_DEADLINE: Duration = Duration::from_secs(20);
@@ -68,6 +72,23 @@ pub enum SshAccessError {
     InspectionFailed(String),
     #[error("the server's inspection report is unreadable: {0}")]
     Report(#[from] InspectError),
+    /// A step of the delivery failed (the run itself was not started, or its start is unknown:
+    /// the next pass probes).
+    #[error("delivering the bootstrap data: {0}")]
+    Delivery(StepFailed),
+    #[error("delivering the bootstrap data: {0}")]
+    Adopt(#[from] AdoptError),
+    #[error(
+        "the server holds another delivery's marker in {STATE_DIR}, and no reset ran since: nothing was sent"
+    )]
+    OtherDelivery,
+    #[error(
+        "the server no longer has delivery {0}'s marker in {STATE_DIR}, though its run was seen started: it is not run again; release the host to reset it"
+    )]
+    MarkerLost(String),
+    /// A step of the reset failed, or left something behind: the host is not released.
+    #[error("resetting the server: {0}")]
+    Reset(StepFailed),
 }
 
 impl SshAccessError {
@@ -80,6 +101,10 @@ impl SshAccessError {
             Self::NotForThisServer { .. } => "SSHCredentialsNotForThisServer",
             Self::RecordUnreadable(_) => "SSHHostKeyRecordInvalid",
             Self::InspectionFailed(_) | Self::Report(_) => "SSHInspectionFailed",
+            Self::Delivery(_) | Self::Adopt(_) | Self::OtherDelivery | Self::MarkerLost(_) => {
+                "SSHDeliveryFailed"
+            }
+            Self::Reset(_) => "SSHResetFailed",
             Self::Connect(e) => match e {
                 SshError::HostKeyMismatch { .. } => "HostKeyMismatch",
                 SshError::UnacceptableHostKey { .. } | SshError::HostCertificate { .. } => {
@@ -232,6 +257,55 @@ pub async fn inspect(host: &Host, client: &kube::Client) -> Result<Report, SshAc
     Ok(inspect::parse(output.stdout.bytes())?)
 }
 
+/// Logs in to `host`'s server (its key pinned by now) and moves its delivery on: where the
+/// delivery of the operation under way stands, probed first on every pass, and, if it was never
+/// started, the adopt plan with `data` (`None`: not staged yet, nothing is sent). The host's
+/// marker, claimed by the run's start, is what keeps the data from running twice; the Host's
+/// status records the delivery once the probe saw it started ([`crate::host::write`]).
+pub async fn deliver(
+    host: &Host,
+    client: &kube::Client,
+    data: Option<(BootstrapData, MetaData)>,
+) -> Result<Progress, SshAccessError> {
+    let (session, _, _) = connect(host, client).await?;
+    let progress = deliver_on(&session, host, data).await;
+    hang_up(host, session).await;
+    progress
+}
+
+/// [`deliver`] on the server behind `remote`.
+async fn deliver_on(
+    remote: &impl Remote,
+    host: &Host,
+    data: Option<(BootstrapData, MetaData)>,
+) -> Result<Progress, SshAccessError> {
+    let op = host.status.as_ref().and_then(|s| s.operation.as_ref());
+    let Some(op) = op else { return Ok(Progress::NotStarted) };
+    let id: DeliveryId = op.id.parse()?;
+    match adopt::where_it_stands(remote, &id).await.map_err(SshAccessError::Delivery)? {
+        Progress::NotStarted if op.bootstrap_delivered => {
+            return Err(SshAccessError::MarkerLost(op.id.clone()));
+        }
+        Progress::NotStarted => {}
+        Progress::OtherDelivery => return Err(SshAccessError::OtherDelivery),
+        progress => return Ok(progress),
+    }
+    let Some((data, meta)) = data else { return Ok(Progress::NotStarted) };
+    let delivery = Delivery { id, meta, data: data.value, format: data.format.parse()? };
+    let steps = adopt::deliver(&delivery);
+    adopt::follow(remote, &steps).await.map_err(SshAccessError::Delivery)?;
+    Ok(Progress::Running)
+}
+
+/// Logs in to `host`'s server and resets it ([`adopt::reset`]): its Kubernetes state removed
+/// and verified gone, its delivery marker last.
+pub async fn reset(host: &Host, client: &kube::Client) -> Result<(), SshAccessError> {
+    let (session, _, _) = connect(host, client).await?;
+    let reset = adopt::follow(&session, &adopt::reset()).await.map_err(SshAccessError::Reset);
+    hang_up(host, session).await;
+    reset
+}
+
 /// Why an inspected server is not `host`'s machine. Says what was seen, bounded: the server's
 /// MACs and UUID passed [`inspect::parse`], so they are plain hex.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -286,6 +360,7 @@ mod tests {
 
     use super::*;
     use crate::crd::{Access, HostSpec, HostStatus, SshAccess};
+    use siteboot_ssh::Captured;
 
     const PRIVATE_KEY: &str = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\nQyNTUxOQAAACBHtIV64SKCJuQ9TdaCoIcgM01Lg0AuiNylCH8JtJ3F+AAAAJBx4HtwceB7\ncAAAAAtzc2gtZWQyNTUxOQAAACBHtIV64SKCJuQ9TdaCoIcgM01Lg0AuiNylCH8JtJ3F+A\nAAAEBAP0sERiFkFrIz0omAHUUluhVum32a57sKOPbsMZQ2sEe0hXrhIoIm5D1N1oKghyAz\nTUuDQC6I3KUIfwm0ncX4AAAADHJvb3RAZml4dHVyZQE=\n-----END OPENSSH PRIVATE KEY-----\n";
     const HOST_KEY: &str =
@@ -368,5 +443,108 @@ mod tests {
         assert_eq!(policy(&host, &access).unwrap(), HostKeyPolicy::TrustOnFirstUse);
         host.status.as_mut().unwrap().ssh_host_key = Some(record("10.0.0.5", "garbage"));
         assert_eq!(policy(&host, &access).unwrap_err().reason(), "SSHHostKeyRecordInvalid");
+    }
+
+    /// A server that answers the probe with `probed` and every other command with success,
+    /// recording what it was sent.
+    struct Server {
+        probed: &'static str,
+        sent: std::sync::Mutex<Vec<String>>,
+    }
+
+    impl Remote for Server {
+        async fn run(&self, line: &str, _: Duration) -> Result<siteboot_ssh::Output, SshError> {
+            self.sent.lock().unwrap().push(line.to_owned());
+            let probe = line == adopt::probe().line;
+            let stdout = Captured::of(if probe { self.probed.as_bytes() } else { b"" });
+            Ok(siteboot_ssh::Output {
+                status: siteboot_ssh::ExitStatus::Code(0),
+                stdout,
+                stderr: Captured::of(b""),
+            })
+        }
+
+        async fn upload(
+            &self,
+            path: &siteboot_ssh::RemotePath,
+            _: siteboot_ssh::FileMode,
+            _: &[u8],
+            _: Duration,
+        ) -> Result<(), SshError> {
+            self.sent.lock().unwrap().push(format!("upload {path}"));
+            Ok(())
+        }
+    }
+
+    fn provisioning(delivered: bool) -> Host {
+        let mut host = host("10.0.0.5");
+        let op = crate::crd::Operation {
+            kind: crate::crd::OperationKind::Provision,
+            id: "op-1".into(),
+            started: crate::crd::now(),
+            token_hash: None,
+            token_address: None,
+            token_issued: None,
+            boot_requested: None,
+            virtual_media: false,
+            image: None,
+            bootstrap_delivered: delivered,
+            step: None,
+            bytes: None,
+            last_heard: None,
+        };
+        host.status = Some(HostStatus {
+            state: Some(crate::crd::HostState::Provisioning),
+            operation: Some(op),
+            ..HostStatus::default()
+        });
+        host
+    }
+
+    fn staged() -> Option<(BootstrapData, MetaData)> {
+        let data =
+            BootstrapData { value: b"#cloud-config\n".to_vec(), format: "cloud-config".into() };
+        let meta = MetaData {
+            instance_id: "op-1".into(),
+            local_hostname: "m".into(),
+            provider_id: "siteboot://metal/adopted".into(),
+        };
+        Some((data, meta))
+    }
+
+    fn block_on<T>(future: impl std::future::Future<Output = T>) -> T {
+        tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(future)
+    }
+
+    /// Every delivery pass probes first. Only a server where nothing was started gets the
+    /// plan; one where this delivery's run was started (a pass that died before its record)
+    /// gets nothing more, nor does one whose marker went after the run was recorded started.
+    #[test]
+    fn a_delivery_probes_first_and_never_starts_the_run_twice() {
+        let deliver = |probed: &'static str, delivered: bool, data| {
+            let server = Server { probed, sent: Default::default() };
+            let progress = block_on(deliver_on(&server, &provisioning(delivered), data));
+            (progress, server.sent.into_inner().unwrap())
+        };
+        let (progress, sent) = deliver("", false, staged());
+        assert_eq!(progress.unwrap(), Progress::Running);
+        assert_eq!(sent[0], adopt::probe().line);
+        assert!(sent.iter().any(|l| l.contains("systemd-run")), "{sent:?}");
+        assert!(!sent.iter().any(|l| l.contains("cloud-config")), "the data on a command line");
+        let (progress, sent) = deliver("", false, None);
+        assert_eq!((progress.unwrap(), sent.len()), (Progress::NotStarted, 1), "not staged yet");
+        for (probed, expected) in [
+            ("delivery=op-1\n", Progress::Running),
+            ("delivery=op-1\nresult=0\n", Progress::Finished(0)),
+        ] {
+            let (progress, sent) = deliver(probed, false, staged());
+            assert_eq!(progress.unwrap(), expected);
+            assert_eq!(sent, [adopt::probe().line], "started again");
+        }
+        let (other, sent) = deliver("delivery=op-0\n", false, staged());
+        assert_eq!((other.unwrap_err().reason(), sent.len()), ("SSHDeliveryFailed", 1));
+        let (lost, sent) = deliver("", true, None);
+        assert!(matches!(lost, Err(SshAccessError::MarkerLost(_))), "{lost:?}");
+        assert_eq!(sent.len(), 1);
     }
 }

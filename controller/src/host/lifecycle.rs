@@ -14,6 +14,11 @@
 //! host that may hold a tenant's data goes from Registering to Deprovisioning, never to
 //! Available, whatever released it (a Machine deleted while the host was Quarantined, a retry).
 //! Deleting a Host waits for its consumer to let go and for that wipe ([`on_delete`]).
+//!
+//! An [`adopted`] host (reached over SSH alone, mode Adopt) goes the same way, but no ramdisk
+//! boots: Provisioning gets the Machine's bootstrap data over SSH ([`needs_ssh_delivery`]) and
+//! Deprovisioning resets it over SSH ([`needs_ssh_reset`]) instead of wiping its disks, which are
+//! its operator's.
 
 use std::time::Duration;
 
@@ -25,8 +30,8 @@ use crate::conditions::{BMC_READY, SSH_READY};
 
 use crate::crd::capi::DELETE_FOR_MOVE_ANNOTATION;
 use crate::crd::{
-    BootMethod, Hardware, Host, HostState, HostStatus, Image, Installed, Operation, OperationKind,
-    WipePolicy, now, set_condition,
+    BootMethod, Hardware, Host, HostState, HostStatus, Image, Installed, MachineAddress, Operation,
+    OperationKind, SshAccess, SshMode, WipePolicy, now, set_condition,
 };
 
 /// Annotation an operator sets on a Quarantined host to try again from Registering.
@@ -75,6 +80,11 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
             }
             if let Err(e) = crate::ssh::spec_of(host) {
                 return t(HostState::Quarantined, None, e.reason(), &e.to_string());
+            }
+            if reached_over_ssh(host) == Some(SshMode::Reimage) {
+                // Said, rather than a claim that would wait for a ramdisk nothing boots.
+                let why = "spec.access.ssh.mode Reimage (kexec into the ramdisk) is not supported yet: use Adopt, or give the Host a spec.bmc";
+                return t(HostState::Quarantined, None, "SSHReimageNotSupported", why);
             }
             if needs_bmc_check(host) || needs_ssh_check(host) {
                 // The reconciler checks the BMC ([`bmc_check`]) or logs in over SSH first.
@@ -126,7 +136,9 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
                 None
             }
         }
-        Some(HostState::Deprovisioning) if wipe(host, min_wipe) == WipePolicy::None => {
+        Some(HostState::Deprovisioning)
+            if wipe(host, min_wipe) == WipePolicy::None && !adopted(host) =>
+        {
             t(HostState::Available, None, "Deprovisioned", "wipe policy none: nothing to do")
         }
         Some(HostState::Quarantined) if retry_requested(host) => {
@@ -178,7 +190,10 @@ fn deprovision(
     reason: &'static str,
     message: &str,
 ) -> Option<Transition> {
-    if wipe(host, min_wipe) == WipePolicy::None {
+    // An adopted host's disks are its operator's, never wiped: its reset (the node's
+    // Kubernetes state removed) runs whatever the wipe policies say, as the next claim's
+    // delivery needs it.
+    if wipe(host, min_wipe) == WipePolicy::None && !adopted(host) {
         return Some(Transition {
             to: HostState::Available,
             operation: None,
@@ -376,30 +391,112 @@ pub fn needs_bmc_check(host: &Host) -> bool {
         && !verified
 }
 
-/// Whether `host` waits in Registering for a login over SSH: it has `spec.access.ssh` and no
-/// BMC (a BMC is the stronger way in, and checked instead), and this registration has not
-/// logged in yet.
+/// How `host` is reached when SSH is its only way in (`spec.access.ssh`, no BMC: a BMC is the
+/// stronger way in, and used instead).
+fn reached_over_ssh(host: &Host) -> Option<SshMode> {
+    if host.spec.bmc.is_some() {
+        return None;
+    }
+    Some(ssh_of(host)?.mode)
+}
+
+/// Whether `host` is adopted: reached over SSH alone, in mode Adopt. Claimed, it gets its
+/// Machine's bootstrap data over SSH ([`needs_ssh_delivery`]); released, it is reset over SSH
+/// ([`needs_ssh_reset`]); no ramdisk boots and no disk is written or wiped.
+pub fn adopted(host: &Host) -> bool {
+    reached_over_ssh(host) == Some(SshMode::Adopt)
+}
+
+/// Whether `host` is in `state` running an operation of `kind`.
+fn runs(host: &Host, state: HostState, kind: OperationKind) -> bool {
+    let status = host.status.as_ref();
+    status.and_then(|s| s.state) == Some(state)
+        && status.and_then(|s| s.operation.as_ref()).is_some_and(|op| op.kind == kind)
+}
+
+/// Whether `host` waits in Registering for a login over SSH: it is reached over SSH alone, and
+/// this registration has not logged in yet.
 pub fn needs_ssh_check(host: &Host) -> bool {
     let status = host.status.as_ref();
     let verified = status
         .and_then(|s| crate::crd::condition(&s.conditions, SSH_READY))
         .is_some_and(|c| c.status == "True");
-    host.spec.bmc.is_none()
-        && host.spec.access.as_ref().is_some_and(|a| a.ssh.is_some())
+    reached_over_ssh(host).is_some()
         && status.and_then(|s| s.state) == Some(HostState::Registering)
         && !verified
 }
 
-/// Whether `host` is inspected over SSH: it is reached over SSH without a BMC (no ramdisk
-/// boots on a server that already runs), and inspection is under way.
+/// Whether `host` is inspected over SSH: it is reached over SSH alone (no ramdisk boots on a
+/// server that already runs), and inspection is under way.
 pub fn needs_ssh_inspection(host: &Host) -> bool {
-    let status = host.status.as_ref();
-    host.spec.bmc.is_none()
-        && host.spec.access.as_ref().is_some_and(|a| a.ssh.is_some())
-        && status.and_then(|s| s.state) == Some(HostState::Inspecting)
-        && status
-            .and_then(|s| s.operation.as_ref())
-            .is_some_and(|op| op.kind == OperationKind::Inspect)
+    reached_over_ssh(host).is_some() && runs(host, HostState::Inspecting, OperationKind::Inspect)
+}
+
+/// Whether `host` gets its Machine's bootstrap data over SSH: adopted, and provisioning.
+pub fn needs_ssh_delivery(host: &Host) -> bool {
+    adopted(host) && runs(host, HostState::Provisioning, OperationKind::Provision)
+}
+
+/// Whether `host` is reset over SSH: adopted, and released (where a network-booted host is
+/// wiped).
+pub fn needs_ssh_reset(host: &Host) -> bool {
+    adopted(host) && runs(host, HostState::Deprovisioning, OperationKind::Deprovision)
+}
+
+/// The end of an adopted host's delivery, whose data's run exited `code`: Provisioned, or
+/// quarantined (the data is never run twice).
+pub fn delivery_ended(host: &Host, code: i32) -> Transition {
+    match code {
+        0 => Transition {
+            to: HostState::Provisioned,
+            operation: None,
+            reason: "Provisioned",
+            message: format!("bootstrap data delivered over SSH and run for {}", consumer(host)),
+        },
+        code => Transition {
+            to: HostState::Quarantined,
+            operation: None,
+            reason: "ProvisioningFailed",
+            message: format!(
+                "the bootstrap data's run on the server exited {code}; it is not run again"
+            ),
+        },
+    }
+}
+
+/// An adopted host's status once its delivery ended with `transition` ([`delivery_ended`]):
+/// Provisioned as a network-booted host is, its "installed image" the one its consumer asked
+/// for (nothing was written: the Machine's image is what the machine reconciler compares), its
+/// address the one siteboot reaches it at.
+pub fn delivered(host: &Host, transition: &Transition, fresh: &Fresh) -> HostStatus {
+    let mut status = apply(host, transition, fresh);
+    let provisioning = host.spec.provisioning.as_ref();
+    if transition.to == HostState::Provisioned
+        && let (Some(p), Some(c), Some(ssh)) = (provisioning, &host.spec.consumer_ref, ssh_of(host))
+    {
+        status.installed = Some(Installed {
+            image: p.image.clone(),
+            consumer: format!("{}/{}", c.namespace, c.name),
+            disk_boot_pending: false,
+        });
+        let address = ssh.address.clone();
+        status.addresses = vec![MachineAddress { kind: "InternalIP".into(), address }];
+    }
+    status
+}
+
+fn ssh_of(host: &Host) -> Option<&SshAccess> {
+    host.spec.access.as_ref()?.ssh.as_ref()
+}
+
+/// An adopted host reset: Available again, its disks untouched.
+pub fn reset_done() -> Transition {
+    Transition {
+        to: HostState::Available,
+        operation: None,
+        reason: "Reset",
+        message: "the node's Kubernetes state was removed over SSH and verified gone; the OS and data disks are kept".into(),
+    }
 }
 
 /// The BMC condition from what asking the BMC for the host's identity gave: `(ok, reason,

@@ -65,6 +65,11 @@ pub enum Step {
     CheckSsh,
     /// Inspect the host over SSH: it runs, and boots no ramdisk.
     InspectOverSsh,
+    /// Probe an adopted host's delivery over SSH, and start it if it never was: the
+    /// provisioning of a host that keeps its OS.
+    DeliverOverSsh,
+    /// Reset a released adopted host over SSH: its wipe.
+    ResetOverSsh,
     /// Reboot or power as the Host's annotation asks.
     Reboot(Reboot),
     /// Nothing to change: refresh the power reading, look again after `again`.
@@ -142,6 +147,12 @@ pub fn next(host: &Host, seen: &Observed) -> Step {
     if lifecycle::needs_ssh_inspection(host) {
         return Step::InspectOverSsh;
     }
+    if lifecycle::needs_ssh_delivery(host) {
+        return Step::DeliverOverSsh;
+    }
+    if lifecycle::needs_ssh_reset(host) {
+        return Step::ResetOverSsh;
+    }
     if let Some(reboot) = lifecycle::reboot(host) {
         return Step::Reboot(reboot);
     }
@@ -161,6 +172,7 @@ fn deletion(host: &Host, seen: &Observed) -> Step {
         Deletion::WaitForRelease | Deletion::WaitForWipe => match transition(host, seen) {
             Some(t) => Step::Transit(t),
             None if lifecycle::boot_due(host, seen.fresh.now.0.as_second()) => Step::RequestBoot,
+            None if lifecycle::needs_ssh_reset(host) => Step::ResetOverSsh,
             None => Step::AwaitDeletion,
         },
         Deletion::Wipe(t) => Step::WipeBeforeDelete(t),
@@ -247,6 +259,8 @@ mod tests {
                 Step::CheckBmc => "CheckBmc",
                 Step::CheckSsh => "CheckSsh",
                 Step::InspectOverSsh => "InspectOverSsh",
+                Step::DeliverOverSsh => "DeliverOverSsh",
+                Step::ResetOverSsh => "ResetOverSsh",
                 Step::Reboot(_) => "Reboot",
                 Step::Idle { .. } => "Idle",
                 Step::ClearRetry => "ClearRetry",

@@ -19,14 +19,18 @@ use kube::runtime::watcher;
 use super::lifecycle::{Fresh, Reboot};
 use super::plan::{self, Observed, Step};
 use super::write::{self, Again, Answer, Change, Outcome, Write};
+use crate::agent;
 use crate::bmc::{self, BmcError};
 use crate::context::{
     Ctx, Error, Level, Note, Reconciled, key, patch_unchanged, update_host_status,
 };
 use crate::crd::{Host, HostState, SITE_LABEL};
+use crate::handoff::{self, BootstrapData, Staged};
+use crate::machine::plan::provider_id;
 use crate::pools::MacStanding;
 use crate::ssh;
 use siteboot_agent_server::token;
+use siteboot_ssh::adopt::MetaData;
 
 /// How soon a Host is looked at again after a write that did not land (it was planned from a
 /// stale read).
@@ -76,6 +80,13 @@ async fn ask(step: &Step, host: &Host, ctx: &Ctx, fresh: &Fresh) -> Result<Answe
     if *step == Step::InspectOverSsh {
         return Ok(Answer::Inspected(ssh::inspect(host, &ctx.client).await));
     }
+    if *step == Step::DeliverOverSsh {
+        let data = staged_delivery(host, ctx).await?;
+        return Ok(Answer::Delivery(ssh::deliver(host, &ctx.client, data).await));
+    }
+    if *step == Step::ResetOverSsh {
+        return Ok(Answer::Reset(ssh::reset(host, &ctx.client).await));
+    }
     let asks = matches!(
         step,
         Step::RequestBoot
@@ -122,6 +133,29 @@ async fn ask(step: &Step, host: &Host, ctx: &Ctx, fresh: &Fresh) -> Result<Answe
         Step::Idle { .. } => Answer::Power(driver.power().await.ok()),
         _ => Answer::NotAsked,
     })
+}
+
+/// What an adopted host's delivery sends, until it was seen started: the data staged for its
+/// operation, read as the boot plane reads it ([`handoff::read`]: only a copy naming this Host
+/// and operation), and the meta-data a ramdisk would write. `None`: not staged (yet).
+async fn staged_delivery(
+    host: &Host,
+    ctx: &Ctx,
+) -> Result<Option<(BootstrapData, MetaData)>, kube::Error> {
+    let op = host.status.as_ref().and_then(|s| s.operation.as_ref());
+    let (Some(consumer), Some(op)) = (&host.spec.consumer_ref, op) else { return Ok(None) };
+    if op.bootstrap_delivered {
+        return Ok(None);
+    }
+    let expected = Staged { host: key(host), operation: op.id.clone() };
+    let staged = handoff::read(&ctx.client, &ctx.namespace, &consumer.uid, &expected).await?;
+    let Some(data) = staged else { return Ok(None) };
+    let meta = MetaData {
+        instance_id: op.id.clone(),
+        local_hostname: agent::machine_name(&ctx.client, host).await?,
+        provider_id: provider_id(host),
+    };
+    Ok(Some((data, meta)))
 }
 
 /// Boots `host` into the ramdisk for the operation it runs: once from the network, or from

@@ -23,6 +23,7 @@ use crate::crd::{
 };
 use crate::pools::MacStanding;
 use crate::ssh::{Endpoint, Reached, SshAccessError};
+use siteboot_ssh::adopt::Progress;
 use siteboot_ssh::inspect::Report;
 
 /// How soon a boot or reboot the BMC failed is tried again.
@@ -97,6 +98,12 @@ pub enum StatusChange {
     /// The server of an SSH Host inspected for `operation` at `fresh`: its hardware written and
     /// the Host Available, in one write, or (not this Host's machine) `Err`, the quarantine.
     SshInspected { operation: String, fresh: Fresh, result: Box<Result<Hardware, Transition>> },
+    /// The delivery of `operation` over SSH seen started on the server (its data left: the
+    /// staged copy goes), and, once its run ended, the transition [`lifecycle::delivery_ended`]
+    /// made of it at `fresh`.
+    SshDelivery { operation: String, fresh: Fresh, ended: Option<Transition> },
+    /// The reset of `operation` over SSH done and verified at `fresh`: the host Available.
+    SshReset { operation: String, fresh: Fresh },
     /// Virtual media for `operation` carries a token whose hash is `hash`, issued at `at`; the
     /// hash is stored before the media goes in, so the media works as soon as the BMC fetches
     /// it. Not once the bootstrap data left: as for a network boot, no new token then.
@@ -132,6 +139,12 @@ pub enum Answer {
     Ssh(Result<Reached, SshAccessError>),
     /// The inspection over SSH: what the server said it is, or why it said nothing.
     Inspected(Result<Report, SshAccessError>),
+    /// The delivery over SSH, probed first: where it stands ([`Progress::Running`] once this
+    /// pass started it; [`Progress::NotStarted`]: the data is not staged yet, nothing was sent),
+    /// or why the server was not reached or a step failed.
+    Delivery(Result<Progress, SshAccessError>),
+    /// The reset over SSH: done and verified, or why not.
+    Reset(Result<(), SshAccessError>),
 }
 
 impl Recheck {
@@ -208,10 +221,7 @@ impl StatusChange {
                 }
             }
             StatusChange::SshInspected { operation, fresh, result } => {
-                let op = status.operation.as_ref();
-                if status.state != Some(HostState::Inspecting)
-                    || op.map(|op| &op.id) != Some(operation)
-                {
+                if !running(current, HostState::Inspecting, operation) {
                     return None;
                 }
                 status = match &**result {
@@ -225,15 +235,29 @@ impl StatusChange {
                     ),
                     Err(quarantine) => lifecycle::apply(current, quarantine, fresh),
                 };
-                // A login that failed during the inspection is over.
                 if result.is_ok() {
-                    let message = "logged in and inspected the server";
-                    let ssh_ready = crate::crd::condition(&status.conditions, SSH_READY);
-                    if ssh_ready.is_some_and(|c| c.status != "True") {
-                        let conditions = &mut status.conditions;
-                        set_condition(conditions, SSH_READY, true, "LoggedIn", message, generation);
-                    }
+                    logged_in(&mut status, "logged in and inspected the server", generation);
                 }
+            }
+            StatusChange::SshDelivery { operation, fresh, ended } => {
+                if !running(current, HostState::Provisioning, operation) {
+                    return None;
+                }
+                match ended {
+                    None => {
+                        let op = status.operation.as_mut()?;
+                        op.bootstrap_delivered = true;
+                    }
+                    Some(ended) => status = lifecycle::delivered(current, ended, fresh),
+                }
+                logged_in(&mut status, "logged in and delivered the bootstrap data", generation);
+            }
+            StatusChange::SshReset { operation, fresh } => {
+                if !running(current, HostState::Deprovisioning, operation) {
+                    return None;
+                }
+                status = lifecycle::apply(current, &lifecycle::reset_done(), fresh);
+                logged_in(&mut status, "logged in and reset the server", generation);
             }
             StatusChange::MediaToken { operation, hash, at } => {
                 let op = status.operation.as_mut();
@@ -252,6 +276,23 @@ impl StatusChange {
             StatusChange::Power(power) => status.power = Some(*power),
         }
         (current.status.as_ref() != Some(&status)).then_some(status)
+    }
+}
+
+/// Whether `host` is in `state` running `operation`: what a step's answer is for.
+fn running(host: &Host, state: HostState, operation: &str) -> bool {
+    let status = host.status.as_ref();
+    status.and_then(|s| s.state) == Some(state)
+        && status.and_then(|s| s.operation.as_ref()).is_some_and(|op| op.id == operation)
+}
+
+/// `SSHReady` True again once siteboot logged in and did what it came for: a login that
+/// failed since is over.
+fn logged_in(status: &mut HostStatus, message: &str, generation: Option<i64>) {
+    let ssh_ready = crate::crd::condition(&status.conditions, SSH_READY);
+    if ssh_ready.is_some_and(|c| c.status != "True") {
+        let conditions = &mut status.conditions;
+        set_condition(conditions, SSH_READY, true, "LoggedIn", message, generation);
     }
 }
 
@@ -345,6 +386,19 @@ pub fn outcome<'a>(step: &Step, host: &'a Host, seen: &'a Observed, answer: Answ
             Answer::Inspected(Err(e)) => ssh_checked(host, seen, Err(e)),
             _ => Outcome::after(Duration::ZERO),
         },
+        Step::DeliverOverSsh => match answer {
+            Answer::Delivery(Ok(progress)) => delivery(host, seen, progress),
+            // Unreachable, a wrong host key, a failing step: SSHReady says which, and the
+            // next try probes first.
+            Answer::Delivery(Err(e)) => ssh_checked(host, seen, Err(e)),
+            _ => Outcome::after(Duration::ZERO),
+        },
+        Step::ResetOverSsh => match answer {
+            Answer::Reset(Ok(())) => reset(host, seen),
+            // The host stays Deprovisioning, never Available with something left behind.
+            Answer::Reset(Err(e)) => ssh_checked(host, seen, Err(e)),
+            _ => Outcome::after(Duration::ZERO),
+        },
         Step::Reboot(reboot) => rebooted(host, *reboot, answer.done()),
         Step::EjectMedia => match answer.done() {
             Err(e) => Outcome::after(EJECT_RETRY).noted(
@@ -389,9 +443,12 @@ impl Answer {
         match self {
             Answer::Done(result) => result,
             Answer::NotAsked => Err("the host has no spec.bmc".to_owned()),
-            Answer::Identity(_) | Answer::Power(_) | Answer::Ssh(_) | Answer::Inspected(_) => {
-                Err("the BMC was asked something else".into())
-            }
+            Answer::Identity(_)
+            | Answer::Power(_)
+            | Answer::Ssh(_)
+            | Answer::Inspected(_)
+            | Answer::Delivery(_)
+            | Answer::Reset(_) => Err("the BMC was asked something else".into()),
         }
     }
 }
@@ -588,6 +645,77 @@ fn inspected<'a>(host: &'a Host, seen: &Observed, report: &Report) -> Outcome<'a
     Outcome::writing(Write::status(host, change).noted(note)).again(plan::IDLE)
 }
 
+/// How often an adopted host's delivery is probed while its data is not staged yet or runs.
+pub const DELIVERY_CHECK: Duration = Duration::from_secs(30);
+/// How long after its operation started a delivery's run may still be running: its own limit,
+/// and a grace for the data's staging and the start (a later start is only waited for longer).
+const DELIVERY_DEADLINE: Duration =
+    Duration::from_secs(siteboot_ssh::adopt::RUN_LIMIT.as_secs() + 10 * 60);
+
+/// Where an adopted host's delivery stands, written: started (the data left), ended
+/// (Provisioned, or quarantined for a run that failed or never said how it ended), or nothing
+/// yet.
+fn delivery<'a>(host: &'a Host, seen: &Observed, progress: Progress) -> Outcome<'a> {
+    let Some(op) = host.status.as_ref().and_then(|s| s.operation.as_ref()) else {
+        return Outcome::after(Duration::ZERO);
+    };
+    let ended = match progress {
+        Progress::NotStarted => {
+            let note = Note::debug("waiting for the bootstrap data to be staged");
+            return Outcome::after(DELIVERY_CHECK).noted(note);
+        }
+        Progress::OtherDelivery => {
+            return ssh_checked(host, seen, Err(SshAccessError::OtherDelivery));
+        }
+        Progress::Running
+            if lifecycle::older_than(
+                &op.started,
+                DELIVERY_DEADLINE.as_secs() as i64,
+                &seen.fresh.now,
+            ) =>
+        {
+            let message = format!(
+                "the bootstrap data's run gave no result within {} of the claim; it is not run again",
+                humantime::format_duration(DELIVERY_DEADLINE)
+            );
+            let quarantine = Transition {
+                to: HostState::Quarantined,
+                operation: None,
+                reason: "ProvisioningFailed",
+                message,
+            };
+            Some(quarantine)
+        }
+        Progress::Running => None,
+        Progress::Finished(code) => Some(lifecycle::delivery_ended(host, code)),
+    };
+    let note = match &ended {
+        None => Note::info(format!("the bootstrap data of operation {} runs on the server", op.id)),
+        Some(t) if t.to == HostState::Quarantined => {
+            Note::warning(&t.message).event(t.reason, t.message.clone())
+        }
+        Some(t) => Note::info(&t.message).event(t.reason, t.message.clone()),
+    };
+    let again = if ended.is_some() { plan::IDLE } else { DELIVERY_CHECK };
+    let change =
+        StatusChange::SshDelivery { operation: op.id.clone(), fresh: seen.fresh.clone(), ended };
+    if change.apply(host).is_none() {
+        return Outcome::after(again);
+    }
+    Outcome::writing(Write::status(host, change).noted(note)).again(again)
+}
+
+/// An adopted host reset: Available again.
+fn reset<'a>(host: &'a Host, seen: &Observed) -> Outcome<'a> {
+    let Some(op) = host.status.as_ref().and_then(|s| s.operation.as_ref()) else {
+        return Outcome::after(Duration::ZERO);
+    };
+    let done = lifecycle::reset_done();
+    let note = Note::info(&done.message).event(done.reason, done.message.clone());
+    let change = StatusChange::SshReset { operation: op.id.clone(), fresh: seen.fresh.clone() };
+    Outcome::writing(Write::status(host, change).noted(note)).again(plan::IDLE)
+}
+
 /// The reason of a quarantine for a server reached over SSH that is not the Host's machine.
 pub const SERVER_NOT_THIS_HOST: &str = "SSHServerIsNotThisHost";
 
@@ -628,6 +756,7 @@ pub mod tests {
     use crate::crd::{Access, Bmc, HostSpec, Operation, OperationKind, SshAccess, SshMode};
     use crate::host::plan::{IDLE, SILENCE_CHECK, next};
     use kube::ResourceExt;
+    use siteboot_ssh::adopt::StepFailed;
 
     /// What `outcome`'s writes of `host` leave on it, as the API server would: whether each
     /// landed (the Host is the only writer, so every guard holds).
@@ -976,6 +1105,341 @@ pub mod tests {
         assert!(land(&mut host, &outcome(&Step::InspectOverSsh, &read, &seen, answer)));
         assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Available));
         assert_eq!(ssh_ready(&host).unwrap().0, "True");
+    }
+
+    /// An adopted host (inspected over SSH, Available) claimed by a SitebootMachine: what it
+    /// does until its delivery is the step.
+    fn delivering() -> Host {
+        let mut host = inspecting_over_ssh();
+        let fresh = at(0);
+        let unique = MacStanding::Unique;
+        let seen = observed(&fresh, &unique);
+        let answer = Answer::Inspected(Ok(report(&[MAC], UUID)));
+        assert!(take(&mut host, &Step::InspectOverSsh, &seen, answer));
+        host.spec.consumer_ref = Some(crate::crd::ConsumerRef {
+            api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
+            kind: "SitebootMachine".into(),
+            namespace: "ns".into(),
+            name: "m".into(),
+            uid: "u".into(),
+        });
+        host.spec.provisioning = Some(crate::crd::Provisioning {
+            image: crate::crd::Image {
+                url: "http://x/1.img".into(),
+                checksum: format!("sha256:{}", "0".repeat(64)),
+                format: None,
+                grow_last_partition: false,
+            },
+        });
+        for _ in 0..10 {
+            let step = next(&host, &observed(&fresh, &unique));
+            if step == Step::DeliverOverSsh {
+                return host;
+            }
+            assert!(!matches!(step, Step::RequestBoot), "a ramdisk for an adopted host");
+            assert!(
+                take(&mut host, &step, &observed(&fresh, &unique), Answer::NotAsked),
+                "{step:?}"
+            );
+        }
+        panic!("never delivered over SSH: {:?}", host.status)
+    }
+
+    /// `step`'s outcome for `host` at `fresh` given `answer`, landed: when the Host is looked
+    /// at again, and how many writes it made.
+    fn answered(host: &mut Host, step: Step, fresh: &Fresh, answer: Answer) -> (Again, usize) {
+        let read = host.clone();
+        let unique = MacStanding::Unique;
+        let seen = observed(fresh, &unique);
+        let done = outcome(&step, &read, &seen, answer);
+        assert!(land(host, &done), "{step:?} did not land");
+        (done.again, done.writes.len())
+    }
+
+    fn delivery_started(host: &Host) -> bool {
+        let op = host.status.as_ref().unwrap().operation.as_ref();
+        op.is_some_and(|op| op.bootstrap_delivered)
+    }
+
+    /// Claimed: no ramdisk, no image. The delivery waits for the staged data, is recorded once
+    /// the server says its run started (the staged copy then goes), and its run's success
+    /// makes the host Provisioned as the machine reconciler expects: the image asked for, the
+    /// address siteboot reaches it at.
+    #[test]
+    fn an_adopted_host_claimed_gets_its_data_over_ssh_and_is_provisioned() {
+        let mut host = delivering();
+        let state = |h: &Host| h.status.as_ref().unwrap().state;
+        assert_eq!(state(&host), Some(HostState::Provisioning));
+        let fresh = at(1);
+        let waiting = answered(
+            &mut host,
+            Step::DeliverOverSsh,
+            &fresh,
+            Answer::Delivery(Ok(Progress::NotStarted)),
+        );
+        assert_eq!(waiting, (Again::After(DELIVERY_CHECK), 0));
+        assert!(!delivery_started(&host));
+        let started = answered(
+            &mut host,
+            Step::DeliverOverSsh,
+            &fresh,
+            Answer::Delivery(Ok(Progress::Running)),
+        );
+        assert_eq!(started, (Again::After(DELIVERY_CHECK), 1));
+        assert!(delivery_started(&host));
+        assert_eq!(state(&host), Some(HostState::Provisioning));
+        assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::DeliverOverSsh);
+        // Still running: nothing new to write.
+        let running = answered(
+            &mut host,
+            Step::DeliverOverSsh,
+            &fresh,
+            Answer::Delivery(Ok(Progress::Running)),
+        );
+        assert_eq!(running.1, 0);
+        answered(
+            &mut host,
+            Step::DeliverOverSsh,
+            &fresh,
+            Answer::Delivery(Ok(Progress::Finished(0))),
+        );
+        let status = host.status.as_ref().unwrap();
+        assert_eq!(status.state, Some(HostState::Provisioned));
+        assert_eq!(status.operation, None);
+        let installed = status.installed.as_ref().unwrap();
+        assert_eq!(Some(&installed.image), host.spec.provisioning.as_ref().map(|p| &p.image));
+        assert!(!installed.disk_boot_pending);
+        assert_eq!(status.addresses[0].address, "10.0.0.7");
+        assert!(status.wipe_required, "a tenant's node now: released only through a reset");
+        let ready = crate::crd::condition(&status.conditions, crate::conditions::READY).unwrap();
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("True", "Provisioned"));
+        assert!(matches!(settled(&mut host, &fresh), Step::Idle { .. }));
+    }
+
+    /// The pass that started the run died before its record: the status still says nothing
+    /// left, so the next pass's step is the delivery again, which probes first
+    /// ([`crate::ssh::deliver`]) and learns the run started: recorded, never started again.
+    /// A record whose marker the server lost is said, not delivered again.
+    #[test]
+    fn a_delivery_resumed_after_a_crash_probes_and_records_what_the_server_says() {
+        let mut host = delivering();
+        let fresh = at(1);
+        assert!(!delivery_started(&host));
+        assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::DeliverOverSsh);
+        let resumed = answered(
+            &mut host,
+            Step::DeliverOverSsh,
+            &fresh,
+            Answer::Delivery(Ok(Progress::Finished(0))),
+        );
+        assert_eq!(resumed.1, 1);
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Provisioned));
+
+        let mut host = delivering();
+        answered(&mut host, Step::DeliverOverSsh, &fresh, Answer::Delivery(Ok(Progress::Running)));
+        let id = host.status.as_ref().unwrap().operation.as_ref().unwrap().id.clone();
+        let lost = Answer::Delivery(Err(SshAccessError::MarkerLost(id)));
+        answered(&mut host, Step::DeliverOverSsh, &fresh, lost);
+        let (status, reason, message) = ssh_ready(&host).unwrap();
+        assert_eq!((status.as_str(), reason.as_str()), ("False", "SSHDeliveryFailed"));
+        assert!(message.contains("not run again"), "{message}");
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Provisioning));
+    }
+
+    /// A step that fails (the server cannot be adopted, a wrong host key, another delivery's
+    /// marker) is SSHReady False naming it, tried again later and later, never Provisioned; a
+    /// run that failed or never ended quarantines the host: its data is not run twice.
+    #[test]
+    fn a_failed_delivery_is_not_provisioned_and_is_tried_again_or_quarantined() {
+        let mut host = delivering();
+        let fresh = at(1);
+        let check = StepFailed::Failed {
+            what: "checking the host",
+            status: siteboot_ssh::ExitStatus::Code(1),
+            stderr: "PID 1 is init, not systemd".into(),
+        };
+        let failed = answered(
+            &mut host,
+            Step::DeliverOverSsh,
+            &fresh,
+            Answer::Delivery(Err(SshAccessError::Delivery(check))),
+        );
+        assert_eq!(failed, (Again::After(Duration::from_secs(10)), 1));
+        let (status, reason, message) = ssh_ready(&host).unwrap();
+        assert_eq!((status.as_str(), reason.as_str()), ("False", "SSHDeliveryFailed"));
+        assert!(message.contains("checking the host failed"), "{message}");
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Provisioning));
+        assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::DeliverOverSsh);
+        for (answer, reason) in [
+            (
+                Err(SshAccessError::Connect(crate::ssh::SshError::HostKeyMismatch {
+                    address: "10.0.0.7:22".into(),
+                    mismatch: siteboot_ssh::HostKeyMismatch {
+                        pinned: HOST_KEY_SHA256.into(),
+                        presented: "SHA256:someoneelse".into(),
+                    },
+                })),
+                "HostKeyMismatch",
+            ),
+            (Ok(Progress::OtherDelivery), "SSHDeliveryFailed"),
+        ] {
+            answered(&mut host, Step::DeliverOverSsh, &fresh, Answer::Delivery(answer));
+            let (status, found, _) = ssh_ready(&host).unwrap();
+            assert_eq!((status.as_str(), found.as_str()), ("False", reason));
+            assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Provisioning));
+        }
+
+        let mut host = delivering();
+        answered(
+            &mut host,
+            Step::DeliverOverSsh,
+            &fresh,
+            Answer::Delivery(Ok(Progress::Finished(2))),
+        );
+        let status = host.status.as_ref().unwrap();
+        assert_eq!(status.state, Some(HostState::Quarantined));
+        assert_eq!(status.installed, None);
+        assert!(status.quarantine_reason.as_ref().unwrap().contains("exited 2"));
+
+        let mut host = delivering();
+        let late = at(DELIVERY_DEADLINE.as_secs() as i64 + 60);
+        answered(&mut host, Step::DeliverOverSsh, &late, Answer::Delivery(Ok(Progress::Running)));
+        let status = host.status.as_ref().unwrap();
+        assert_eq!(status.state, Some(HostState::Quarantined));
+        assert!(status.quarantine_reason.as_ref().unwrap().contains("no result"));
+    }
+
+    /// `host`'s next step once its lifecycle record follows its status.
+    fn settled(host: &mut Host, fresh: &Fresh) -> Step {
+        let unique = MacStanding::Unique;
+        loop {
+            let step = next(host, &observed(fresh, &unique));
+            if !matches!(step, Step::RecordStale(_)) {
+                return step;
+            }
+            assert!(take(host, &step, &observed(fresh, &unique), Answer::NotAsked));
+        }
+    }
+
+    /// An adopted host delivered and Provisioned.
+    fn adopted_and_provisioned() -> Host {
+        let mut host = delivering();
+        let fresh = at(1);
+        let done = Answer::Delivery(Ok(Progress::Finished(0)));
+        answered(&mut host, Step::DeliverOverSsh, &fresh, done);
+        host
+    }
+
+    /// Released (the Machine deleted): reset over SSH where a network-booted host is wiped,
+    /// whatever the wipe policies say (its disks are the operator's), then Available; a reset
+    /// that leaves something behind keeps it from Available and is tried again.
+    #[test]
+    fn a_released_adopted_host_is_reset_and_only_then_available() {
+        for min_wipe in [WipePolicy::Quick, WipePolicy::None] {
+            let mut host = adopted_and_provisioned();
+            host.spec.consumer_ref = None;
+            host.spec.provisioning = None;
+            let t = lifecycle::next(&host, min_wipe).unwrap();
+            assert_eq!(
+                (t.to, t.operation),
+                (HostState::Deprovisioning, Some(OperationKind::Deprovision)),
+                "{min_wipe:?}"
+            );
+            host.status = Some(lifecycle::apply(&host, &t, &at(2)));
+            assert_eq!(lifecycle::next(&host, min_wipe), None, "{min_wipe:?}: Available unreset");
+        }
+        let mut host = adopted_and_provisioned();
+        host.spec.consumer_ref = None;
+        host.spec.provisioning = None;
+        let fresh = at(2);
+        let unique = MacStanding::Unique;
+        let step = settled(&mut host, &fresh);
+        assert!(matches!(&step, Step::Transit(t) if t.to == HostState::Deprovisioning), "{step:?}");
+        assert!(take(&mut host, &step, &observed(&fresh, &unique), Answer::NotAsked));
+        assert_eq!(settled(&mut host, &fresh), Step::ResetOverSsh);
+
+        let left =
+            StepFailed::LeftBehind { what: "verifying the reset", left: "/var/lib/kubelet".into() };
+        let failed = answered(
+            &mut host,
+            Step::ResetOverSsh,
+            &fresh,
+            Answer::Reset(Err(SshAccessError::Reset(left))),
+        );
+        assert!(matches!(failed.0, Again::After(d) if d >= Duration::from_secs(10)));
+        let (status, reason, message) = ssh_ready(&host).unwrap();
+        assert_eq!((status.as_str(), reason.as_str()), ("False", "SSHResetFailed"));
+        assert!(message.contains("still there: /var/lib/kubelet"), "{message}");
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Deprovisioning));
+        assert!(host.status.as_ref().unwrap().wipe_required);
+        assert_eq!(next(&host, &observed(&fresh, &unique)), Step::ResetOverSsh);
+
+        answered(&mut host, Step::ResetOverSsh, &fresh, Answer::Reset(Ok(())));
+        let status = host.status.as_ref().unwrap();
+        assert_eq!(status.state, Some(HostState::Available));
+        assert_eq!((status.installed.as_ref(), status.wipe_required), (None, false));
+        assert!(status.hardware.is_some(), "its hardware is kept");
+        assert_eq!(ssh_ready(&host).unwrap().0, "True");
+    }
+
+    /// A deleted adopted host is reset before it goes, as a used host is wiped.
+    #[test]
+    fn a_deleted_adopted_host_is_reset_before_it_goes() {
+        let mut host = adopted_and_provisioned();
+        host.spec.consumer_ref = None;
+        host.spec.provisioning = None;
+        host.metadata.deletion_timestamp = Some(crate::crd::now());
+        let fresh = at(2);
+        let unique = MacStanding::Unique;
+        let mut taken = Vec::new();
+        for _ in 0..10 {
+            let step = next(&host, &observed(&fresh, &unique));
+            if step == Step::ResetOverSsh {
+                break;
+            }
+            assert!(take(&mut host, &step, &observed(&fresh, &unique), Answer::NotAsked));
+            taken.push(step);
+        }
+        assert!(
+            matches!(taken.last(), Some(Step::WipeBeforeDelete(t)) if t.to == HostState::Deprovisioning),
+            "{taken:?}"
+        );
+        answered(&mut host, Step::ResetOverSsh, &fresh, Answer::Reset(Ok(())));
+        assert_eq!(next(&host, &observed(&fresh, &unique)), Step::PowerOffAndLetGo);
+    }
+
+    /// Reimage (kexec into the ramdisk) is not built yet: a Host reached over SSH alone in that
+    /// mode is quarantined saying so, and is never claimed to wait for a ramdisk that does not
+    /// boot. With a BMC, it is a network-booted host like any.
+    #[test]
+    fn a_reimage_host_is_quarantined_as_not_supported_yet() {
+        let mut host = Host::new("h", HostSpec::new(MAC));
+        host.spec.access = registering_over_ssh().spec.access;
+        host.spec.access.as_mut().unwrap().ssh.as_mut().unwrap().mode = SshMode::Reimage;
+        host.status =
+            Some(HostStatus { state: Some(HostState::Registering), ..Default::default() });
+        let t = lifecycle::next(&host, WipePolicy::Quick).unwrap();
+        assert_eq!((t.to, t.reason), (HostState::Quarantined, "SSHReimageNotSupported"));
+        assert!(t.message.contains("not supported yet"), "{}", t.message);
+        assert!(!lifecycle::adopted(&host));
+        host.spec.bmc = registering().spec.bmc;
+        assert_ne!(
+            lifecycle::next(&host, WipePolicy::Quick).map(|t| t.to),
+            Some(HostState::Quarantined)
+        );
+        // Whatever its state, a Reimage host takes no SSH delivery or reset.
+        host.spec.bmc = None;
+        for state in [HostState::Provisioning, HostState::Deprovisioning] {
+            let kind = match state {
+                HostState::Provisioning => OperationKind::Provision,
+                _ => OperationKind::Deprovision,
+            };
+            let mut op = operation("op", false);
+            op.kind = kind;
+            host.status =
+                Some(HostStatus { state: Some(state), operation: Some(op), ..Default::default() });
+            assert!(!lifecycle::needs_ssh_delivery(&host) && !lifecycle::needs_ssh_reset(&host));
+        }
     }
 
     fn operation(id: &str, virtual_media: bool) -> Operation {
