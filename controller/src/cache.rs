@@ -182,19 +182,9 @@ mod tests {
         let (token, hash) = siteboot_agent_server::token::mint();
         let mut booted = host("metal", "media", 10);
         let operation = Operation {
-            kind: OperationKind::Provision,
-            id: "op".into(),
-            started: crate::crd::now(),
             token_hash: Some(hash.clone()),
-            token_address: None,
-            token_issued: None,
-            boot_requested: None,
             virtual_media: true,
-            image: None,
-            bootstrap_delivered: false,
-            step: None,
-            bytes: None,
-            last_heard: None,
+            ..Operation::new(OperationKind::Provision, "op".into(), crate::crd::now())
         };
         booted.status = Some(HostStatus { operation: Some(operation), ..Default::default() });
         insert(&mut index.by_mac.write().unwrap(), host("metal", "other", 5));

@@ -300,24 +300,17 @@ mod tests {
                 MachineAddress { kind: "InternalIP".into(), address: "10.99.0.100".into() },
             ],
             operation: Some(Operation {
-                kind: OperationKind::Provision,
-                id: "op-1f2e3d".into(),
-                started: now(),
                 token_hash: Some("secret-hash".into()),
                 token_address: Some("10.99.0.100".into()),
-                token_issued: None,
-                boot_requested: None,
-                virtual_media: false,
                 image: Some(Image {
                     url: "http://images.tenant.example/node.raw".into(),
                     checksum: format!("sha256:{DIGEST}"),
                     format: None,
                     grow_last_partition: false,
                 }),
-                bootstrap_delivered: false,
                 step: Some("writing image".into()),
-                last_heard: None,
                 bytes: Some(ByteCount { done: 512, total: 2048 }),
+                ..Operation::new(OperationKind::Provision, "op-1f2e3d".into(), now())
             }),
             ..HostStatus::default()
         });

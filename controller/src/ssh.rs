@@ -478,20 +478,10 @@ mod tests {
 
     fn provisioning(delivered: bool) -> Host {
         let mut host = host("10.0.0.5");
+        let kind = crate::crd::OperationKind::Provision;
         let op = crate::crd::Operation {
-            kind: crate::crd::OperationKind::Provision,
-            id: "op-1".into(),
-            started: crate::crd::now(),
-            token_hash: None,
-            token_address: None,
-            token_issued: None,
-            boot_requested: None,
-            virtual_media: false,
-            image: None,
             bootstrap_delivered: delivered,
-            step: None,
-            bytes: None,
-            last_heard: None,
+            ..crate::crd::Operation::new(kind, "op-1".into(), crate::crd::now())
         };
         host.status = Some(HostStatus {
             state: Some(crate::crd::HostState::Provisioning),

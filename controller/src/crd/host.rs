@@ -381,6 +381,28 @@ pub struct Operation {
     pub bytes: Option<ByteCount>,
 }
 
+impl Operation {
+    /// A new operation of `kind`, started at `started`: no token, nothing handed out or heard
+    /// yet.
+    pub fn new(kind: OperationKind, id: String, started: Time) -> Self {
+        Self {
+            kind,
+            id,
+            started,
+            token_hash: None,
+            image: None,
+            token_address: None,
+            virtual_media: false,
+            boot_requested: None,
+            token_issued: None,
+            bootstrap_delivered: false,
+            step: None,
+            last_heard: None,
+            bytes: None,
+        }
+    }
+}
+
 /// What is installed on a provisioned host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]

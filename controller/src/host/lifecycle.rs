@@ -247,19 +247,8 @@ pub fn apply(host: &Host, transition: &Transition, fresh: &Fresh) -> HostStatus 
     status.state = Some(transition.to);
     status.last_transition_time = Some(fresh.now.clone());
     status.operation = transition.operation.map(|kind| Operation {
-        kind,
-        id: fresh.operation_id.clone(),
-        started: fresh.now.clone(),
-        token_hash: None,
-        token_address: None,
-        token_issued: None,
-        boot_requested: None,
         virtual_media: host.spec.boot_method == BootMethod::VirtualMedia,
-        image: None,
-        bootstrap_delivered: false,
-        step: None,
-        bytes: None,
-        last_heard: None,
+        ..Operation::new(kind, fresh.operation_id.clone(), fresh.now.clone())
     });
     match transition.to {
         HostState::Quarantined => {
@@ -870,19 +859,8 @@ mod tests {
         let status = h.status.get_or_insert_with(HostStatus::default);
         status.media_inserted = true;
         status.operation = Some(Operation {
-            kind: OperationKind::Provision,
-            id: "op".into(),
-            started: now(),
-            token_hash: None,
-            image: None,
-            token_address: None,
             virtual_media: true,
-            token_issued: None,
-            boot_requested: None,
-            bootstrap_delivered: false,
-            step: None,
-            last_heard: None,
-            bytes: None,
+            ..Operation::new(OperationKind::Provision, "op".into(), now())
         });
         assert!(!media_to_eject(&h), "the ramdisk still works from it");
         h.status.as_mut().unwrap().operation = None;
@@ -1013,21 +991,8 @@ mod tests {
         let mut h = with_bmc();
         assert!(!boot_due(&h, now), "no operation");
         claim(&mut h, 1);
-        h.status.get_or_insert_with(HostStatus::default).operation = Some(Operation {
-            kind: OperationKind::Provision,
-            id: "op".into(),
-            started: at(now),
-            token_hash: None,
-            image: None,
-            token_address: None,
-            virtual_media: false,
-            boot_requested: None,
-            token_issued: None,
-            bootstrap_delivered: false,
-            step: None,
-            last_heard: None,
-            bytes: None,
-        });
+        h.status.get_or_insert_with(HostStatus::default).operation =
+            Some(Operation::new(OperationKind::Provision, "op".into(), at(now)));
         let set = |h: &mut Host, f: &dyn Fn(&mut Operation)| {
             f(h.status.as_mut().unwrap().operation.as_mut().unwrap())
         };

@@ -1156,6 +1156,11 @@ pub mod tests {
         (done.again, done.writes.len())
     }
 
+    /// The delivery's probe of `host` at `fresh` said `progress`.
+    fn probed(host: &mut Host, fresh: &Fresh, progress: Progress) -> (Again, usize) {
+        answered(host, Step::DeliverOverSsh, fresh, Answer::Delivery(Ok(progress)))
+    }
+
     fn delivery_started(host: &Host) -> bool {
         let op = host.status.as_ref().unwrap().operation.as_ref();
         op.is_some_and(|op| op.bootstrap_delivered)
@@ -1171,38 +1176,18 @@ pub mod tests {
         let state = |h: &Host| h.status.as_ref().unwrap().state;
         assert_eq!(state(&host), Some(HostState::Provisioning));
         let fresh = at(1);
-        let waiting = answered(
-            &mut host,
-            Step::DeliverOverSsh,
-            &fresh,
-            Answer::Delivery(Ok(Progress::NotStarted)),
-        );
+        let waiting = probed(&mut host, &fresh, Progress::NotStarted);
         assert_eq!(waiting, (Again::After(DELIVERY_CHECK), 0));
         assert!(!delivery_started(&host));
-        let started = answered(
-            &mut host,
-            Step::DeliverOverSsh,
-            &fresh,
-            Answer::Delivery(Ok(Progress::Running)),
-        );
+        let started = probed(&mut host, &fresh, Progress::Running);
         assert_eq!(started, (Again::After(DELIVERY_CHECK), 1));
         assert!(delivery_started(&host));
         assert_eq!(state(&host), Some(HostState::Provisioning));
         assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::DeliverOverSsh);
         // Still running: nothing new to write.
-        let running = answered(
-            &mut host,
-            Step::DeliverOverSsh,
-            &fresh,
-            Answer::Delivery(Ok(Progress::Running)),
-        );
+        let running = probed(&mut host, &fresh, Progress::Running);
         assert_eq!(running.1, 0);
-        answered(
-            &mut host,
-            Step::DeliverOverSsh,
-            &fresh,
-            Answer::Delivery(Ok(Progress::Finished(0))),
-        );
+        probed(&mut host, &fresh, Progress::Finished(0));
         let status = host.status.as_ref().unwrap();
         assert_eq!(status.state, Some(HostState::Provisioned));
         assert_eq!(status.operation, None);
@@ -1226,17 +1211,12 @@ pub mod tests {
         let fresh = at(1);
         assert!(!delivery_started(&host));
         assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::DeliverOverSsh);
-        let resumed = answered(
-            &mut host,
-            Step::DeliverOverSsh,
-            &fresh,
-            Answer::Delivery(Ok(Progress::Finished(0))),
-        );
+        let resumed = probed(&mut host, &fresh, Progress::Finished(0));
         assert_eq!(resumed.1, 1);
         assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Provisioned));
 
         let mut host = delivering();
-        answered(&mut host, Step::DeliverOverSsh, &fresh, Answer::Delivery(Ok(Progress::Running)));
+        probed(&mut host, &fresh, Progress::Running);
         let id = host.status.as_ref().unwrap().operation.as_ref().unwrap().id.clone();
         let lost = Answer::Delivery(Err(SshAccessError::MarkerLost(id)));
         answered(&mut host, Step::DeliverOverSsh, &fresh, lost);
@@ -1290,12 +1270,7 @@ pub mod tests {
         }
 
         let mut host = delivering();
-        answered(
-            &mut host,
-            Step::DeliverOverSsh,
-            &fresh,
-            Answer::Delivery(Ok(Progress::Finished(2))),
-        );
+        probed(&mut host, &fresh, Progress::Finished(2));
         let status = host.status.as_ref().unwrap();
         assert_eq!(status.state, Some(HostState::Quarantined));
         assert_eq!(status.installed, None);
@@ -1303,7 +1278,7 @@ pub mod tests {
 
         let mut host = delivering();
         let late = at(DELIVERY_DEADLINE.as_secs() as i64 + 60);
-        answered(&mut host, Step::DeliverOverSsh, &late, Answer::Delivery(Ok(Progress::Running)));
+        probed(&mut host, &late, Progress::Running);
         let status = host.status.as_ref().unwrap();
         assert_eq!(status.state, Some(HostState::Quarantined));
         assert!(status.quarantine_reason.as_ref().unwrap().contains("no result"));
@@ -1324,9 +1299,7 @@ pub mod tests {
     /// An adopted host delivered and Provisioned.
     fn adopted_and_provisioned() -> Host {
         let mut host = delivering();
-        let fresh = at(1);
-        let done = Answer::Delivery(Ok(Progress::Finished(0)));
-        answered(&mut host, Step::DeliverOverSsh, &fresh, done);
+        probed(&mut host, &at(1), Progress::Finished(0));
         host
     }
 
@@ -1443,21 +1416,7 @@ pub mod tests {
     }
 
     fn operation(id: &str, virtual_media: bool) -> Operation {
-        Operation {
-            kind: OperationKind::Inspect,
-            id: id.into(),
-            started: at(0).now,
-            token_hash: None,
-            token_address: None,
-            token_issued: None,
-            boot_requested: None,
-            virtual_media,
-            image: None,
-            bootstrap_delivered: false,
-            step: None,
-            last_heard: None,
-            bytes: None,
-        }
+        Operation { virtual_media, ..Operation::new(OperationKind::Inspect, id.into(), at(0).now) }
     }
 
     fn running(id: &str) -> Host {

@@ -1149,21 +1149,7 @@ mod tests {
         h.spec.provisioning = Some(Provisioning { image: image() });
         let status = h.status.as_mut().unwrap();
         status.state = Some(HostState::Provisioning);
-        status.operation = Some(Operation {
-            kind: OperationKind::Provision,
-            id: "op-2".into(),
-            started: now(),
-            token_hash: None,
-            token_address: None,
-            token_issued: None,
-            boot_requested: None,
-            virtual_media: false,
-            image: None,
-            bootstrap_delivered: false,
-            step: None,
-            bytes: None,
-            last_heard: None,
-        });
+        status.operation = Some(Operation::new(OperationKind::Provision, "op-2".into(), now()));
         let for_op = |id: &str| Staged { host: "ns/h1".into(), operation: id.into() };
         let mut w = World::new(m.clone(), vec![h.clone()]);
         let p = w.plan();
