@@ -81,10 +81,8 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
             if let Err(e) = crate::ssh::spec_of(host) {
                 return t(HostState::Quarantined, None, e.reason(), &e.to_string());
             }
-            if reached_over_ssh(host) == Some(SshMode::Reimage) {
-                // Said, rather than a claim that would wait for a ramdisk nothing boots.
-                let why = "spec.access.ssh.mode Reimage (kexec into the ramdisk) is not supported yet: use Adopt, or give the Host a spec.bmc";
-                return t(HostState::Quarantined, None, "SSHReimageNotSupported", why);
+            if let Some(quarantine) = reimage_unsupported(host) {
+                return Some(quarantine);
             }
             if needs_bmc_check(host) || needs_ssh_check(host) {
                 // The reconciler checks the BMC ([`bmc_check`]) or logs in over SSH first.
@@ -107,6 +105,10 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
                     "waiting for the host to boot the ramdisk and report its hardware",
                 )
             }
+        }
+        // Registered before Reimage was refused at registration.
+        Some(HostState::Available) if wanted && reimage_unsupported(host).is_some() => {
+            reimage_unsupported(host)
         }
         Some(HostState::Available) if wanted => t(
             HostState::Provisioning,
@@ -387,6 +389,17 @@ fn reached_over_ssh(host: &Host) -> Option<SshMode> {
         return None;
     }
     Some(ssh_of(host)?.mode)
+}
+
+/// The quarantine of a host reached over SSH alone in mode Reimage, which is not built yet:
+/// said, rather than a claim that would wait for a ramdisk nothing boots.
+fn reimage_unsupported(host: &Host) -> Option<Transition> {
+    (reached_over_ssh(host) == Some(SshMode::Reimage)).then(|| Transition {
+        to: HostState::Quarantined,
+        operation: None,
+        reason: "SSHReimageNotSupported",
+        message: "spec.access.ssh.mode Reimage (kexec into the ramdisk) is not supported yet: use Adopt, or give the Host a spec.bmc".into(),
+    })
 }
 
 /// Whether `host` is adopted: reached over SSH alone, in mode Adopt. Claimed, it gets its

@@ -163,7 +163,7 @@ pub fn next(host: &Host, seen: &Observed) -> Step {
 
 /// A deleted Host goes once its consumer let go and its disks are wiped
 /// ([`lifecycle::on_delete`]); meanwhile its lifecycle goes on: a consumer that lets go waits
-/// for the wipe it starts.
+/// for the wipe it starts. An adopted host's delivery and reset go on as a ramdisk's boot does.
 fn deletion(host: &Host, seen: &Observed) -> Step {
     if !has_finalizer(host) {
         return Step::Gone;
@@ -172,6 +172,7 @@ fn deletion(host: &Host, seen: &Observed) -> Step {
         Deletion::WaitForRelease | Deletion::WaitForWipe => match transition(host, seen) {
             Some(t) => Step::Transit(t),
             None if lifecycle::boot_due(host, seen.fresh.now.0.as_second()) => Step::RequestBoot,
+            None if lifecycle::needs_ssh_delivery(host) => Step::DeliverOverSsh,
             None if lifecycle::needs_ssh_reset(host) => Step::ResetOverSsh,
             None => Step::AwaitDeletion,
         },

@@ -1355,9 +1355,14 @@ pub mod tests {
         assert_eq!(ssh_ready(&host).unwrap().0, "True");
     }
 
-    /// A deleted adopted host is reset before it goes, as a used host is wiped.
+    /// A deleted adopted host is reset before it goes, as a used host is wiped; one still
+    /// claimed goes on with its delivery meanwhile, as a ramdisk is still booted.
     #[test]
     fn a_deleted_adopted_host_is_reset_before_it_goes() {
+        let mut claimed = delivering();
+        claimed.metadata.deletion_timestamp = Some(crate::crd::now());
+        let unique = MacStanding::Unique;
+        assert_eq!(next(&claimed, &observed(&at(1), &unique)), Step::DeliverOverSsh);
         let mut host = adopted_and_provisioned();
         host.spec.consumer_ref = None;
         host.spec.provisioning = None;
@@ -1400,8 +1405,14 @@ pub mod tests {
             lifecycle::next(&host, WipePolicy::Quick).map(|t| t.to),
             Some(HostState::Quarantined)
         );
-        // Whatever its state, a Reimage host takes no SSH delivery or reset.
+        // One registered before this refusal is refused when claimed.
         host.spec.bmc = None;
+        host.status = Some(HostStatus { state: Some(HostState::Available), ..Default::default() });
+        host.spec.consumer_ref = delivering().spec.consumer_ref;
+        host.spec.provisioning = delivering().spec.provisioning;
+        let t = lifecycle::next(&host, WipePolicy::Quick).unwrap();
+        assert_eq!((t.to, t.reason), (HostState::Quarantined, "SSHReimageNotSupported"));
+        // Whatever its state, a Reimage host takes no SSH delivery or reset.
         for state in [HostState::Provisioning, HostState::Deprovisioning] {
             let kind = match state {
                 HostState::Provisioning => OperationKind::Provision,
