@@ -137,9 +137,14 @@ impl Libvirt {
             let letter = char::from(b'a' + u8::try_from(i).context("too many disks")?);
             let disk = self.dir.path().join(format!("{name}-vd{letter}.raw"));
             File::create(&disk)?.set_len(mib << 20)?;
+            // cache='unsafe': the guest's flushes stop at the host's page cache. A guest's
+            // etcd syncs its log on every write, and through to the host's disk that took
+            // seconds while a build wrote beside it: a control plane's health checks failed.
+            // The test reads the file through the same page cache; nothing here survives a
+            // host crash anyway.
             disk_xml += &format!(
                 "    <disk type='file' device='disk'>
-      <driver name='qemu' type='raw'/><source file='{}'/><target dev='vd{letter}' bus='virtio'/>
+      <driver name='qemu' type='raw' cache='unsafe'/><source file='{}'/><target dev='vd{letter}' bus='virtio'/>
     </disk>\n",
                 disk.display()
             );
