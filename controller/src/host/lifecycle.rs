@@ -106,16 +106,15 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
                 )
             }
         }
-        // Registered before Reimage was refused at registration.
-        Some(HostState::Available) if wanted && reimage_unsupported(host).is_some() => {
-            reimage_unsupported(host)
-        }
-        Some(HostState::Available) if wanted => t(
-            HostState::Provisioning,
-            Some(OperationKind::Provision),
-            "ProvisioningStarted",
-            &format!("claimed by {}", consumer(host)),
-        ),
+        // A Reimage host registered before Reimage was refused at registration is refused here.
+        Some(HostState::Available) if wanted => reimage_unsupported(host).or_else(|| {
+            t(
+                HostState::Provisioning,
+                Some(OperationKind::Provision),
+                "ProvisioningStarted",
+                &format!("claimed by {}", consumer(host)),
+            )
+        }),
         Some(HostState::Provisioning) if !wanted => deprovision(
             host,
             min_wipe,
