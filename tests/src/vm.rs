@@ -195,15 +195,6 @@ impl DiskVm {
         self.qemu.console()
     }
 
-    /// What the guest wrote to its second serial port so far.
-    pub fn second_serial(&self) -> String {
-        self.qemu
-            .second
-            .as_ref()
-            .map(|path| clean(&std::fs::read(path).unwrap_or_default()))
-            .unwrap_or_default()
-    }
-
     /// As [`Vm::wait_for_console`].
     pub fn wait_for_console(&mut self, pattern: &str, timeout: Duration) -> Result<String> {
         self.qemu.wait_for_console(pattern, timeout)

@@ -82,7 +82,6 @@ pub struct KubeEnv {
     kubeconfig_path: PathBuf,
     webhook_port: u16,
     peers: Peers,
-    startup: Duration,
     procs: Procs,
     dir: tempfile::TempDir,
 }
@@ -112,7 +111,6 @@ impl KubeEnv {
                     kubeconfig_path: booted.kubeconfig_path,
                     webhook_port: booted.webhook_port,
                     peers,
-                    startup,
                     procs,
                     dir,
                 })
@@ -171,11 +169,6 @@ impl KubeEnv {
     /// This environment's temporary directory (certificates, kubeconfig, etcd data, logs).
     pub fn dir(&self) -> &Path {
         self.dir.path()
-    }
-
-    /// How long [`KubeEnv::start`] took.
-    pub fn startup_time(&self) -> Duration {
-        self.startup
     }
 
     /// `Api<DynamicObject>` for any kind, for example `api("cluster.x-k8s.io/v1beta2", "Machine",
