@@ -357,6 +357,17 @@ pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
 }
 
+/// A port on 127.0.0.1 that refuses connections for as long as the returned socket lives: bound
+/// and never listening, so no other process can take it. A [`free_port`] nothing listens on
+/// "just now" was taken in CI by a test of the other stream, and the BMC client then met a
+/// server instead of a refusal.
+pub fn refusing_port() -> Result<(socket2::Socket, u16)> {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    socket.bind(&std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, 0)).into())?;
+    let port = socket.local_addr()?.as_socket().context("bound to an IPv4 address")?.port();
+    Ok((socket, port))
+}
+
 /// The venv's python with sushy-tools and libvirt-python.
 fn emulator_python() -> Result<PathBuf> {
     crate::venv::python_with(

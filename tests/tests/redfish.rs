@@ -31,7 +31,7 @@ use siteboot_controller::host::lifecycle::{FORCE_DELETE_ANNOTATION, REBOOT_ANNOT
 use siteboot_tests::appliance::{self, Appliance};
 use siteboot_tests::initramfs;
 use siteboot_tests::provider::{NS, ProviderLab, SITE};
-use siteboot_tests::redfish::{Libvirt, Sushy, SushyOptions, free_port};
+use siteboot_tests::redfish::{Libvirt, Sushy, SushyOptions, refusing_port};
 use siteboot_tests::tls::SelfSigned;
 use siteboot_tls_pin::Fingerprint;
 
@@ -171,7 +171,7 @@ fn a_pinned_certificate_is_the_whole_of_the_trust() {
 
 #[test]
 fn an_unreachable_bmc_is_given_up_after_bounded_retries() {
-    let port = free_port().unwrap();
+    let (_refusing, port) = refusing_port().unwrap();
     let address = format!("redfish+http://127.0.0.1:{port}/redfish/v1/Systems/1");
     let retry = RetryPolicy {
         attempts: 3,
