@@ -17,3 +17,9 @@ mod task;
 
 pub use report::{Ack, Complete, Disk, Hardware, Nic, Progress, ProgressReport, System};
 pub use task::{Image, MetaData, Provision, RootDeviceHints, Task, Wipe};
+
+/// Where a ramdisk booted by kexec over SSH finds the secret words of its command line
+/// (`siteboot.token=`, `siteboot.operation=`): a file (mode 0600) in an archive appended to its
+/// initramfs, so that the token is never in a process's arguments on the server's old OS. The
+/// agent reads it with `/proc/cmdline`.
+pub const INITRD_CMDLINE: &str = "/siteboot/cmdline";

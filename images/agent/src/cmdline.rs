@@ -11,6 +11,12 @@
 //! Other arguments, `siteboot.*` ones included (`siteboot.url=`, `siteboot.mac=`), are left to
 //! others: an older agent must still boot with a newer appliance. An argument given twice is an
 //! error: which one the appliance meant cannot be known.
+//!
+//! A ramdisk booted by kexec over SSH has its secret words (`siteboot.token=`,
+//! `siteboot.operation=`) in a file of its initramfs
+//! ([`INITRD_CMDLINE`](siteboot_agent_api::INITRD_CMDLINE)), never on the kernel's command line
+//! ([`Cmdline::parse_with_initrd`]): the two are read as one line, so an argument in both is a
+//! repeat, refused as any other.
 
 use std::fmt;
 use std::net::Ipv4Addr;
@@ -79,6 +85,15 @@ impl Cmdline {
             .transpose()
             .map_err(|why| invalid(OPERATION, why))?;
         Ok(Self { agent, fingerprint, token, operation })
+    }
+
+    /// The kernel's command line and the words of the initramfs's file, if it has one, parsed
+    /// as one line.
+    pub fn parse_with_initrd(kernel: &str, initrd: Option<&str>) -> Result<Self, CmdlineError> {
+        match initrd {
+            Some(words) => Self::parse(&format!("{kernel}\n{words}")),
+            None => Self::parse(kernel),
+        }
     }
 }
 
@@ -164,6 +179,29 @@ mod tests {
         assert_eq!((idle.token, idle.operation), (None, None));
         let default_port = Cmdline::parse(&line("").replace(":8443", "/")).unwrap();
         assert_eq!(default_port.agent.port, 443);
+    }
+
+    /// A kexec'ed ramdisk: the public words on the kernel's line, the secret ones in the
+    /// initramfs's file; a word in both is refused, whichever the value.
+    #[test]
+    fn the_initrd_s_words_join_the_kernel_s_and_none_may_be_in_both() {
+        let secret = "siteboot.token=00ff siteboot.operation=op-1\n";
+        let c = Cmdline::parse_with_initrd(&line(""), Some(secret)).unwrap();
+        assert_eq!(c.token.as_ref().map(Token::as_str), Some("00ff"));
+        assert_eq!(c.operation.as_deref(), Some("op-1"));
+        assert_eq!(c.agent, Cmdline::parse(&line("")).unwrap().agent);
+        assert_eq!(Cmdline::parse_with_initrd(&line(""), None), Cmdline::parse(&line("")));
+        for (kernel, initrd, repeated) in [
+            (line("siteboot.token=00ff"), secret, TOKEN),
+            (line("siteboot.token=aa"), secret, TOKEN),
+            (line(""), "siteboot.agent=https://10.0.0.9:8443 siteboot.token=00ff", AGENT),
+        ] {
+            let refused = Cmdline::parse_with_initrd(&kernel, Some(initrd));
+            assert_eq!(refused, Err(CmdlineError::Repeated(repeated)), "{kernel} + {initrd}");
+        }
+        // The words are only the file's: a line without the kernel's required ones is refused.
+        let alone = Cmdline::parse_with_initrd("console=ttyS0", Some(secret));
+        assert_eq!(alone, Err(CmdlineError::Missing(AGENT)));
     }
 
     #[test]

@@ -24,13 +24,16 @@ use siteboot_image::{Digest, ImageUrl};
 use tokio::sync::watch;
 
 const USAGE: &str = "\
-usage: siteboot-agent [--cmdline FILE] [--root DIR]
+usage: siteboot-agent [--cmdline FILE] [--initrd-cmdline FILE] [--root DIR]
 
 The siteboot deploy ramdisk's agent: asks the appliance named on the kernel command line
 (siteboot.agent=, siteboot.fingerprint=, siteboot.token=) for tasks and does them: inspect,
 provision (write an image and a NoCloud seed), deprovision (wipe), reboot.
 
   --cmdline FILE  the kernel command line to read (default /proc/cmdline)
+  --initrd-cmdline FILE
+                  more words of it, if the file exists (default /siteboot/cmdline: a
+                  kexec over SSH puts the token there, off the old OS's command lines)
   --root DIR      where sys/, proc/ and the disks' dev/ nodes are (default /)
   --help          this text
 ";
@@ -353,8 +356,28 @@ fn reboot() {
     }
 }
 
+/// The command line at `kernel`, with the words of the file at `initrd` if there is one
+/// ([`Cmdline::parse_with_initrd`]); what is wrong, naming the file.
+fn read_cmdline(kernel: &Path, initrd: &Path) -> Result<Cmdline, String> {
+    let read = |path: &Path| std::fs::read_to_string(path);
+    let named = |path: &Path, e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let kernel_text = read(kernel).map_err(|e| named(kernel, &e))?;
+    let initrd_text = match read(initrd) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(named(initrd, &e)),
+    };
+    Cmdline::parse_with_initrd(&kernel_text, initrd_text.as_deref()).map_err(
+        |e| match initrd_text {
+            Some(_) => format!("{} with {}: {e}", kernel.display(), initrd.display()),
+            None => named(kernel, &e),
+        },
+    )
+}
+
 fn main() -> ExitCode {
     let mut cmdline_path = PathBuf::from("/proc/cmdline");
+    let mut initrd_cmdline_path = PathBuf::from(siteboot_agent_api::INITRD_CMDLINE);
     let mut root = PathBuf::from("/");
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -364,6 +387,7 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             ("--cmdline", Some(path)) => cmdline_path = path.into(),
+            ("--initrd-cmdline", Some(path)) => initrd_cmdline_path = path.into(),
             ("--root", Some(path)) => root = path.into(),
             _ => {
                 eprint!("siteboot-agent: unexpected argument {arg:?}\n{USAGE}");
@@ -371,13 +395,10 @@ fn main() -> ExitCode {
             }
         }
     }
-    let cmdline = match std::fs::read_to_string(&cmdline_path)
-        .map_err(|e| e.to_string())
-        .and_then(|text| Cmdline::parse(&text).map_err(|e| e.to_string()))
-    {
+    let cmdline = match read_cmdline(&cmdline_path, &initrd_cmdline_path) {
         Ok(cmdline) => cmdline,
         Err(e) => {
-            say!("{}: {e}; nothing to do", cmdline_path.display());
+            say!("{e}; nothing to do");
             return ExitCode::FAILURE;
         }
     };
@@ -412,6 +433,33 @@ mod tests {
     use tokio::net::TcpListener;
 
     use super::*;
+
+    /// The initramfs's file is read when it is there, and only then.
+    #[test]
+    fn the_command_line_is_read_with_the_initrd_s_words_when_they_are_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let (kernel, initrd) = (dir.path().join("cmdline"), dir.path().join("siteboot-cmdline"));
+        let pin = format!("sha256:{}", "ab".repeat(32));
+        std::fs::write(
+            &kernel,
+            format!(
+                "console=ttyS0 siteboot.agent=https://10.0.0.1:8443 siteboot.fingerprint={pin}\n"
+            ),
+        )
+        .unwrap();
+        let without = read_cmdline(&kernel, &initrd).unwrap();
+        assert_eq!((without.token, without.operation), (None, None));
+        std::fs::write(&initrd, "siteboot.token=00ff siteboot.operation=op-1\n").unwrap();
+        let with = read_cmdline(&kernel, &initrd).unwrap();
+        assert_eq!(with.token.as_ref().map(Token::as_str), Some("00ff"));
+        assert_eq!(with.operation.as_deref(), Some("op-1"));
+        std::fs::write(&initrd, "siteboot.agent=https://10.0.0.9:8443\n").unwrap();
+        let refused = read_cmdline(&kernel, &initrd).unwrap_err();
+        assert!(
+            refused.contains("siteboot-cmdline") && refused.contains("more than once"),
+            "{refused}"
+        );
+    }
 
     #[test]
     fn backoff_doubles_up_to_half_a_minute() {
