@@ -12,7 +12,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use siteboot_agent_api::Hardware;
 use siteboot_ssh::adopt::{
-    self, AdoptError, Delivery, DeliveryId, MetaData, Progress, Remote, STATE_DIR, StepFailed,
+    self, AdoptError, Delivery, MetaData, OperationId, Progress, Remote, STATE_DIR, StepFailed,
 };
 use siteboot_ssh::inspect::{self, InspectError, Report};
 pub use siteboot_ssh::{
@@ -281,7 +281,7 @@ async fn deliver_on(
 ) -> Result<Progress, SshAccessError> {
     let op = host.status.as_ref().and_then(|s| s.operation.as_ref());
     let Some(op) = op else { return Ok(Progress::NotStarted) };
-    let id: DeliveryId = op.id.parse()?;
+    let id: OperationId = op.id.parse()?;
     match adopt::where_it_stands(remote, &id).await.map_err(SshAccessError::Delivery)? {
         Progress::NotStarted if op.bootstrap_delivered => {
             return Err(SshAccessError::MarkerLost(op.id.clone()));

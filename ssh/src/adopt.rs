@@ -35,9 +35,12 @@ const RUN_UNIT: &str = "siteboot-adopt";
 /// How long the data's run may take (a kubeadm join pulls images).
 pub const RUN_LIMIT: Duration = Duration::from_secs(30 * 60);
 /// How long a short command (a check, a probe, a removal) may take.
-const SHORT: Duration = Duration::from_secs(60);
+pub(crate) const SHORT: Duration = Duration::from_secs(60);
 /// How long `kubeadm reset` may take (it drains nothing, but waits on etcd and the runtime).
 const RESET_LIMIT: Duration = Duration::from_secs(5 * 60);
+/// The slowest link an upload is given time for: a ramdisk's kernel and initrd (some 15 MB)
+/// take a minute at 2 Mbit/s on top of [`SHORT`].
+const UPLOAD_RATE: usize = 256 * 1024;
 /// What the channel waits beyond a command's own `timeout(1)`: for it to report.
 const CHANNEL_GRACE: Duration = Duration::from_secs(15);
 
@@ -85,15 +88,16 @@ impl Command {
     }
 }
 
-/// A delivery's id: siteboot's operation id, a plain word (letters, digits, `.`, `_`, `-`; at
-/// most 64), so that the marker it is written into never holds anything else.
+/// siteboot's id of the operation a marker on the host is for (a delivery, a kexec): a plain
+/// word (letters, digits, `.`, `_`, `-`; at most 64), so that the marker it is written into
+/// never holds anything else.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeliveryId(String);
+pub struct OperationId(String);
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AdoptError {
-    #[error("a delivery id is 1 to 64 letters, digits, '.', '_' or '-'")]
-    DeliveryId,
+    #[error("an operation id is 1 to 64 letters, digits, '.', '_' or '-'")]
+    OperationId,
     #[error(
         "bootstrap data format {0:?} cannot be delivered to a running host (cloud-config and script can)"
     )]
@@ -102,21 +106,27 @@ pub enum AdoptError {
     Probe(String),
 }
 
-impl FromStr for DeliveryId {
+impl FromStr for OperationId {
     type Err = AdoptError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let word = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
         if s.is_empty() || s.len() > 64 || !s.chars().all(word) {
-            return Err(AdoptError::DeliveryId);
+            return Err(AdoptError::OperationId);
         }
         Ok(Self(s.to_owned()))
     }
 }
 
-impl fmt::Display for DeliveryId {
+impl fmt::Display for OperationId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
+    }
+}
+
+impl OperationId {
+    pub fn as_str(&self) -> &str {
+        &self.0
     }
 }
 
@@ -166,7 +176,7 @@ impl MetaData {
 /// A Machine's bootstrap data for one host, in one delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Delivery {
-    pub id: DeliveryId,
+    pub id: OperationId,
     pub meta: MetaData,
     pub data: Vec<u8>,
     pub format: DataFormat,
@@ -199,7 +209,7 @@ pub enum Progress {
 }
 
 /// Where `id` stands, from [`probe`]'s output.
-pub fn progress(probed: &str, id: &DeliveryId) -> Result<Progress, AdoptError> {
+pub fn progress(probed: &str, id: &OperationId) -> Result<Progress, AdoptError> {
     let mut marker = None;
     let mut result = None;
     for line in probed.lines() {
@@ -242,7 +252,7 @@ fn check(format: DataFormat) -> Command {
     Command::new("checking the host", &script, SHORT, Expect::Success)
 }
 
-fn path(text: &str) -> RemotePath {
+pub(crate) fn path(text: &str) -> RemotePath {
     text.parse().expect("a constant absolute path")
 }
 
@@ -406,6 +416,8 @@ pub enum StepFailed {
     LeftBehind { what: &'static str, left: String },
     #[error("{what}: {source}")]
     Progress { what: &'static str, source: AdoptError },
+    #[error("{what}: {source}")]
+    Marker { what: &'static str, source: crate::reimage::UnreadableMarker },
 }
 
 /// How much of what a host printed an error keeps.
@@ -426,7 +438,7 @@ pub async fn follow(remote: &impl Remote, steps: &[Step]) -> Result<(), StepFail
     for step in steps {
         match step {
             Step::Upload { path, bytes, mode, what } => remote
-                .upload(path, *mode, bytes, SHORT)
+                .upload(path, *mode, bytes, upload_deadline(bytes.len()))
                 .await
                 .map_err(|source| StepFailed::Ssh { what, source })?,
             Step::Run(command) => {
@@ -437,8 +449,14 @@ pub async fn follow(remote: &impl Remote, steps: &[Step]) -> Result<(), StepFail
     Ok(())
 }
 
+/// How long an upload of `len` bytes may take: [`SHORT`], and the time it takes at
+/// [`UPLOAD_RATE`].
+fn upload_deadline(len: usize) -> Duration {
+    SHORT + Duration::from_secs((len / UPLOAD_RATE) as u64)
+}
+
 /// Runs `command` and checks its result as it [`Expect`]s; its stdout.
-async fn run(remote: &impl Remote, command: &Command) -> Result<String, StepFailed> {
+pub(crate) async fn run(remote: &impl Remote, command: &Command) -> Result<String, StepFailed> {
     let what = command.what;
     let output = remote
         .run(&command.line, command.deadline)
@@ -458,7 +476,7 @@ async fn run(remote: &impl Remote, command: &Command) -> Result<String, StepFail
 /// Where delivery `id` stands on the host behind `remote` ([`probe`], [`progress`]).
 pub async fn where_it_stands(
     remote: &impl Remote,
-    id: &DeliveryId,
+    id: &OperationId,
 ) -> Result<Progress, StepFailed> {
     let probe = probe();
     let probed = run(remote, &probe).await?;
@@ -571,7 +589,7 @@ mod tests {
     /// reads back as where the delivery stands; the claim creates the marker once only.
     #[test]
     fn a_resumed_delivery_learns_where_it_stands_and_never_starts_twice() {
-        let id: DeliveryId = "op-1".parse().unwrap();
+        let id: OperationId = "op-1".parse().unwrap();
         let dir = std::env::temp_dir().join(format!("siteboot-adopt-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let on_host = |line: &str| {
@@ -589,7 +607,7 @@ mod tests {
         assert_eq!(progress(&probed(()), &id), Ok(Progress::Running));
         std::fs::write(dir.join("result"), "0\n").unwrap();
         assert_eq!(progress(&probed(()), &id), Ok(Progress::Finished(0)));
-        let other: DeliveryId = "op-2".parse().unwrap();
+        let other: OperationId = "op-2".parse().unwrap();
         assert_eq!(progress(&probed(()), &other), Ok(Progress::OtherDelivery));
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(progress("garbage", &id).is_err());
@@ -600,7 +618,7 @@ mod tests {
     #[test]
     fn delivery_ids_are_plain_words_and_formats_are_known() {
         for bad in ["", "a b", "a'b", "a\nb", &"x".repeat(65)] {
-            assert_eq!(bad.parse::<DeliveryId>(), Err(AdoptError::DeliveryId), "{bad:?}");
+            assert_eq!(bad.parse::<OperationId>(), Err(AdoptError::OperationId), "{bad:?}");
         }
         assert_eq!("cloud-config".parse(), Ok(DataFormat::CloudConfig));
         assert_eq!("script".parse(), Ok(DataFormat::Script));
@@ -684,7 +702,7 @@ mod tests {
         let fine = Fake { sent: Mutex::default(), answer: |_| (0, "", String::new()) };
         block_on(follow(&fine, &reset())).unwrap();
         assert_eq!(fine.sent.lock().unwrap().len(), 5);
-        let id: DeliveryId = "op-1".parse().unwrap();
+        let id: OperationId = "op-1".parse().unwrap();
         assert_eq!(block_on(where_it_stands(&fine, &id)).unwrap(), Progress::NotStarted);
     }
 

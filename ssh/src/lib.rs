@@ -11,7 +11,9 @@
 //!
 //! The SSH access Secret is read here ([`access`]): the key, how the host key is trusted, and
 //! the server it is for. Adopting a host and releasing it are plans of steps as data
-//! ([`adopt`]). A running server is inspected in one read-only command ([`inspect`]).
+//! ([`adopt`]), and so is booting it into the deploy ramdisk by kexec ([`reimage`], whose
+//! token travels in a newc archive appended to the initrd: [`cpio`]). A running server is
+//! inspected in one read-only command ([`inspect`]).
 //!
 //! It depends on no Kubernetes client, so standalone mode can use it; Kubernetes mode's side
 //! (a Host's `spec.access.ssh`, reading its Secret) is the controller's. The SSH protocol is
@@ -22,9 +24,11 @@
 pub mod access;
 pub mod adopt;
 pub mod client;
+pub mod cpio;
 mod host_key;
 pub mod inspect;
 mod output;
+pub mod reimage;
 pub mod upload;
 
 use std::time::Duration;
