@@ -55,9 +55,10 @@ pub struct Grant<'a> {
     pub token_hash: Option<&'a str>,
     /// The address it was issued to.
     pub address: Option<&'a str>,
-    /// It came through the host's BMC, in virtual media, never over the segment: holding it is
-    /// the evidence, whatever address the request comes from.
-    pub via_bmc: bool,
+    /// It never crossed the segment: it came in virtual media through the host's BMC, or in the
+    /// initrd of a kexec over SSH to the host's pinned host key. Holding it is the evidence,
+    /// whatever address the request comes from.
+    pub out_of_band: bool,
     /// Whether it was issued less than the token lifetime ago.
     pub fresh: bool,
 }
@@ -74,7 +75,7 @@ pub fn check_token(
     if !token::matches(token, hash) {
         return Err(Refusal::WrongToken);
     }
-    if !grant.via_bmc && grant.address != Some(remote.to_string().as_str()) {
+    if !grant.out_of_band && grant.address != Some(remote.to_string().as_str()) {
         return Err(Refusal::WrongAddress);
     }
     if !grant.fresh {
@@ -169,7 +170,7 @@ mod tests {
         let grant = Grant {
             token_hash: Some(&hash),
             address: Some("10.0.0.5"),
-            via_bmc: false,
+            out_of_band: false,
             fresh: true,
         };
         assert_eq!(check_token(Some(&token), Some(grant), remote), Ok(()));
@@ -186,7 +187,7 @@ mod tests {
         let stale = Grant { fresh: false, ..grant };
         assert_eq!(refusal(Some(&token), Some(stale), remote), Refusal::Expired);
         assert!(needs_new_token(&Refusal::Expired) && !needs_new_token(&Refusal::WrongAddress));
-        let from_media = Grant { address: None, via_bmc: true, ..grant };
+        let from_media = Grant { address: None, out_of_band: true, ..grant };
         assert_eq!(check_token(Some(&token), Some(from_media), elsewhere), Ok(()));
         assert_eq!(refusal(Some(&hash), Some(from_media), elsewhere), Refusal::WrongToken);
         assert_eq!(

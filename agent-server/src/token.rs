@@ -53,11 +53,15 @@ pub fn matches(token: &str, expected_hash: &str) -> bool {
 pub fn ramdisk_boot(ramdisk: &LinuxBoot, issued: Option<(&str, &str)>) -> BootAction {
     let mut linux = ramdisk.clone();
     if let Some((token, operation)) = issued {
-        for arg in [format!("siteboot.token={token}"), format!("siteboot.operation={operation}")] {
-            linux.cmdline.push(Word::new(&arg).expect("tokens and operation ids are hex"));
-        }
+        linux.cmdline.extend(operation_words(token, operation));
     }
     BootAction::Linux(linux)
+}
+
+/// The words that give a ramdisk its operation: `siteboot.token=` and `siteboot.operation=`.
+pub fn operation_words(token: &str, operation: &str) -> [Word; 2] {
+    [format!("siteboot.token={token}"), format!("siteboot.operation={operation}")]
+        .map(|arg| Word::new(&arg).expect("tokens and operation ids are hex"))
 }
 
 #[cfg(test)]

@@ -8,13 +8,17 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use siteboot_agent_server::images::ImageService;
+use siteboot_boot::decision::media_cmdline;
+use siteboot_boot::inventory::LinuxBoot;
 use siteboot_boot::leadership::Leadership;
 use siteboot_boot::timeline::Timeline;
+use siteboot_boot::{AgentEndpoint, Endpoints};
 use siteboot_controller::context::Ctx;
 use siteboot_controller::dhcp_checkpoint::ConfigMapCheckpoint;
 use siteboot_controller::inventory::KubeInventory;
 use siteboot_controller::manifests::SecretAccess;
 use siteboot_controller::run;
+use siteboot_controller::ssh::{KexecRamdisk, RamdiskFilesError};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -137,6 +141,22 @@ async fn context(kubernetes: Option<&KubernetesConfig>, kube: KubeMode) -> Resul
     Ok(ctx)
 }
 
+/// The ramdisk a Reimage host is kexec'ed into over SSH: the profile's files under
+/// `http.root`, with the command line a boot from media gets. One that cannot be is said now,
+/// and on each Host that needs it.
+fn kexec_ramdisk(
+    config: &Config,
+    ramdisk: &LinuxBoot,
+    (endpoints, agent): (&Endpoints, &AgentEndpoint),
+) -> Result<KexecRamdisk, RamdiskFilesError> {
+    let cmdline = media_cmdline(&ramdisk.cmdline, endpoints, agent);
+    let kexec = KexecRamdisk::new(ramdisk, config.http.root.as_deref(), &cmdline);
+    if let Err(e) = &kexec {
+        tracing::info!("no kexec over SSH for Reimage hosts without a BMC: {e}");
+    }
+    kexec
+}
+
 /// Where BMCs fetch virtual media: the agent API's listener.
 fn media_base(config: &Config) -> String {
     format!("https://{}:{}", config.address, config.http.https_port)
@@ -144,11 +164,14 @@ fn media_base(config: &Config) -> String {
 
 /// What the boot plane serves in Kubernetes mode: the Hosts of the site, from the Host cache,
 /// with the controller running beside it (its reconcilers only with [`Role::All`]). `media`:
-/// the agent API's certificate, when there is boot media for BMCs to fetch with it.
+/// the agent API's certificate, when there is boot media for BMCs to fetch with it. `served`:
+/// where the boot plane serves files and the agent API, which a ramdisk kexec'ed over SSH is
+/// told.
 pub async fn hosts(
     config: &Config,
     kube: KubeMode,
     media: Option<String>,
+    served: (&Endpoints, &AgentEndpoint),
     images: ImageService,
     leadership: tokio::sync::watch::Sender<Leadership>,
     timeline: Arc<Timeline>,
@@ -163,6 +186,7 @@ pub async fn hosts(
         ctx.media_certificate = Some(certificate_pem);
     }
     ctx.images = Some(Arc::new(images));
+    ctx.kexec_ramdisk = kexec_ramdisk(config, &k.ramdisk, served);
     let ctx = Arc::new(ctx);
     let options = run::Options {
         lease_namespace: k.lease_namespace.clone(),

@@ -168,7 +168,7 @@ impl HostRecord {
         let grant = self.operation.as_ref().map(|op| Grant {
             token_hash: op.token_hash.as_deref(),
             address: op.token_address.as_deref(),
-            via_bmc: false,
+            out_of_band: false,
             fresh: op.token_issued.is_some_and(|t| now.saturating_sub(t) <= max_age_secs),
         });
         check_token(token, grant, remote)?;

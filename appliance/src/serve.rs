@@ -27,7 +27,7 @@ use siteboot_boot::neighbors::{KernelArp, Neighbors};
 use siteboot_boot::tftp::TftpServer;
 use siteboot_boot::timeline::Timeline;
 use siteboot_boot::tls::ServerIdentity;
-use siteboot_boot::{BootPlane, Endpoints, Inventory};
+use siteboot_boot::{AgentEndpoint, BootPlane, Endpoints, Inventory};
 use tokio::net::UdpSocket;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinSet;
@@ -102,10 +102,16 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         Some(kube) => {
             let media = media.is_some().then(|| identity.certificate_pem.clone());
             let (timeline, release) = (timeline.clone(), release.clone());
+            let agent = AgentEndpoint {
+                address: config.address,
+                port: config.http.https_port,
+                fingerprint: identity.fingerprint,
+            };
             crate::kubernetes::hosts(
                 &config,
                 kube,
                 media,
+                (&endpoints, &agent),
                 image_service,
                 leadership_tx,
                 timeline,

@@ -176,9 +176,10 @@ pub fn ipxe_script(
 }
 
 /// The kernel command line of a deploy ramdisk booted from the boot media (virtual media,
-/// [`crate::media`]): its own words (`cmdline`, with the operation's token) and the
-/// appliance's, as [`ipxe_script`] gives them. No `initrd=` (GRUB loads the initrd) and no
-/// `siteboot.mac=` (the request came from a BMC, not from the host's MAC).
+/// [`crate::media`]) or by kexec over SSH: its own words (`cmdline`, with the operation's token
+/// for media) and the appliance's, as [`ipxe_script`] gives them. No `initrd=` (GRUB or kexec
+/// loads the initrd) and no `siteboot.mac=` (the request came from a BMC, not from the host's
+/// MAC).
 pub fn media_cmdline(cmdline: &[Word], endpoints: &Endpoints, agent: &AgentEndpoint) -> Vec<Word> {
     let mut args = cmdline.to_vec();
     args.extend(appliance_args(endpoints, agent));

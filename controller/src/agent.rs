@@ -45,14 +45,14 @@ struct HostRecords<'a> {
 
 impl HostRecords<'_> {
     /// The Host a request is for, as cached: the one whose boot MAC holds the request's
-    /// address, else the one whose virtual media carried the request's token (a media-booted
+    /// address, else the one whose virtual media or kexec carried the request's token (such a
     /// ramdisk may get its address from anyone: a routed network, another DHCP server).
     fn cached(&self, req: &AgentRequest) -> Result<Arc<Host>, Refusal> {
         let hosts = &self.ctx.hosts;
         let by_mac = req.remote_mac.and_then(|mac| hosts.get(mac));
-        let by_media =
-            || req.token.as_deref().and_then(|t| hosts.with_media_token(&token::hash(t)));
-        match (by_mac.or_else(by_media), req.remote_mac) {
+        let by_token =
+            || req.token.as_deref().and_then(|t| hosts.with_out_of_band_token(&token::hash(t)));
+        match (by_mac.or_else(by_token), req.remote_mac) {
             (Some(host), _) => Ok(host),
             (None, Some(_)) => Err(Refusal::UnknownHost),
             (None, None) => Err(Refusal::UnknownAddress),
@@ -66,7 +66,7 @@ impl HostRecords<'_> {
         let grant = op.as_ref().map(|op| Grant {
             token_hash: op.token_hash.as_deref(),
             address: op.token_address.as_deref(),
-            via_bmc: op.virtual_media,
+            out_of_band: op.token_out_of_band(),
             fresh: op.token_issued.as_ref().is_some_and(|t| !older_than(t, max_age, &now())),
         });
         check_token(req.token.as_deref(), grant, req.remote)?;

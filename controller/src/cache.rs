@@ -54,13 +54,15 @@ impl HostIndex {
         hosts.iter().find(|h| std::ptr::eq(&***h, owner)).cloned()
     }
 
-    /// The Host whose operation boots from virtual media with the token that hashes to
-    /// `token_hash`: a media-booted host is known by what its BMC delivered, wherever its
-    /// address comes from (a routed network, another DHCP server).
-    pub fn with_media_token(&self, token_hash: &str) -> Option<Arc<Host>> {
+    /// The Host whose operation's token hashes to `token_hash` and came out of band (virtual
+    /// media, or a kexec over SSH): such a host is known by what its BMC or its SSH server was
+    /// given, wherever its address comes from (a routed network, another DHCP server).
+    pub fn with_out_of_band_token(&self, token_hash: &str) -> Option<Arc<Host>> {
         let holds = |host: &Host| {
             let op = host.status.as_ref().and_then(|s| s.operation.as_ref());
-            op.is_some_and(|op| op.virtual_media && op.token_hash.as_deref() == Some(token_hash))
+            op.is_some_and(|op| {
+                op.token_out_of_band() && op.token_hash.as_deref() == Some(token_hash)
+            })
         };
         self.all().into_iter().find(|h| holds(h))
     }
@@ -173,10 +175,10 @@ mod tests {
         assert_eq!(key(&*index.get(mac).unwrap()), "tenant/planted", "the oldest left");
     }
 
-    /// A media-booted ramdisk is found by its token, whatever address it asks from; a token
-    /// that came over the network (not virtual media) finds nothing this way.
+    /// A media-booted or kexec'ed ramdisk is found by its token, whatever address it asks
+    /// from; a token that came over the network finds nothing this way.
     #[test]
-    fn a_media_token_names_its_host() {
+    fn an_out_of_band_token_names_its_host() {
         use crate::crd::{HostStatus, Operation, OperationKind};
         let index = HostIndex::default();
         let (token, hash) = siteboot_agent_server::token::mint();
@@ -190,12 +192,17 @@ mod tests {
         insert(&mut index.by_mac.write().unwrap(), host("metal", "other", 5));
         insert(&mut index.by_mac.write().unwrap(), booted.clone());
         let found = index
-            .with_media_token(&siteboot_agent_server::token::hash(&token))
+            .with_out_of_band_token(&siteboot_agent_server::token::hash(&token))
             .expect("found by its token");
         assert_eq!(key(&*found), "metal/media");
-        assert!(index.with_media_token(&siteboot_agent_server::token::hash("another")).is_none());
+        assert!(
+            index.with_out_of_band_token(&siteboot_agent_server::token::hash("another")).is_none()
+        );
         booted.status.as_mut().unwrap().operation.as_mut().unwrap().virtual_media = false;
+        insert(&mut index.by_mac.write().unwrap(), booted.clone());
+        assert!(index.with_out_of_band_token(&hash).is_none(), "a network boot's token");
+        booted.status.as_mut().unwrap().operation.as_mut().unwrap().token_via_ssh = true;
         insert(&mut index.by_mac.write().unwrap(), booted);
-        assert!(index.with_media_token(&hash).is_none(), "a network boot's token");
+        assert!(index.with_out_of_band_token(&hash).is_some(), "a kexec's token");
     }
 }

@@ -61,6 +61,9 @@ pub struct Ctx {
     /// The certificate (PEM) served at `media_base`: a BMC that can check its image server's
     /// certificate is told to trust exactly this one.
     pub media_certificate: Option<String>,
+    /// The deploy ramdisk a Reimage host reached over SSH is kexec'ed into, or why there is
+    /// none (said on the Host when it is needed).
+    pub kexec_ramdisk: Result<crate::ssh::KexecRamdisk, crate::ssh::RamdiskFilesError>,
 }
 
 impl Ctx {
@@ -94,6 +97,7 @@ impl Ctx {
             workloads: Default::default(),
             media_base: None,
             media_certificate: None,
+            kexec_ramdisk: Err(crate::ssh::RamdiskFilesError::NotConfigured),
         }
     }
 

@@ -110,7 +110,7 @@ impl KubeInventory {
         let hash = token::hash(&token);
         let deadline = tokio::time::Instant::now() + MEDIA_CACHE_WAIT;
         let host = loop {
-            if let Some(host) = self.ctx.hosts.with_media_token(&hash) {
+            if let Some(host) = self.ctx.hosts.with_out_of_band_token(&hash) {
                 break host;
             }
             if tokio::time::Instant::now() >= deadline {
@@ -124,7 +124,9 @@ impl KubeInventory {
             .token_issued
             .as_ref()
             .is_some_and(|t| !older_than(t, self.ctx.token_max_age.as_secs() as i64, &now()));
-        let refused = if paused_itself(&*host) {
+        let refused = if !op.virtual_media {
+            Some("the operation does not boot from virtual media")
+        } else if paused_itself(&*host) {
             Some("the Host is paused")
         } else if op.bootstrap_delivered {
             Some("the operation's bootstrap data was delivered")
@@ -166,6 +168,7 @@ impl KubeInventory {
             }
             op.token_hash = Some(hash.clone());
             op.token_address = Some(request.remote.to_string());
+            op.token_via_ssh = false;
             op.token_issued = Some(now());
             operation_id = Some(op.id.clone());
             Ok(Some(status))

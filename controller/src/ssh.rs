@@ -1,20 +1,27 @@
 //! A Host's SSH access: its `spec.access.ssh` parsed ([`spec_of`]), bound to the Secret that
 //! `credentialsName` names ([`access_for`], as [`crate::bmc::redfish_for`] binds a BMC's
 //! credentials), and the host-key policy the connection uses ([`policy`]). No I/O here but
-//! [`check`], the registration's connection, and [`inspect`], the inspection's; the outcome of
-//! their answers is [`crate::host::write`]'s. [`identify`] takes an inspection's report only
-//! from this Host's machine.
+//! the connections of the steps that log in: [`check`] (the registration's), [`inspect`],
+//! [`deliver`] and [`reset`] (an adopted host's), and [`kexec`] (a Reimage host's boot into its
+//! ramdisk, whose kernel and initrd [`KexecRamdisk`] reads); the outcome of their answers is
+//! [`crate::host::write`]'s. [`identify`] takes an inspection's report only from this Host's
+//! machine.
 
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use siteboot_agent_api::Hardware;
+use siteboot_boot::files::FileRoot;
+use siteboot_boot::inventory::{LinuxBoot, Source};
+use siteboot_ipxe::Word;
 use siteboot_ssh::adopt::{
     self, AdoptError, Delivery, MetaData, OperationId, Progress, Remote, STATE_DIR, StepFailed,
 };
 use siteboot_ssh::inspect::{self, InspectError, Report};
+use siteboot_ssh::reimage::{self, KexecProgress};
 pub use siteboot_ssh::{
     AccessError, BindingError, BoundAccess, ClientKey, Endpoint, HostKey, HostKeyPolicy,
     HostKeyTrust, SECRET_TYPE, Session, SshError, Target,
@@ -89,6 +96,18 @@ pub enum SshAccessError {
     /// A step of the reset failed, or left something behind: the host is not released.
     #[error("resetting the server: {0}")]
     Reset(StepFailed),
+    /// The login for a kexec into the ramdisk failed: nothing was sent.
+    #[error("the server cannot be reached over SSH to kexec it into its ramdisk: {0}")]
+    KexecUnreachable(Box<SshAccessError>),
+    #[error(
+        "no host key is pinned or recorded (status.sshHostKey) for the server: its ramdisk's token goes only to a server siteboot knows; nothing was sent"
+    )]
+    HostKeyNotRecorded,
+    /// A step of the kexec failed: the kexec was not started.
+    #[error("kexec into the ramdisk: {0}")]
+    Kexec(StepFailed),
+    #[error("kexec into the ramdisk: {0}")]
+    RamdiskFiles(#[from] RamdiskFilesError),
 }
 
 impl SshAccessError {
@@ -105,6 +124,10 @@ impl SshAccessError {
                 "SSHDeliveryFailed"
             }
             Self::Reset(_) => "SSHResetFailed",
+            Self::KexecUnreachable(e) => e.reason(),
+            Self::HostKeyNotRecorded => "SSHHostKeyNotRecorded",
+            Self::Kexec(_) => "SSHKexecFailed",
+            Self::RamdiskFiles(_) => "RamdiskFilesUnavailable",
             Self::Connect(e) => match e {
                 SshError::HostKeyMismatch { .. } => "HostKeyMismatch",
                 SshError::UnacceptableHostKey { .. } | SshError::HostCertificate { .. } => {
@@ -306,6 +329,157 @@ pub async fn reset(host: &Host, client: &kube::Client) -> Result<(), SshAccessEr
     reset
 }
 
+/// The deploy ramdisk as a kexec over SSH sends it: its kernel and initrds, files under the
+/// appliance's HTTP root (as `/files/` serves them), and the public words of its command line.
+/// The files are read for each kexec, not kept: a kexec is rare, and they are some 15 MB.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KexecRamdisk {
+    root: PathBuf,
+    kernel: String,
+    initrds: Vec<String>,
+    /// The ramdisk's own words and the appliance's (`siteboot.url=`, `siteboot.agent=`,
+    /// `siteboot.fingerprint=`): none secret.
+    cmdline: Vec<String>,
+}
+
+/// Why the ramdisk's files cannot be sent by kexec.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RamdiskFilesError {
+    #[error(
+        "this process has no deploy ramdisk to kexec: a controller reads it from the boot plane's http.root, and runs beside it (--role all)"
+    )]
+    NotConfigured,
+    #[error("the ramdisk's files are read from http.root, and this appliance has none")]
+    NoHttpRoot,
+    #[error("the ramdisk's {what} is a URL ({url}); kexec over SSH sends files under http.root")]
+    NotAFile { what: &'static str, url: String },
+    #[error("the ramdisk's {what} {path} cannot be read: {why}")]
+    Unreadable { what: &'static str, path: String, why: String },
+}
+
+impl KexecRamdisk {
+    /// `ramdisk`'s files under `root` (`http.root`), to boot with `cmdline`.
+    pub fn new(
+        ramdisk: &LinuxBoot,
+        root: Option<&Path>,
+        cmdline: &[Word],
+    ) -> Result<Self, RamdiskFilesError> {
+        let root = root.ok_or(RamdiskFilesError::NoHttpRoot)?;
+        let file = |what, source: &Source| match source {
+            Source::File(path) => Ok(path.as_str().to_owned()),
+            Source::Url(url) => Err(RamdiskFilesError::NotAFile { what, url: url.to_string() }),
+        };
+        Ok(Self {
+            root: root.to_owned(),
+            kernel: file("kernel", &ramdisk.kernel)?,
+            initrds: ramdisk.initrds.iter().map(|i| file("initrd", i)).collect::<Result<_, _>>()?,
+            cmdline: cmdline.iter().map(|w| w.as_str().to_owned()).collect(),
+        })
+    }
+
+    /// The kernel and the initrds (concatenated, each from a 4-byte boundary as the kernel
+    /// looks for the next archive), as served.
+    fn read(&self) -> Result<(Vec<u8>, Vec<u8>), RamdiskFilesError> {
+        let unreadable = |what, path: &str, why: &dyn std::fmt::Display| {
+            let path = self.root.join(path.trim_start_matches('/')).display().to_string();
+            RamdiskFilesError::Unreadable { what, path, why: why.to_string() }
+        };
+        let root = FileRoot::open(&self.root).map_err(|e| unreadable("directory", "", &e))?;
+        let read = |what, path: &str| {
+            let (mut file, len) = root.open_file(path).map_err(|e| unreadable(what, path, &e))?;
+            let mut bytes = Vec::with_capacity(len as usize);
+            std::io::Read::read_to_end(&mut file, &mut bytes)
+                .map_err(|e| unreadable(what, path, &e))?;
+            Ok(bytes)
+        };
+        let kernel = read("kernel", &self.kernel)?;
+        let mut initrd = Vec::new();
+        for path in &self.initrds {
+            initrd.resize(initrd.len().next_multiple_of(4), 0);
+            initrd.extend(read("initrd", path)?);
+        }
+        Ok((kernel, initrd))
+    }
+}
+
+/// What a kexec pass did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kexecuted {
+    /// Started the kexec into the operation's ramdisk.
+    Started,
+    /// Found it started by a pass that died before its record (the server's marker): nothing
+    /// was sent.
+    AlreadyStarted,
+    /// The token's write did not land (the Host changed since it was read): nothing was sent.
+    NotIssued,
+}
+
+/// Logs in to `host`'s server with its pinned (or recorded) host key and kexecs it into the
+/// ramdisk of the operation under way ([`kexec_on`]). The outer error is `issue`'s, which
+/// stores the token's hash before it leaves and gives the token.
+pub async fn kexec<E>(
+    host: &Host,
+    client: &kube::Client,
+    ramdisk: Result<&KexecRamdisk, &RamdiskFilesError>,
+    issue: impl AsyncFnOnce() -> Result<Option<String>, E>,
+) -> Result<Result<Kexecuted, SshAccessError>, E> {
+    let ramdisk = match ramdisk {
+        Ok(ramdisk) => ramdisk,
+        Err(e) => return Ok(Err(e.clone().into())),
+    };
+    let (session, _, first_use) = match connect(host, client).await {
+        Ok(connected) => connected,
+        Err(e) => return Ok(Err(SshAccessError::KexecUnreachable(Box::new(e)))),
+    };
+    let kexecuted = match first_use {
+        true => Ok(Err(SshAccessError::HostKeyNotRecorded)),
+        false => kexec_on(&session, host, ramdisk, issue).await,
+    };
+    hang_up(host, session).await;
+    kexecuted
+}
+
+/// [`kexec`] on the server behind `remote`: the marker probed first, and, if this operation's
+/// kexec was never started, the ramdisk's files read, the token issued (its hash stored), and
+/// the [`reimage::kexec`] plan followed with the token in the initrd.
+async fn kexec_on<E>(
+    remote: &impl Remote,
+    host: &Host,
+    ramdisk: &KexecRamdisk,
+    issue: impl AsyncFnOnce() -> Result<Option<String>, E>,
+) -> Result<Result<Kexecuted, SshAccessError>, E> {
+    let op = host.status.as_ref().and_then(|s| s.operation.as_ref());
+    let Some(op) = op else { return Ok(Ok(Kexecuted::NotIssued)) };
+    let id: OperationId = match op.id.parse() {
+        Ok(id) => id,
+        Err(source) => {
+            let failed = StepFailed::Progress { what: "the operation's id", source };
+            return Ok(Err(SshAccessError::Kexec(failed)));
+        }
+    };
+    match reimage::where_it_stands(remote, &id).await {
+        Ok(KexecProgress::Started) => return Ok(Ok(Kexecuted::AlreadyStarted)),
+        Ok(KexecProgress::NotStarted) => {}
+        Err(e) => return Ok(Err(SshAccessError::Kexec(e))),
+    }
+    let files = ramdisk.clone();
+    let read = tokio::task::spawn_blocking(move || files.read()).await;
+    let (kernel, initrd) = match read.expect("reading the ramdisk's files does not panic") {
+        Ok(files) => files,
+        Err(e) => return Ok(Err(e.into())),
+    };
+    let Some(token) = issue().await? else { return Ok(Ok(Kexecuted::NotIssued)) };
+    let secret_cmdline = siteboot_agent_server::token::operation_words(&token, &op.id)
+        .map(|w| w.as_str().to_owned())
+        .to_vec();
+    let plan =
+        reimage::Kexec { id, kernel, initrd, cmdline: ramdisk.cmdline.clone(), secret_cmdline };
+    Ok(match adopt::follow(remote, &reimage::kexec(&plan)).await {
+        Ok(()) => Ok(Kexecuted::Started),
+        Err(e) => Err(SshAccessError::Kexec(e)),
+    })
+}
+
 /// Why an inspected server is not `host`'s machine. Says what was seen, bounded: the server's
 /// MACs and UUID passed [`inspect::parse`], so they are plain hex.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -445,17 +619,19 @@ mod tests {
         assert_eq!(policy(&host, &access).unwrap_err().reason(), "SSHHostKeyRecordInvalid");
     }
 
-    /// A server that answers the probe with `probed` and every other command with success,
-    /// recording what it was sent.
+    /// A server that answers a probe (a delivery's or a kexec's) with `probed` and every other
+    /// command with success, recording what it was sent, and what was uploaded.
+    #[derive(Default)]
     struct Server {
         probed: &'static str,
         sent: std::sync::Mutex<Vec<String>>,
+        uploaded: std::sync::Mutex<Vec<(String, Vec<u8>)>>,
     }
 
     impl Remote for Server {
         async fn run(&self, line: &str, _: Duration) -> Result<siteboot_ssh::Output, SshError> {
             self.sent.lock().unwrap().push(line.to_owned());
-            let probe = line == adopt::probe().line;
+            let probe = line == adopt::probe().line || line == reimage::probe().line;
             let stdout = Captured::of(if probe { self.probed.as_bytes() } else { b"" });
             Ok(siteboot_ssh::Output {
                 status: siteboot_ssh::ExitStatus::Code(0),
@@ -468,10 +644,11 @@ mod tests {
             &self,
             path: &siteboot_ssh::RemotePath,
             _: siteboot_ssh::FileMode,
-            _: &[u8],
+            bytes: &[u8],
             _: Duration,
         ) -> Result<(), SshError> {
             self.sent.lock().unwrap().push(format!("upload {path}"));
+            self.uploaded.lock().unwrap().push((path.to_string(), bytes.to_vec()));
             Ok(())
         }
     }
@@ -512,7 +689,7 @@ mod tests {
     #[test]
     fn a_delivery_probes_first_and_never_starts_the_run_twice() {
         let deliver = |probed: &'static str, delivered: bool, data| {
-            let server = Server { probed, sent: Default::default() };
+            let server = Server { probed, ..Server::default() };
             let progress = block_on(deliver_on(&server, &provisioning(delivered), data));
             (progress, server.sent.into_inner().unwrap())
         };
@@ -536,5 +713,130 @@ mod tests {
         let (lost, sent) = deliver("", true, None);
         assert!(matches!(lost, Err(SshAccessError::MarkerLost(_))), "{lost:?}");
         assert_eq!(sent.len(), 1);
+    }
+
+    const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    /// A ramdisk profile's files under a scratch `http.root`.
+    fn ramdisk_files() -> (tempfile::TempDir, KexecRamdisk) {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir(root.path().join("k")).unwrap();
+        std::fs::write(root.path().join("k/vmlinuz"), b"the kernel").unwrap();
+        std::fs::write(root.path().join("k/initrd.img"), b"gzip").unwrap();
+        std::fs::write(root.path().join("k/modules.img"), b"zstd!").unwrap();
+        let word = |w: &str| Word::new(w).unwrap();
+        let file = |w: &str| Source::File(word(w));
+        let profile = LinuxBoot {
+            kernel: file("k/vmlinuz"),
+            initrds: vec![file("k/initrd.img"), file("k/modules.img")],
+            cmdline: vec![word("console=ttyS0")],
+        };
+        let cmdline = [word("console=ttyS0"), word("siteboot.agent=https://10.0.0.1:8443")];
+        let ramdisk = KexecRamdisk::new(&profile, Some(root.path()), &cmdline).unwrap();
+        (root, ramdisk)
+    }
+
+    /// The kexec of `host` on `server`, its token `issued`: what it did, and whether the token
+    /// was asked for.
+    fn kexec_with(
+        server: &Server,
+        host: &Host,
+        ramdisk: &KexecRamdisk,
+        issued: Option<&str>,
+    ) -> (Result<Kexecuted, SshAccessError>, bool) {
+        let asked = std::cell::Cell::new(false);
+        let issue = async || {
+            asked.set(true);
+            Ok::<_, std::convert::Infallible>(issued.map(str::to_owned))
+        };
+        let Ok(kexecuted) = block_on(kexec_on(server, host, ramdisk, issue));
+        (kexecuted, asked.get())
+    }
+
+    /// The kexec probes first, then sends the plan: the public words on kexec's command line,
+    /// the token only inside the initrd (its own files, then an archive holding the token), on
+    /// no command line.
+    #[test]
+    fn a_kexec_sends_the_token_only_inside_the_initrd() {
+        let (_root, ramdisk) = ramdisk_files();
+        let server = Server::default();
+        let (kexecuted, asked) = kexec_with(&server, &provisioning(false), &ramdisk, Some(TOKEN));
+        assert!(matches!(kexecuted, Ok(Kexecuted::Started)), "{kexecuted:?}");
+        assert!(asked);
+        let sent = server.sent.into_inner().unwrap();
+        let plan = reimage::Kexec {
+            id: "op-1".parse().unwrap(),
+            kernel: Vec::new(),
+            initrd: Vec::new(),
+            cmdline: vec!["console=ttyS0".into(), "siteboot.agent=https://10.0.0.1:8443".into()],
+            secret_cmdline: Vec::new(),
+        };
+        let mut expected = vec![reimage::probe().line];
+        for step in reimage::kexec(&plan) {
+            expected.push(match step {
+                adopt::Step::Run(command) => command.line,
+                adopt::Step::Upload { path, .. } => format!("upload {path}"),
+            });
+        }
+        assert_eq!(sent, expected);
+        assert!(sent.iter().all(|line| !line.contains(TOKEN)), "the token on a command line");
+        assert!(sent.iter().any(|l| l.contains("--command-line=console=ttyS0 siteboot.agent=")));
+        let uploaded = server.uploaded.into_inner().unwrap();
+        assert_eq!(
+            uploaded[0],
+            ("/var/lib/siteboot/reimage/vmlinuz".into(), b"the kernel".to_vec())
+        );
+        let (path, initrd) = &uploaded[1];
+        assert_eq!(path, "/var/lib/siteboot/reimage/initrd");
+        // Each initrd from a 4-byte boundary, the archive too.
+        assert!(initrd.starts_with(b"gzipzstd!\0\0\0070701"), "{initrd:?}");
+        let archive = String::from_utf8_lossy(&initrd[12..]);
+        let secret =
+            format!("siteboot/cmdline\0\0siteboot.token={TOKEN} siteboot.operation=op-1\n");
+        assert!(archive.contains(&secret), "{archive}");
+    }
+
+    /// A server whose marker says this operation's kexec started (a pass died before its
+    /// record) gets nothing but the probe, and no token is minted; nor does one whose token
+    /// write did not land, or whose files cannot be read here (said).
+    #[test]
+    fn a_kexec_never_starts_twice_and_sends_nothing_without_its_token_or_files() {
+        let (root, ramdisk) = ramdisk_files();
+        let probe_only =
+            |server: Server| server.sent.into_inner().unwrap() == [reimage::probe().line];
+        let started = Server { probed: "op-1\n", ..Server::default() };
+        let (kexecuted, asked) = kexec_with(&started, &provisioning(false), &ramdisk, Some(TOKEN));
+        assert!(matches!(kexecuted, Ok(Kexecuted::AlreadyStarted)), "{kexecuted:?}");
+        assert!(!asked && probe_only(started));
+        // Another operation's marker: its kexec never took; this one's goes on.
+        let stale = Server { probed: "op-0\n", ..Server::default() };
+        let (kexecuted, _) = kexec_with(&stale, &provisioning(false), &ramdisk, Some(TOKEN));
+        assert!(matches!(kexecuted, Ok(Kexecuted::Started)), "{kexecuted:?}");
+        let lost = Server::default();
+        let (kexecuted, asked) = kexec_with(&lost, &provisioning(false), &ramdisk, None);
+        assert!(matches!(kexecuted, Ok(Kexecuted::NotIssued)), "{kexecuted:?}");
+        assert!(asked && probe_only(lost));
+        std::fs::remove_file(root.path().join("k/modules.img")).unwrap();
+        let missing = Server::default();
+        let (kexecuted, asked) = kexec_with(&missing, &provisioning(false), &ramdisk, Some(TOKEN));
+        let e = kexecuted.unwrap_err();
+        assert_eq!(e.reason(), "RamdiskFilesUnavailable");
+        assert!(e.to_string().contains("k/modules.img"), "{e}");
+        assert!(!asked && probe_only(missing));
+    }
+
+    /// A ramdisk profile that cannot be kexec'ed is said once, plainly.
+    #[test]
+    fn a_ramdisk_without_files_under_http_root_cannot_be_kexeced() {
+        let word = |w: &str| Word::new(w).unwrap();
+        let mut profile = LinuxBoot {
+            kernel: Source::File(word("k/vmlinuz")),
+            initrds: vec![Source::Url(word("http://elsewhere/initrd.img"))],
+            cmdline: Vec::new(),
+        };
+        let e = KexecRamdisk::new(&profile, Some(Path::new("/srv")), &[]).unwrap_err();
+        assert!(e.to_string().contains("initrd is a URL (http://elsewhere/initrd.img)"), "{e}");
+        profile.initrds.clear();
+        assert_eq!(KexecRamdisk::new(&profile, None, &[]), Err(RamdiskFilesError::NoHttpRoot));
     }
 }

@@ -122,8 +122,12 @@ pub struct SshAccess {
     #[serde(default = "default_ssh_user")]
     pub user: String,
     /// `Adopt` (the default): the host keeps its OS and gets the Machine's bootstrap data
-    /// through its own first-boot path; `Reimage`: it is kexec'ed into the deploy ramdisk and
-    /// imaged as a network-booted host is.
+    /// through its own first-boot path; released, its Kubernetes state is removed over SSH.
+    /// `Reimage`: inspected over SSH; claimed, it is kexec'ed over SSH into the deploy ramdisk
+    /// (the operation's token inside the initrd, never on a command line) and imaged as a
+    /// network-booted host is. Later operations (the wipe on release, a new image) boot the
+    /// ramdisk through `spec.bmc` if the Host has one, else by kexec over SSH again: that
+    /// works only if the installed image accepts the key and presents the pinned host key.
     #[serde(default)]
     pub mode: SshMode,
     /// The SSH access Secret's name, in the Host's namespace.
@@ -349,8 +353,9 @@ pub struct Operation {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<Image>,
     /// The address the token was issued to: requests from elsewhere are refused. Unset for a
-    /// token that came in virtual media: the BMC delivered it, so it is the host's evidence
-    /// wherever the ramdisk's requests come from.
+    /// token that came in virtual media or by kexec over SSH: the BMC, or the server behind the
+    /// pinned host key, delivered it, so it is the host's evidence wherever the ramdisk's
+    /// requests come from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_address: Option<String>,
     /// The host boots this operation's ramdisk from virtual media (its `spec.bootMethod` when
@@ -358,9 +363,15 @@ pub struct Operation {
     /// network boot.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub virtual_media: bool,
-    /// When siteboot last asked the host's BMC to boot this operation's ramdisk (None: not
-    /// yet). Written after the BMC took the request, so a request lost to a crash is made
-    /// again, and one the host did not follow is repeated (see `lifecycle::boot_due`).
+    /// The current token went to the host over SSH, inside the initrd of the ramdisk it was
+    /// kexec'ed into (`spec.access.ssh.mode: Reimage`, no BMC); a network boot's token replaces
+    /// it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub token_via_ssh: bool,
+    /// When siteboot last asked the host's BMC to boot this operation's ramdisk, or started
+    /// its kexec over SSH (None: not yet). Written after the BMC took the request (the kexec
+    /// was started), so a request lost to a crash is made again, and one the host did not
+    /// follow is repeated (see `lifecycle::boot_due`, `lifecycle::kexec_due`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot_requested: Option<Time>,
     /// When the current token was issued: tokens expire.
@@ -382,6 +393,12 @@ pub struct Operation {
 }
 
 impl Operation {
+    /// Whether its current token never crossed the provisioning segment (virtual media, or a
+    /// kexec over SSH): the ramdisk is known by it, from any address.
+    pub fn token_out_of_band(&self) -> bool {
+        self.virtual_media || self.token_via_ssh
+    }
+
     /// A new operation of `kind`, started at `started`: no token, nothing handed out or heard
     /// yet.
     pub fn new(kind: OperationKind, id: String, started: Time) -> Self {
@@ -393,6 +410,7 @@ impl Operation {
             image: None,
             token_address: None,
             virtual_media: false,
+            token_via_ssh: false,
             boot_requested: None,
             token_issued: None,
             bootstrap_delivered: false,

@@ -19,6 +19,10 @@
 //! boots: Provisioning gets the Machine's bootstrap data over SSH ([`needs_ssh_delivery`]) and
 //! Deprovisioning resets it over SSH ([`needs_ssh_reset`]) instead of wiping its disks, which are
 //! its operator's.
+//!
+//! A host [`reimaged_over_ssh`] (reached over SSH alone, mode Reimage) is inspected over SSH,
+//! and its ramdisk, where a BMC would boot it, is booted by kexec over SSH ([`kexec_due`]); from
+//! there it goes as a network-booted host does.
 
 use std::time::Duration;
 
@@ -81,9 +85,6 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
             if let Err(e) = crate::ssh::spec_of(host) {
                 return t(HostState::Quarantined, None, e.reason(), &e.to_string());
             }
-            if let Some(quarantine) = reimage_unsupported(host) {
-                return Some(quarantine);
-            }
             if needs_bmc_check(host) || needs_ssh_check(host) {
                 // The reconciler checks the BMC ([`bmc_check`]) or logs in over SSH first.
                 return None;
@@ -106,15 +107,12 @@ pub fn next(host: &Host, min_wipe: WipePolicy) -> Option<Transition> {
                 )
             }
         }
-        // A Reimage host registered before Reimage was refused at registration is refused here.
-        Some(HostState::Available) if wanted => reimage_unsupported(host).or_else(|| {
-            t(
-                HostState::Provisioning,
-                Some(OperationKind::Provision),
-                "ProvisioningStarted",
-                &format!("claimed by {}", consumer(host)),
-            )
-        }),
+        Some(HostState::Available) if wanted => t(
+            HostState::Provisioning,
+            Some(OperationKind::Provision),
+            "ProvisioningStarted",
+            &format!("claimed by {}", consumer(host)),
+        ),
         Some(HostState::Provisioning) if !wanted => deprovision(
             host,
             min_wipe,
@@ -390,15 +388,11 @@ fn reached_over_ssh(host: &Host) -> Option<SshMode> {
     Some(ssh_of(host)?.mode)
 }
 
-/// The quarantine of a host reached over SSH alone in mode Reimage, which is not built yet:
-/// said, rather than a claim that would wait for a ramdisk nothing boots.
-fn reimage_unsupported(host: &Host) -> Option<Transition> {
-    (reached_over_ssh(host) == Some(SshMode::Reimage)).then(|| Transition {
-        to: HostState::Quarantined,
-        operation: None,
-        reason: "SSHReimageNotSupported",
-        message: "spec.access.ssh.mode Reimage (kexec into the ramdisk) is not supported yet: use Adopt, or give the Host a spec.bmc".into(),
-    })
+/// Whether `host` boots its ramdisk by kexec over SSH: reached over SSH alone, in mode
+/// Reimage. It is inspected over SSH like an adopted host; its other operations boot the ramdisk
+/// by kexec ([`kexec_due`]) and go on as a network-booted host's do.
+pub fn reimaged_over_ssh(host: &Host) -> bool {
+    reached_over_ssh(host) == Some(SshMode::Reimage)
 }
 
 /// Whether `host` is adopted: reached over SSH alone, in mode Adopt. Claimed, it gets its
@@ -563,11 +557,31 @@ pub const BOOT_RETRY: Duration = Duration::from_secs(600);
 /// that booted is timed out by [`silent`] instead.
 pub fn boot_due(host: &Host, now: i64) -> bool {
     let Some(op) = host.status.as_ref().and_then(|s| s.operation.as_ref()) else { return false };
-    let asked_long_ago =
-        |at: &Time| now.saturating_sub(at.0.as_second()) > BOOT_RETRY.as_secs() as i64;
     host.spec.bmc.is_some()
         && op.token_issued.is_none()
-        && op.boot_requested.as_ref().is_none_or(asked_long_ago)
+        && op.boot_requested.as_ref().is_none_or(|at| asked_long_ago(at, now))
+}
+
+/// Whether to kexec the host (again) over SSH into the ramdisk of the operation under way: it
+/// boots its ramdisk that way ([`reimaged_over_ssh`]), no ramdisk has said a word for the
+/// operation nor taken a token from a network boot, and siteboot has not started the kexec
+/// yet (a new operation, or a start lost when the appliance died before it was recorded) or
+/// started it more than [`BOOT_RETRY`] ago. The server's kexec marker keeps a second pass from
+/// starting the same operation's kexec twice; a ramdisk that booted and fell silent is timed
+/// out by [`silent`], from the token stored before the kexec.
+pub fn kexec_due(host: &Host, now: i64) -> bool {
+    let Some(op) = host.status.as_ref().and_then(|s| s.operation.as_ref()) else { return false };
+    reimaged_over_ssh(host)
+        && op.kind != OperationKind::Inspect
+        && op.last_heard.is_none()
+        && op.token_address.is_none()
+        && op.boot_requested.as_ref().is_none_or(|at| asked_long_ago(at, now))
+}
+
+/// Whether a boot asked for at `at` was more than [`BOOT_RETRY`] before `now` (seconds since
+/// the epoch).
+fn asked_long_ago(at: &Time, now: i64) -> bool {
+    now.saturating_sub(at.0.as_second()) > BOOT_RETRY.as_secs() as i64
 }
 
 /// What the reboot annotation asks for.

@@ -55,6 +55,9 @@ pub enum Step {
     Transit(Transition),
     /// Have the BMC boot the ramdisk of the operation under way.
     RequestBoot,
+    /// Kexec the host over SSH into the ramdisk of the operation under way: a Reimage host's
+    /// [`Step::RequestBoot`].
+    KexecOverSsh,
     /// Have the BMC boot the disk just written.
     RequestDiskBoot,
     /// Eject the virtual media of an operation that ended.
@@ -132,6 +135,9 @@ pub fn next(host: &Host, seen: &Observed) -> Step {
     if lifecycle::boot_due(host, seen.fresh.now.0.as_second()) {
         return Step::RequestBoot;
     }
+    if lifecycle::kexec_due(host, seen.fresh.now.0.as_second()) {
+        return Step::KexecOverSsh;
+    }
     if lifecycle::disk_boot_due(host) {
         return Step::RequestDiskBoot;
     }
@@ -163,7 +169,8 @@ pub fn next(host: &Host, seen: &Observed) -> Step {
 
 /// A deleted Host goes once its consumer let go and its disks are wiped
 /// ([`lifecycle::on_delete`]); meanwhile its lifecycle goes on: a consumer that lets go waits
-/// for the wipe it starts. An adopted host's delivery and reset go on as a ramdisk's boot does.
+/// for the wipe it starts. An adopted host's delivery and reset go on as a ramdisk's boot does,
+/// and so does a Reimage host's kexec.
 fn deletion(host: &Host, seen: &Observed) -> Step {
     if !has_finalizer(host) {
         return Step::Gone;
@@ -172,6 +179,7 @@ fn deletion(host: &Host, seen: &Observed) -> Step {
         Deletion::WaitForRelease | Deletion::WaitForWipe => match transition(host, seen) {
             Some(t) => Step::Transit(t),
             None if lifecycle::boot_due(host, seen.fresh.now.0.as_second()) => Step::RequestBoot,
+            None if lifecycle::kexec_due(host, seen.fresh.now.0.as_second()) => Step::KexecOverSsh,
             None if lifecycle::needs_ssh_delivery(host) => Step::DeliverOverSsh,
             None if lifecycle::needs_ssh_reset(host) => Step::ResetOverSsh,
             None => Step::AwaitDeletion,
@@ -255,6 +263,7 @@ mod tests {
                 Step::Disowned => "Disowned",
                 Step::Transit(_) => "Transit",
                 Step::RequestBoot => "RequestBoot",
+                Step::KexecOverSsh => "KexecOverSsh",
                 Step::RequestDiskBoot => "RequestDiskBoot",
                 Step::EjectMedia => "EjectMedia",
                 Step::CheckBmc => "CheckBmc",

@@ -18,7 +18,7 @@ use kube::runtime::watcher;
 
 use super::lifecycle::{Fresh, Reboot};
 use super::plan::{self, Observed, Step};
-use super::write::{self, Again, Answer, Change, Outcome, Write};
+use super::write::{self, Again, Answer, Change, Outcome, TokenCarrier, Write};
 use crate::agent;
 use crate::bmc::{self, BmcError};
 use crate::context::{
@@ -86,6 +86,11 @@ async fn ask(step: &Step, host: &Host, ctx: &Ctx, fresh: &Fresh) -> Result<Answe
     }
     if *step == Step::ResetOverSsh {
         return Ok(Answer::Reset(ssh::reset(host, &ctx.client).await));
+    }
+    if *step == Step::KexecOverSsh {
+        let issue = async || issue_kexec_token(host, ctx, fresh).await;
+        let ramdisk = ctx.kexec_ramdisk.as_ref();
+        return Ok(Answer::Kexec(ssh::kexec(host, &ctx.client, ramdisk, issue).await?));
     }
     let asks = matches!(
         step,
@@ -158,9 +163,24 @@ async fn staged_delivery(
     Ok(Some((data, meta)))
 }
 
+/// Mints a token for the kexec of `host`'s operation and stores its hash before the token
+/// leaves (as for virtual media); a new token voids the one before. `None`: the write did not
+/// land (the Host changed since it was read), and nothing is sent.
+async fn issue_kexec_token(
+    host: &Host,
+    ctx: &Ctx,
+    fresh: &Fresh,
+) -> Result<Option<String>, kube::Error> {
+    let (token, hash) = token::mint();
+    let Some(write) = write::out_of_band_token(host, hash, &fresh.now, TokenCarrier::Kexec) else {
+        return Ok(None);
+    };
+    Ok(apply(ctx, write).await?.then_some(token))
+}
+
 /// Boots `host` into the ramdisk for the operation it runs: once from the network, or from
 /// virtual media carrying a token minted now. Its hash is stored before the media is inserted
-/// ([`write::StatusChange::MediaToken`]); each insertion mints a new key, which voids the one
+/// ([`write::StatusChange::OutOfBandToken`]); each insertion mints a new key, which voids the one
 /// before.
 async fn boot_ramdisk(
     host: &Host,
@@ -174,7 +194,10 @@ async fn boot_ramdisk(
     }
     let base = ctx.media_base.as_deref().ok_or(BootFailure::NoMedia)?;
     let (media_key, hash) = token::mint_media_key();
-    let Some(write) = write::media_token(host, hash, &fresh.now) else { return Ok(()) };
+    let carrier = TokenCarrier::VirtualMedia;
+    let Some(write) = write::out_of_band_token(host, hash, &fresh.now, carrier) else {
+        return Ok(());
+    };
     if !apply(ctx, write).await? {
         return Ok(());
     }

@@ -22,7 +22,7 @@ use crate::crd::{
     WipePolicy, set_condition,
 };
 use crate::pools::MacStanding;
-use crate::ssh::{Endpoint, Reached, SshAccessError};
+use crate::ssh::{Endpoint, Kexecuted, Reached, SshAccessError};
 use siteboot_ssh::adopt::Progress;
 use siteboot_ssh::inspect::Report;
 
@@ -104,14 +104,27 @@ pub enum StatusChange {
     SshDelivery { operation: String, fresh: Fresh, ended: Option<Transition> },
     /// The reset of `operation` over SSH done and verified at `fresh`: the host Available.
     SshReset { operation: String, fresh: Fresh },
-    /// Virtual media for `operation` carries a token whose hash is `hash`, issued at `at`; the
-    /// hash is stored before the media goes in, so the media works as soon as the BMC fetches
-    /// it. Not once the bootstrap data left: as for a network boot, no new token then.
-    MediaToken { operation: String, hash: String, at: Time },
+    /// `carrier` takes `operation`'s ramdisk a token whose hash is `hash`, issued at `at`; the
+    /// hash is stored before the media goes in (the kexec starts), so the ramdisk's token works
+    /// as soon as it boots. Not once the bootstrap data left: as for a network boot, no new
+    /// token then.
+    OutOfBandToken { operation: String, hash: String, at: Time, carrier: TokenCarrier },
+    /// The kexec of `operation`'s ramdisk was started over SSH at `at` (by this pass, or by one
+    /// that died before its record: the server's marker said so).
+    KexecStarted { operation: String, at: Time },
     /// The virtual media of an ended operation was ejected.
     MediaEjected,
     /// The BMC's power reading.
     Power(PowerState),
+}
+
+/// What takes a token the reconciler minted to the ramdisk, never across the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenCarrier {
+    /// Virtual media, through the host's BMC.
+    VirtualMedia,
+    /// The initrd of a kexec over SSH.
+    Kexec,
 }
 
 /// Which rule a [`StatusChange::Transit`] is checked against again before it is written.
@@ -145,6 +158,8 @@ pub enum Answer {
     Delivery(Result<Progress, SshAccessError>),
     /// The reset over SSH: done and verified, or why not.
     Reset(Result<(), SshAccessError>),
+    /// The kexec into the ramdisk over SSH: started (or found started), or why not.
+    Kexec(Result<Kexecuted, SshAccessError>),
 }
 
 impl Recheck {
@@ -259,13 +274,25 @@ impl StatusChange {
                 status = lifecycle::apply(current, &lifecycle::reset_done(), fresh);
                 logged_in(&mut status, "logged in and reset the server", generation);
             }
-            StatusChange::MediaToken { operation, hash, at } => {
+            StatusChange::OutOfBandToken { operation, hash, at, carrier } => {
                 let op = status.operation.as_mut();
                 let op = op.filter(|op| op.id == *operation && !op.bootstrap_delivered)?;
                 op.token_hash = Some(hash.clone());
                 op.token_address = None;
                 op.token_issued = Some(at.clone());
-                status.media_inserted = true;
+                op.token_via_ssh = *carrier == TokenCarrier::Kexec;
+                if *carrier == TokenCarrier::VirtualMedia {
+                    status.media_inserted = true;
+                }
+            }
+            StatusChange::KexecStarted { operation, at } => {
+                let op = status.operation.as_mut().filter(|op| op.id == *operation)?;
+                op.boot_requested = Some(at.clone());
+                logged_in(
+                    &mut status,
+                    "logged in and kexec'ed the server into the ramdisk",
+                    generation,
+                );
             }
             StatusChange::MediaEjected => {
                 if status.operation.is_some() {
@@ -328,11 +355,17 @@ impl<'a> Outcome<'a> {
     }
 }
 
-/// The virtual-media token write for the operation `host` runs, whose key's hash is `hash`,
-/// minted at `at`: the reconciler inserts the media only once it landed.
-pub fn media_token<'a>(host: &'a Host, hash: String, at: &Time) -> Option<Write<'a>> {
+/// The token write for the operation `host` runs, whose token's hash is `hash`, minted at `at`
+/// for `carrier`: the reconciler inserts the media (starts the kexec) only once it landed.
+pub fn out_of_band_token<'a>(
+    host: &'a Host,
+    hash: String,
+    at: &Time,
+    carrier: TokenCarrier,
+) -> Option<Write<'a>> {
     let operation = host.status.as_ref()?.operation.as_ref()?.id.clone();
-    Some(Write::status(host, StatusChange::MediaToken { operation, hash, at: at.clone() }))
+    let change = StatusChange::OutOfBandToken { operation, hash, at: at.clone(), carrier };
+    Some(Write::status(host, change))
 }
 
 /// What `step`, planned for `host` from what the pass `seen`, does once the BMC gave `answer`.
@@ -370,6 +403,14 @@ pub fn outcome<'a>(step: &Step, host: &'a Host, seen: &'a Observed, answer: Answ
         }
         Step::AwaitDeletion => Outcome::after(plan::DELETION_CHECK),
         Step::RequestBoot => boot_requested(host, seen, answer.done()),
+        Step::KexecOverSsh => match answer {
+            Answer::Kexec(Ok(Kexecuted::NotIssued)) => Outcome::after(Duration::ZERO),
+            Answer::Kexec(Ok(_)) => kexec_started(host, seen),
+            // Nothing was started: SSHReady says why (a wrong host key, a refused key, a step
+            // that failed), and it is tried again later and later.
+            Answer::Kexec(Err(e)) => ssh_checked(host, seen, Err(e)),
+            _ => Outcome::after(Duration::ZERO),
+        },
         Step::RequestDiskBoot => disk_boot_asked(host, answer.done()),
         Step::CheckBmc => match answer {
             Answer::Identity(identity) => bmc_checked(host, seen, &identity),
@@ -448,7 +489,8 @@ impl Answer {
             | Answer::Ssh(_)
             | Answer::Inspected(_)
             | Answer::Delivery(_)
-            | Answer::Reset(_) => Err("the BMC was asked something else".into()),
+            | Answer::Reset(_)
+            | Answer::Kexec(_) => Err("the BMC was asked something else".into()),
         }
     }
 }
@@ -518,6 +560,21 @@ fn boot_requested<'a>(host: &'a Host, seen: &Observed, result: Result<(), String
             Outcome::writing(Write::status(host, change).noted(note)).again(plan::SILENCE_CHECK)
         }
     }
+}
+
+/// The kexec into the ramdisk of the operation under way started: recorded for that operation,
+/// so that it is not asked again every pass; the ramdisk's silence is timed from the token
+/// stored before it.
+fn kexec_started<'a>(host: &'a Host, seen: &Observed) -> Outcome<'a> {
+    let Some(operation) = host.status.as_ref().and_then(|s| s.operation.as_ref()) else {
+        return Outcome::after(Duration::ZERO);
+    };
+    let id = &operation.id;
+    let at = seen.fresh.now.clone();
+    let change = StatusChange::KexecStarted { operation: id.clone(), at };
+    let log = format!("kexec'ed the server over SSH into the ramdisk of operation {id}");
+    let note = Note::info(&log).event("KexecStarted", log);
+    Outcome::writing(Write::status(host, change).noted(note)).again(plan::SILENCE_CHECK)
 }
 
 /// The BMC asked to boot the disk just written, once: if it refused, the ramdisk is told to
@@ -995,7 +1052,14 @@ pub mod tests {
 
     /// An SSH Host registered (its login done) and Inspecting.
     fn inspecting_over_ssh() -> Host {
+        inspecting_over_ssh_in(SshMode::Adopt)
+    }
+
+    /// An SSH Host in `mode` registered (its login done) and Inspecting: over SSH, whatever
+    /// the mode.
+    fn inspecting_over_ssh_in(mode: SshMode) -> Host {
         let mut host = registering_over_ssh();
+        host.spec.access.as_mut().unwrap().ssh.as_mut().unwrap().mode = mode;
         let fresh = at(0);
         let unique = MacStanding::Unique;
         assert!(take(&mut host, &Step::CheckSsh, &observed(&fresh, &unique), reached(false)));
@@ -1386,44 +1450,190 @@ pub mod tests {
         assert_eq!(next(&host, &observed(&fresh, &unique)), Step::PowerOffAndLetGo);
     }
 
-    /// Reimage (kexec into the ramdisk) is not built yet: a Host reached over SSH alone in that
-    /// mode is quarantined saying so, and is never claimed to wait for a ramdisk that does not
-    /// boot. With a BMC, it is a network-booted host like any.
-    #[test]
-    fn a_reimage_host_is_quarantined_as_not_supported_yet() {
-        let mut host = Host::new("h", HostSpec::new(MAC));
-        host.spec.access = registering_over_ssh().spec.access;
-        host.spec.access.as_mut().unwrap().ssh.as_mut().unwrap().mode = SshMode::Reimage;
+    /// An SSH Host in mode Reimage, registered, inspected over SSH and Available.
+    fn reimage_available() -> Host {
+        let mut host = inspecting_over_ssh_in(SshMode::Reimage);
+        let fresh = at(0);
+        let answer = Answer::Inspected(Ok(report(&[MAC], UUID)));
+        assert!(take(
+            &mut host,
+            &Step::InspectOverSsh,
+            &observed(&fresh, &MacStanding::Unique),
+            answer
+        ));
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Available));
+        host
+    }
+
+    /// A Reimage host claimed, Provisioning, its kexec due.
+    fn reimage_claimed() -> Host {
+        let mut host = reimage_available();
+        let claimed = delivering();
+        host.spec.consumer_ref = claimed.spec.consumer_ref;
+        host.spec.provisioning = claimed.spec.provisioning;
+        let fresh = at(1);
+        let step = settled(&mut host, &fresh);
+        assert!(matches!(&step, Step::Transit(t) if t.to == HostState::Provisioning), "{step:?}");
+        assert!(take(&mut host, &step, &observed(&fresh, &MacStanding::Unique), Answer::NotAsked));
+        host
+    }
+
+    /// What the kexec step leaves when it starts the kexec: the token stored before it left
+    /// (by the reconciler, mid-step), then the outcome of `answer`.
+    fn kexec(host: &mut Host, fresh: &Fresh, answer: Answer) {
+        let read = host.clone();
+        let token = out_of_band_token(&read, "hash".into(), &fresh.now, TokenCarrier::Kexec);
+        assert!(land(host, &Outcome::writing(token.unwrap())));
+        let unique = MacStanding::Unique;
+        let seen = observed(fresh, &unique);
+        assert!(land(host, &outcome(&Step::KexecOverSsh, &read, &seen, answer)));
+    }
+
+    /// The ramdisk's report that the image is written, as the agent API records it.
+    fn ramdisk_reports_written(host: &mut Host) {
+        let status = host.status.as_mut().unwrap();
+        let op = status.operation.as_mut().unwrap();
+        op.last_heard = Some(at(30).now);
+        assert!(lifecycle::hand_out(status, &host.spec.provisioning.clone().unwrap().image, None));
         host.status =
-            Some(HostStatus { state: Some(HostState::Registering), ..Default::default() });
-        let t = lifecycle::next(&host, WipePolicy::Quick).unwrap();
-        assert_eq!((t.to, t.reason), (HostState::Quarantined, "SSHReimageNotSupported"));
-        assert!(t.message.contains("not supported yet"), "{}", t.message);
+            Some(lifecycle::completed(host, OperationKind::Provision, true, "", None, &at(60)));
+    }
+
+    /// Claimed: kexec'ed over SSH into the ramdisk (its token stored first, for any address),
+    /// recorded so it is not asked again every pass; the ramdisk's report makes it Provisioned,
+    /// and no BMC is asked to boot the disk (the ramdisk reboots into it).
+    #[test]
+    fn a_claimed_reimage_host_is_kexeced_into_its_ramdisk_and_provisioned() {
+        let mut host = reimage_claimed();
+        let fresh = at(2);
         assert!(!lifecycle::adopted(&host));
-        host.spec.bmc = registering().spec.bmc;
-        assert_ne!(
-            lifecycle::next(&host, WipePolicy::Quick).map(|t| t.to),
-            Some(HostState::Quarantined)
+        assert_eq!(settled(&mut host, &fresh), Step::KexecOverSsh);
+        kexec(&mut host, &fresh, Answer::Kexec(Ok(Kexecuted::Started)));
+        let op = host.status.as_ref().unwrap().operation.clone().unwrap();
+        assert_eq!(op.boot_requested.as_ref(), Some(&fresh.now));
+        assert_eq!(
+            (op.token_hash.as_deref(), op.token_issued.as_ref()),
+            (Some("hash"), Some(&fresh.now))
         );
-        // One registered before this refusal is refused when claimed.
-        host.spec.bmc = None;
-        host.status = Some(HostStatus { state: Some(HostState::Available), ..Default::default() });
-        host.spec.consumer_ref = delivering().spec.consumer_ref;
-        host.spec.provisioning = delivering().spec.provisioning;
-        let t = lifecycle::next(&host, WipePolicy::Quick).unwrap();
-        assert_eq!((t.to, t.reason), (HostState::Quarantined, "SSHReimageNotSupported"));
-        // Whatever its state, a Reimage host takes no SSH delivery or reset.
-        for state in [HostState::Provisioning, HostState::Deprovisioning] {
-            let kind = match state {
-                HostState::Provisioning => OperationKind::Provision,
-                _ => OperationKind::Deprovision,
-            };
-            let mut op = operation("op", false);
-            op.kind = kind;
-            host.status =
-                Some(HostStatus { state: Some(state), operation: Some(op), ..Default::default() });
-            assert!(!lifecycle::needs_ssh_delivery(&host) && !lifecycle::needs_ssh_reset(&host));
+        assert!(op.token_via_ssh && op.token_out_of_band() && op.token_address.is_none());
+        assert_eq!(
+            next(&host, &observed(&at(3), &MacStanding::Unique)),
+            Step::Idle { again: SILENCE_CHECK }
+        );
+        // Its silence is timed from the token, as for a BMC's boot.
+        let silent = at(601 + 2);
+        assert!(lifecycle::silent(&host, Duration::from_secs(600), &silent).is_some());
+        ramdisk_reports_written(&mut host);
+        let status = host.status.as_ref().unwrap();
+        assert_eq!(status.state, Some(HostState::Provisioned));
+        assert!(!status.installed.as_ref().unwrap().disk_boot_pending);
+        assert!(!lifecycle::disk_boot_due(&host));
+        let step = settled(&mut host, &at(61));
+        assert!(matches!(step, Step::Idle { .. }), "{step:?}");
+    }
+
+    /// A login refused at the host key: SSHReady False says the host cannot be reached to boot
+    /// its ramdisk and why, nothing is recorded started, the kexec is tried again later and the
+    /// host is never Provisioned meanwhile.
+    #[test]
+    fn a_kexec_refused_at_the_host_key_is_said_and_tried_again() {
+        let mut host = reimage_claimed();
+        let fresh = at(2);
+        let mismatch = SshAccessError::KexecUnreachable(Box::new(SshAccessError::Connect(
+            crate::ssh::SshError::HostKeyMismatch {
+                address: "10.0.0.7:22".into(),
+                mismatch: siteboot_ssh::HostKeyMismatch {
+                    pinned: HOST_KEY_SHA256.into(),
+                    presented: "SHA256:someoneelse".into(),
+                },
+            },
+        )));
+        let (again, writes) =
+            answered(&mut host, Step::KexecOverSsh, &fresh, Answer::Kexec(Err(mismatch)));
+        assert_eq!((again, writes), (Again::After(Duration::from_secs(10)), 1));
+        let (status, reason, message) = ssh_ready(&host).unwrap();
+        assert_eq!((status.as_str(), reason.as_str()), ("False", "HostKeyMismatch"));
+        assert!(
+            message.contains("cannot be reached over SSH to kexec it into its ramdisk"),
+            "{message}"
+        );
+        assert!(message.contains("nothing was sent"), "{message}");
+        let op = host.status.as_ref().unwrap().operation.clone().unwrap();
+        assert_eq!((op.boot_requested, op.token_hash), (None, None));
+        assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Provisioning));
+        assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::KexecOverSsh);
+        // A step that failed on the server, or no ramdisk files here: said, tried again.
+        for (e, reason) in [
+            (
+                SshAccessError::Kexec(StepFailed::Failed {
+                    what: "checking the host can kexec",
+                    status: siteboot_ssh::ExitStatus::Code(1),
+                    stderr: "kexec is not installed".into(),
+                }),
+                "SSHKexecFailed",
+            ),
+            (crate::ssh::RamdiskFilesError::NoHttpRoot.into(), "RamdiskFilesUnavailable"),
+        ] {
+            answered(&mut host, Step::KexecOverSsh, &fresh, Answer::Kexec(Err(e)));
+            assert_eq!(ssh_ready(&host).unwrap().1, reason);
+            assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::KexecOverSsh);
         }
+        // Then it works: SSHReady True again.
+        kexec(&mut host, &fresh, Answer::Kexec(Ok(Kexecuted::Started)));
+        assert_eq!(ssh_ready(&host).unwrap().0, "True");
+    }
+
+    /// The pass that started the kexec died before its record: the next pass's kexec step
+    /// finds the server's marker (crate::ssh::kexec_on sends nothing more) and records it; a
+    /// token write that did not land starts nothing and records nothing. Long after, with the
+    /// ramdisk never heard, the step is due again (and finds the marker again).
+    #[test]
+    fn a_kexec_found_started_after_a_crash_is_recorded_not_repeated() {
+        let mut host = reimage_claimed();
+        let fresh = at(2);
+        let (again, writes) = answered(
+            &mut host,
+            Step::KexecOverSsh,
+            &fresh,
+            Answer::Kexec(Ok(Kexecuted::NotIssued)),
+        );
+        assert_eq!((again, writes), (Again::After(Duration::ZERO), 0));
+        let found = Answer::Kexec(Ok(Kexecuted::AlreadyStarted));
+        answered(&mut host, Step::KexecOverSsh, &fresh, found);
+        let op = host.status.as_ref().unwrap().operation.clone().unwrap();
+        assert_eq!(op.boot_requested.as_ref(), Some(&fresh.now));
+        assert!(!lifecycle::kexec_due(&host, fresh.now.0.as_second() + 60));
+        let later = fresh.now.0.as_second() + lifecycle::BOOT_RETRY.as_secs() as i64 + 1;
+        assert!(lifecycle::kexec_due(&host, later));
+        // Once the ramdisk spoke, never.
+        host.status.as_mut().unwrap().operation.as_mut().unwrap().last_heard =
+            Some(fresh.now.clone());
+        assert!(!lifecycle::kexec_due(&host, later));
+    }
+
+    /// Released, a Reimage host is wiped by a ramdisk: booted through its BMC if it has one,
+    /// else by kexec over SSH again.
+    #[test]
+    fn the_wipe_of_a_released_reimage_host_boots_through_the_bmc_or_by_kexec() {
+        let mut host = reimage_claimed();
+        kexec(&mut host, &at(2), Answer::Kexec(Ok(Kexecuted::Started)));
+        ramdisk_reports_written(&mut host);
+        host.spec.consumer_ref = None;
+        host.spec.provisioning = None;
+        let fresh = at(70);
+        let step = settled(&mut host, &fresh);
+        assert!(matches!(&step, Step::Transit(t) if t.to == HostState::Deprovisioning), "{step:?}");
+        assert!(take(&mut host, &step, &observed(&fresh, &MacStanding::Unique), Answer::NotAsked));
+        assert!(!lifecycle::needs_ssh_reset(&host), "wiped, not reset");
+        assert_eq!(settled(&mut host, &fresh), Step::KexecOverSsh);
+        // Deleted meanwhile: the wipe's kexec goes on.
+        let mut deleted = host.clone();
+        deleted.metadata.deletion_timestamp = Some(crate::crd::now());
+        assert_eq!(next(&deleted, &observed(&fresh, &MacStanding::Unique)), Step::KexecOverSsh);
+        let mut with_bmc = host.clone();
+        with_bmc.spec.bmc = registering().spec.bmc;
+        assert_eq!(next(&with_bmc, &observed(&fresh, &MacStanding::Unique)), Step::RequestBoot);
+        assert!(!lifecycle::kexec_due(&with_bmc, fresh.now.0.as_second()));
     }
 
     fn operation(id: &str, virtual_media: bool) -> Operation {
@@ -1520,7 +1730,8 @@ pub mod tests {
         let mut host = registering();
         host.status.as_mut().unwrap().operation = Some(operation("op-a", true));
         let fresh = at(7);
-        let write = media_token(&host, "hash".into(), &fresh.now).unwrap();
+        let carrier = TokenCarrier::VirtualMedia;
+        let write = out_of_band_token(&host, "hash".into(), &fresh.now, carrier).unwrap();
         let Change::Status(change) = &write.change else { panic!("{write:?}") };
         let status = change.apply(&host).expect("stored");
         let op = status.operation.as_ref().unwrap();
