@@ -12,7 +12,6 @@ use siteboot_boot::decision::media_cmdline;
 use siteboot_boot::inventory::LinuxBoot;
 use siteboot_boot::leadership::Leadership;
 use siteboot_boot::timeline::Timeline;
-use siteboot_boot::{AgentEndpoint, Endpoints};
 use siteboot_controller::context::Ctx;
 use siteboot_controller::dhcp_checkpoint::ConfigMapCheckpoint;
 use siteboot_controller::inventory::KubeInventory;
@@ -23,7 +22,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Config, KubernetesConfig};
-use crate::serve::{Hosts, STEP_DEADLINE};
+use crate::serve::{Hosts, STEP_DEADLINE, Served};
 
 /// `siteboot serve`'s options for Kubernetes mode.
 #[derive(Debug, clap::Args)]
@@ -147,9 +146,9 @@ async fn context(kubernetes: Option<&KubernetesConfig>, kube: KubeMode) -> Resul
 fn kexec_ramdisk(
     config: &Config,
     ramdisk: &LinuxBoot,
-    (endpoints, agent): (&Endpoints, &AgentEndpoint),
+    served: &Served,
 ) -> Result<KexecRamdisk, RamdiskFilesError> {
-    let cmdline = media_cmdline(&ramdisk.cmdline, endpoints, agent);
+    let cmdline = media_cmdline(&ramdisk.cmdline, served.endpoints, served.agent);
     let kexec = KexecRamdisk::new(ramdisk, config.http.root.as_deref(), &cmdline);
     if let Err(e) = &kexec {
         tracing::info!("no kexec over SSH for Reimage hosts without a BMC: {e}");
@@ -163,15 +162,11 @@ fn media_base(config: &Config) -> String {
 }
 
 /// What the boot plane serves in Kubernetes mode: the Hosts of the site, from the Host cache,
-/// with the controller running beside it (its reconcilers only with [`Role::All`]). `media`:
-/// the agent API's certificate, when there is boot media for BMCs to fetch with it. `served`:
-/// where the boot plane serves files and the agent API, which a ramdisk kexec'ed over SSH is
-/// told.
+/// with the controller running beside it (its reconcilers only with [`Role::All`]).
 pub async fn hosts(
     config: &Config,
     kube: KubeMode,
-    media: Option<String>,
-    served: (&Endpoints, &AgentEndpoint),
+    served: Served<'_>,
     images: ImageService,
     leadership: tokio::sync::watch::Sender<Leadership>,
     timeline: Arc<Timeline>,
@@ -180,13 +175,13 @@ pub async fn hosts(
     let (site, role) = (kube.site.clone(), kube.role);
     let mut ctx = context(config.kubernetes.as_ref(), kube).await?;
     let k = config.kubernetes.as_ref().expect("checked by context");
+    ctx.kexec_ramdisk = kexec_ramdisk(config, &k.ramdisk, &served);
     // BMCs fetch a host's virtual media from the agent API's listener.
-    if let Some(certificate_pem) = media {
+    if let Some(certificate_pem) = served.media_certificate {
         ctx.media_base = Some(media_base(config));
         ctx.media_certificate = Some(certificate_pem);
     }
     ctx.images = Some(Arc::new(images));
-    ctx.kexec_ramdisk = kexec_ramdisk(config, &k.ramdisk, served);
     let ctx = Arc::new(ctx);
     let options = run::Options {
         lease_namespace: k.lease_namespace.clone(),

@@ -11,7 +11,7 @@ use siteboot_boot::timeline::Timeline;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::serve::Hosts;
+use crate::serve::{Hosts, Served};
 
 /// `siteboot serve`'s options for Kubernetes mode: none in this build.
 #[derive(Debug, clap::Args)]
@@ -32,7 +32,7 @@ impl ServeArgs {
 pub async fn hosts(
     _: &Config,
     kube: KubeMode,
-    _: Option<String>,
+    _: Served<'_>,
     _: ImageService,
     _: tokio::sync::watch::Sender<Leadership>,
     _: Arc<Timeline>,

@@ -41,6 +41,17 @@ use crate::standalone::StaticInventory;
 
 const TFTP_PORT: u16 = 69;
 
+/// What the boot plane beside the controller serves its hosts. (The standalone build, with no
+/// controller, makes one and reads none of it.)
+#[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
+pub struct Served<'a> {
+    /// The agent API's certificate, when there is boot media for BMCs to fetch with it.
+    pub media_certificate: Option<String>,
+    /// Where files and the agent API are served: what a ramdisk kexec'ed over SSH is told.
+    pub endpoints: &'a Endpoints,
+    pub agent: &'a AgentEndpoint,
+}
+
 /// The hosts the boot plane serves, and what runs beside it for them.
 pub struct Hosts {
     pub inventory: Arc<dyn Inventory>,
@@ -100,18 +111,21 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
             )?
         }
         Some(kube) => {
-            let media = media.is_some().then(|| identity.certificate_pem.clone());
             let (timeline, release) = (timeline.clone(), release.clone());
             let agent = AgentEndpoint {
                 address: config.address,
                 port: config.http.https_port,
                 fingerprint: identity.fingerprint,
             };
+            let served = Served {
+                media_certificate: media.is_some().then(|| identity.certificate_pem.clone()),
+                endpoints: &endpoints,
+                agent: &agent,
+            };
             crate::kubernetes::hosts(
                 &config,
                 kube,
-                media,
-                (&endpoints, &agent),
+                served,
                 image_service,
                 leadership_tx,
                 timeline,

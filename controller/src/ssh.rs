@@ -789,7 +789,10 @@ mod tests {
         let (path, initrd) = &uploaded[1];
         assert_eq!(path, "/var/lib/siteboot/reimage/initrd");
         // Each initrd from a 4-byte boundary, the archive too.
-        assert!(initrd.starts_with(b"gzipzstd!\0\0\0070701"), "{initrd:?}");
+        assert!(
+            initrd.starts_with(&[&b"gzipzstd!"[..], &[0; 3], b"070701"].concat()),
+            "{initrd:?}"
+        );
         let archive = String::from_utf8_lossy(&initrd[12..]);
         let secret =
             format!("siteboot/cmdline\0\0siteboot.token={TOKEN} siteboot.operation=op-1\n");

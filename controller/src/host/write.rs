@@ -1561,7 +1561,7 @@ pub mod tests {
         let op = host.status.as_ref().unwrap().operation.clone().unwrap();
         assert_eq!((op.boot_requested, op.token_hash), (None, None));
         assert_eq!(host.status.as_ref().unwrap().state, Some(HostState::Provisioning));
-        assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::KexecOverSsh);
+        assert_eq!(settled(&mut host, &fresh), Step::KexecOverSsh);
         // A step that failed on the server, or no ramdisk files here: said, tried again.
         for (e, reason) in [
             (
@@ -1576,7 +1576,7 @@ pub mod tests {
         ] {
             answered(&mut host, Step::KexecOverSsh, &fresh, Answer::Kexec(Err(e)));
             assert_eq!(ssh_ready(&host).unwrap().1, reason);
-            assert_eq!(next(&host, &observed(&fresh, &MacStanding::Unique)), Step::KexecOverSsh);
+            assert_eq!(settled(&mut host, &fresh), Step::KexecOverSsh);
         }
         // Then it works: SSHReady True again.
         kexec(&mut host, &fresh, Answer::Kexec(Ok(Kexecuted::Started)));
