@@ -261,7 +261,17 @@ pub(crate) fn path(text: &str) -> RemotePath {
 /// command: if the marker exists it fails, and nothing runs.
 pub fn deliver(delivery: &Delivery) -> Vec<Step> {
     let private = FileMode::new(0o600).expect("permission bits");
-    let mut steps = vec![Step::Run(check(delivery.format))];
+    // A server that never ran cloud-init has no seed directory, nor siteboot's own: root's only.
+    let directories = format!("umask 077 && mkdir -p {} {}", quote(SEED_DIR), quote(STATE_DIR));
+    let mut steps = vec![
+        Step::Run(check(delivery.format)),
+        Step::Run(Command::new(
+            "making the seed's and siteboot's directories",
+            &directories,
+            SHORT,
+            Expect::Success,
+        )),
+    ];
     let run = match delivery.format {
         DataFormat::CloudConfig => {
             steps.push(Step::Upload {
@@ -529,6 +539,26 @@ mod tests {
             .collect()
     }
 
+    /// On a server that never ran cloud-init, the files land: the directories are made (a real
+    /// shell, on a scratch root standing in for the server's) before the first upload.
+    #[test]
+    fn the_directories_are_made_before_the_first_upload() {
+        for format in [DataFormat::CloudConfig, DataFormat::Script] {
+            let steps = deliver(&delivery(format, meta("h")));
+            let first_upload = steps.iter().position(|s| matches!(s, Step::Upload { .. })).unwrap();
+            let Step::Run(make) = &steps[first_upload - 1] else { panic!("{steps:?}") };
+            let root = std::env::temp_dir().join(format!("siteboot-dirs-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&root);
+            let line = make.line.replace("/var/lib", &format!("{}/var/lib", root.display()));
+            let made = std::process::Command::new("sh").args(["-c", &line]).status().unwrap();
+            assert!(made.success(), "{line}");
+            for dir in [SEED_DIR, STATE_DIR] {
+                assert!(root.join(&dir[1..]).is_dir(), "{dir} not made by {line}");
+            }
+            std::fs::remove_dir_all(&root).unwrap();
+        }
+    }
+
     /// The meta-data reads back as exactly the three values, whatever they hold.
     #[test]
     fn hostile_meta_data_is_data_in_an_uploaded_file_and_never_on_a_command_line() {
@@ -537,7 +567,7 @@ mod tests {
             let steps = deliver(&delivery(DataFormat::CloudConfig, meta(value)));
             // The command lines do not depend on the values at all.
             assert_eq!(lines(&steps), lines(&plain), "{value:?} reached a command line");
-            let Step::Upload { path, bytes, mode, .. } = &steps[1] else { panic!("{steps:?}") };
+            let Step::Upload { path, bytes, mode, .. } = &steps[2] else { panic!("{steps:?}") };
             assert_eq!(path.to_string(), "/var/lib/cloud/seed/nocloud/meta-data");
             assert_eq!(mode.bits(), 0o600);
             let read: serde_json::Value = serde_json::from_slice(bytes).unwrap();
@@ -600,7 +630,7 @@ mod tests {
         assert_eq!(progress(&probed(()), &id), Ok(Progress::NotStarted));
         // The claim of the start command, without systemd-run.
         let steps = deliver(&delivery(DataFormat::Script, meta("h")));
-        let start = &lines(&steps)[1];
+        let start = &lines(&steps)[2];
         let claim = start.split(" && systemd-run").next().unwrap().to_owned() + "'";
         assert!(on_host(&claim).status.success(), "{claim}");
         assert!(!on_host(&claim).status.success(), "the marker was claimed twice");
