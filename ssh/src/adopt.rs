@@ -30,6 +30,10 @@ use crate::{ExitStatus, Output, Session, SshError};
 pub const STATE_DIR: &str = "/var/lib/siteboot/adopt";
 /// cloud-init's NoCloud seed directory: read as the data source at the next cloud-init run.
 pub const SEED_DIR: &str = "/var/lib/cloud/seed/nocloud";
+/// The seed's vendor-data (under the user-data, which may say otherwise): a new instance-id
+/// makes cloud-init delete and regenerate the SSH host keys by default, and siteboot, which
+/// pins the key, could then not log in to reset the host.
+const KEEP_HOST_KEYS: &str = "#cloud-config\nssh_deletekeys: false\n";
 /// The transient unit that runs the data.
 const RUN_UNIT: &str = "siteboot-adopt";
 /// How long the data's run may take (a kubeadm join pulls images).
@@ -285,6 +289,12 @@ pub fn deliver(delivery: &Delivery) -> Vec<Step> {
                 bytes: delivery.data.clone(),
                 mode: private,
                 what: "writing the NoCloud user-data",
+            });
+            steps.push(Step::Upload {
+                path: path(&format!("{SEED_DIR}/vendor-data")),
+                bytes: KEEP_HOST_KEYS.as_bytes().to_vec(),
+                mode: private,
+                what: "writing the NoCloud vendor-data",
             });
             // A clean slate, so this instance's modules run; then cloud-init's own stages, as
             // at boot.
@@ -557,6 +567,23 @@ mod tests {
             }
             std::fs::remove_dir_all(&root).unwrap();
         }
+    }
+
+    /// cloud-init's new instance would delete the host keys siteboot pins: the seed's
+    /// vendor-data keeps them, and only a cloud-config delivery runs cloud-init.
+    #[test]
+    fn a_cloud_config_delivery_keeps_the_host_keys() {
+        let vendor_data = |format| {
+            deliver(&delivery(format, meta("h"))).into_iter().find_map(|s| match s {
+                Step::Upload { path, bytes, .. } if path.to_string().ends_with("/vendor-data") => {
+                    Some(String::from_utf8(bytes).unwrap())
+                }
+                _ => None,
+            })
+        };
+        let seeded = vendor_data(DataFormat::CloudConfig).expect("no vendor-data seeded");
+        assert_eq!(seeded.lines().collect::<Vec<_>>(), ["#cloud-config", "ssh_deletekeys: false"]);
+        assert_eq!(vendor_data(DataFormat::Script), None);
     }
 
     /// The meta-data reads back as exactly the three values, whatever they hold.
