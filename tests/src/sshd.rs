@@ -13,19 +13,15 @@ use crate::process::Supervised;
 /// Where sshd listens, on the namespace's loopback.
 pub const PORT: u16 = 2222;
 
-/// sshd and its folder of keys, config and log. Dropped in field order: sshd first (its log
-/// printed if the test is failing), then its files.
-pub struct Sshd {
-    process: Supervised,
+/// Keys ssh-keygen made, in a folder of their own: `<name>` and `<name>.pub`.
+pub struct Keys {
     dir: tempfile::TempDir,
 }
 
-impl Sshd {
-    /// Starts sshd in `ns` at 127.0.0.1:[`PORT`] once ssh-keygen made `keys` (name, key type)
-    /// in its folder: those named `host_*` are its host keys, in that order; `client` is the
-    /// one authorized key (public-key logins only, root's too).
-    pub fn start(ns: &Netns, keys: &[(&str, &str)]) -> Result<Self> {
-        let dir = tempfile::Builder::new().prefix("siteboot-sshd-").tempdir()?;
+impl Keys {
+    /// Makes `keys` (name, key type), without a passphrase.
+    pub fn make(keys: &[(&str, &str)]) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("siteboot-keys-").tempdir()?;
         for (name, kind) in keys {
             netns::run(
                 Command::new("ssh-keygen")
@@ -33,6 +29,38 @@ impl Sshd {
                     .arg(dir.path().join(name)),
             )?;
         }
+        Ok(Self { dir })
+    }
+
+    /// A file of the folder (`client`, `host_ed25519.pub`, ...).
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn read(&self, name: &str) -> Result<String> {
+        std::fs::read_to_string(self.path(name)).with_context(|| format!("reading {name}"))
+    }
+
+    /// `ssh-keygen -lf`'s fingerprint (`SHA256:...`) of key `name`.
+    pub fn fingerprint(&self, name: &str) -> Result<String> {
+        fingerprint(&self.path(&format!("{name}.pub")))
+    }
+}
+
+/// sshd and its folder of keys, config and log. Dropped in field order: sshd first (its log
+/// printed if the test is failing), then its files.
+pub struct Sshd {
+    process: Supervised,
+    keys: Keys,
+}
+
+impl Sshd {
+    /// Starts sshd in `ns` at 127.0.0.1:[`PORT`] once ssh-keygen made `keys` (name, key type)
+    /// in its folder: those named `host_*` are its host keys, in that order; `client` is the
+    /// one authorized key (public-key logins only, root's too).
+    pub fn start(ns: &Netns, keys: &[(&str, &str)]) -> Result<Self> {
+        let made = Keys::make(keys)?;
+        let dir = &made.dir;
         std::fs::copy(dir.path().join("client.pub"), dir.path().join("authorized_keys"))
             .context("no client key")?;
         let d = dir.path().display();
@@ -60,7 +88,7 @@ impl Sshd {
         // command land in the command's stderr. The file is the one Supervised prints.
         sshd.arg("-D").arg("-E").arg(dir.path().join("sshd.log")).arg("-f").arg(&config);
         let process = Supervised::spawn("sshd", &mut sshd, dir.path())?;
-        let sshd = Self { process, dir };
+        let sshd = Self { process, keys: made };
         sshd.wait_log("sshd to listen", |log| {
             log.contains(&format!("Server listening on 127.0.0.1 port {PORT}"))
         })?;
@@ -69,16 +97,16 @@ impl Sshd {
 
     /// A file of its folder (`client`, `host_ed25519.pub`, ...).
     pub fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
+        self.keys.path(name)
     }
 
     pub fn read(&self, name: &str) -> Result<String> {
-        std::fs::read_to_string(self.path(name)).with_context(|| format!("reading {name}"))
+        self.keys.read(name)
     }
 
     /// `ssh-keygen -lf`'s fingerprint (`SHA256:...`) of key `name`.
     pub fn fingerprint(&self, name: &str) -> Result<String> {
-        fingerprint(&self.path(&format!("{name}.pub")))
+        self.keys.fingerprint(name)
     }
 
     /// What sshd logs once a client goes past the key exchange: the service request (message 5)

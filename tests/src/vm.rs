@@ -150,6 +150,10 @@ pub struct DiskBoot {
     pub drives: Vec<Drive>,
     pub memory_mb: u32,
     pub cpus: u32,
+    /// The NIC's MAC; QEMU's default (52:54:00:12:34:56) if None.
+    pub mac: Option<String>,
+    /// A port of the namespace's loopback forwarded to the guest's sshd (port 22).
+    pub ssh_forward: Option<u16>,
 }
 
 /// A VM that boots its first drive through SeaBIOS (no network boot; its console is `ttyS0`),
@@ -176,8 +180,17 @@ impl DiskVm {
             .arg("-serial")
             .arg(format!("file:{}", second.display()))
             .args(["-boot", "order=c"])
+            .arg("-netdev")
+            .arg(match boot.ssh_forward {
+                Some(port) => format!("user,id=net0,hostfwd=tcp:127.0.0.1:{port}-:22"),
+                None => "user,id=net0".to_owned(),
+            })
+            .arg("-device")
             // romfile=: no iPXE option ROM, so SeaBIOS offers no network boot.
-            .args(["-netdev", "user,id=net0", "-device", "virtio-net-pci,netdev=net0,romfile="]);
+            .arg(match &boot.mac {
+                Some(mac) => format!("virtio-net-pci,netdev=net0,romfile=,mac={mac}"),
+                None => "virtio-net-pci,netdev=net0,romfile=".to_owned(),
+            });
         for drive in &boot.drives {
             let mut spec =
                 format!("file={},format={},if=virtio", drive.path.display(), drive.format);
@@ -202,6 +215,12 @@ impl DiskVm {
 
     pub fn print_console(&self) {
         self.qemu.print_console();
+    }
+
+    /// What the guest wrote to its second serial port so far (lossy UTF-8).
+    pub fn second_serial(&self) -> Result<String> {
+        let path = self.qemu.second.as_ref().context("the VM has no second serial port")?;
+        Ok(String::from_utf8_lossy(&std::fs::read(path)?).into_owned())
     }
 }
 

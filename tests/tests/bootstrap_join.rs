@@ -16,23 +16,46 @@
 //! mode on a host siteboot itself imaged (TLS bootstrapping after the token's first lifetime,
 //! labels and taints, the token deleted, a pod running) is `provision_vm.rs`'s node scenario.
 //!
+//! Beside them, issue 26's existing server ([`adopted`]): a VM that runs the node image from
+//! its own disk (root's authorized keys installed, no seed, no network boot path; its host key,
+//! made at its first boot, read from its console) becomes a Host reached over SSH in mode
+//! `Adopt`. Pinned to another host key, it
+//! is refused and its sshd logs no authentication; pinned to its own, it is inspected over SSH
+//! and Available. A MachineDeployment of siteboot's bootstrap provider claims it: the data
+//! delivered over SSH joins its kubelet (the image's checklist, run over SSH, as after a
+//! boot), the Node Ready with the Host's providerID. Scaled to 0, the host is reset, checked on
+//! the VM (the node's state gone, the operator's data kept), Available again, and claimed again
+//! by the next Machine, which gets its Node.
+//!
 //! Needs `scripts/build-test-peers`, root (the lab namespace, debootstrap) and, the first time,
 //! the Debian mirror (the image is then cached under `$SITEBOOT_CACHE/images/`).
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+
+use anyhow::Context;
 
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
+use siteboot_controller::conditions::SSH_READY;
+use siteboot_controller::crd::{
+    Access, Host, HostSpec, HostState, SITE_LABEL, SshAccess, SshMode, condition as host_condition,
+};
+use siteboot_controller::ssh::SECRET_TYPE;
 use siteboot_tests::kube::bootstrap::{self, BOOTSTRAP, condition, secret_text};
 use siteboot_tests::kube::capi::{self, CAPI, wait_gone, wait_object};
 use siteboot_tests::kube::node::{
-    KubeletOn, MetaData, NodeImage, NodeVm, UNINITIALIZED, joined_checklist, ready_and_matched,
+    InstalledFile, KubeletOn, MetaData, NodeImage, NodeVm, ServerVm, UNINITIALIZED, checklist,
+    joined_checklist, ready_and_matched,
 };
 use siteboot_tests::kube::{KubeEnv, Peers, VM_HOST_ADDRESS};
-use siteboot_tests::provider::{NS, ProviderLab};
+use siteboot_tests::netns::Netns;
+use siteboot_tests::provider::{NS, ProviderLab, SITE, host_state, image_spec, wait_host};
+use siteboot_tests::sshd::Keys;
+use siteboot_tests::wait;
 
 const CLUSTER: &str = "c";
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -42,6 +65,29 @@ const JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 const NSPAWN: &str = "nspawn";
 /// Cluster API's label naming a Machine's MachineDeployment.
 const DEPLOYMENT_LABEL: &str = "cluster.x-k8s.io/deployment-name";
+/// Issue 26's existing server: its VM, Host, SSH access Secret, templates and MachineDeployment.
+const ADOPTED: &str = "adopted";
+const ADOPTED_MAC: &str = "52:54:00:00:26:01";
+/// The existing server's sshd, forwarded from the lab namespace's loopback.
+const ADOPTED_SSH_PORT: u16 = 2201;
+/// Labels the existing server's Host, which its MachineDeployment's template selects.
+const ADOPT_LABEL: &str = "e2e.siteboot.dev/adopt";
+/// A file of the server's operator: a reset keeps it.
+const OPERATOR_DATA: &str = "/srv/data/keep";
+/// What [`RESET_CHECK`] prints on a reset host.
+const RESET: &str = "kubelet: inactive\ncontainerd: inactive\nkubelet processes: 0\n\
+                     siteboot units: 0\noperator data: kept\n";
+/// How often the existing server is looked at while it boots.
+const EVERY: Duration = Duration::from_secs(3);
+/// Run on the server after its reset: whatever of the node's state is left, the units, the
+/// kubelet's processes, siteboot's units, the operator's file.
+const RESET_CHECK: &str = "for p in /etc/kubernetes /var/lib/kubelet /var/lib/containerd \
+     /etc/cni/net.d /var/lib/cloud/seed/nocloud /var/lib/siteboot/adopt; do \
+     [ -e $p ] && echo \"left: $p\"; done; \
+     for u in kubelet containerd; do echo \"$u: $(systemctl is-active $u)\"; done; \
+     echo \"kubelet processes: $(pgrep -xc kubelet)\"; \
+     echo \"siteboot units: $(systemctl list-units --all --no-legend 'siteboot*' | wc -l)\"; \
+     echo \"operator data: $(cat /srv/data/keep)\"";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
@@ -52,6 +98,11 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     let image = NodeImage::build(&Peers::locate().unwrap()).unwrap();
     progress("node image ready");
     let mut lab = ProviderLab::start(0, |_| {}).await.unwrap();
+    // Issue 26's existing server boots while the lab gets ready.
+    let keys =
+        Keys::make(&[("siteboot", "ed25519"), ("operator", "ed25519"), ("impostor", "ed25519")])
+            .unwrap();
+    let server = existing_server(&image, &lab.lab, &keys).unwrap();
     lab.env.start_control_plane().await.unwrap();
     let env = &lab.env;
     env.install_crd_yaml(capi::TEST_MACHINE_CRDS).await.unwrap();
@@ -60,6 +111,27 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     let nspawn_spec = json!({ "nspawn": true });
     bootstrap::create_workers(env, NS, CLUSTER, NSPAWN, 1, nspawn_spec).await.unwrap();
 
+    // The existing server registers meanwhile; its MachineDeployment waits until the nspawn
+    // host has joined: one kubelet joins at a time (two at once, beside the libvirt lab's
+    // guests in the other stream of `scripts/test`, slowed that lab past its deadlines).
+    let joined = tokio::sync::Notify::new();
+    let (adoption, ()) = tokio::join!(
+        adopted(&lab, &server, &keys, &joined),
+        join_from_the_data(env, &image, &lab.lab, &joined, progress)
+    );
+    must(adoption, env).await;
+    progress("the existing server was adopted, reset and adopted again");
+}
+
+/// The Machines of the two MachineDeployments: one deleted before its host boots, one on a host
+/// in nspawn mode without a provider-id.
+async fn join_from_the_data(
+    env: &KubeEnv,
+    image: &NodeImage,
+    ns: &Netns,
+    joined: &tokio::sync::Notify,
+    progress: impl Fn(&str),
+) {
     let machines = env.api(CAPI, "Machine", Some(NS));
     let secrets: Api<Secret> = Api::namespaced(env.client(), NS);
     let tokens: Api<Secret> = Api::namespaced(env.client(), "kube-system");
@@ -94,7 +166,7 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
         local_hostname: nspawn_hostname.clone(),
         provider_id: None,
     };
-    let mut nspawn_vm = NodeVm::boot(&image, &lab.lab, NSPAWN, &nspawn_data, &meta).unwrap();
+    let mut nspawn_vm = NodeVm::boot(image, ns, NSPAWN, &nspawn_data, &meta).unwrap();
 
     // 1. A Machine deleted before its host boots: its token goes, and no longer authenticates.
     let deleted_token = must(bootstrap::machine_token(env, NS, deleted).await, env).await;
@@ -139,6 +211,180 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     .await
     .unwrap();
     progress("the nspawn-mode host's Node is Ready and its Machine's");
+    joined.notify_one();
+}
+
+/// Issue 26's existing server: the node image on its own disk, with root's authorized keys
+/// (siteboot's and the operator's, who is the test) and a file of its operator's; booted, not
+/// seeded. Its first boot makes its host key (cloud-init, with no datasource), which it prints
+/// on its console.
+fn existing_server(image: &NodeImage, ns: &Netns, keys: &Keys) -> anyhow::Result<ServerVm> {
+    let authorized = keys.read("siteboot.pub")? + &keys.read("operator.pub")?;
+    let file = |path, contents, mode| InstalledFile { path, contents, mode };
+    let files = [
+        file("/root/.ssh/authorized_keys", authorized.as_bytes(), 0o600),
+        file(OPERATOR_DATA, b"kept\n", 0o644),
+    ];
+    ServerVm::boot(image, ns, ADOPTED, ADOPTED_MAC, ADOPTED_SSH_PORT, &files)
+}
+
+/// The host key the server printed on its console (as an operator learns it, out of band),
+/// kept as `host.pub` with the keys and as the operator's `known_hosts`.
+async fn learn_host_key(server: &ServerVm, keys: &Keys) -> anyhow::Result<()> {
+    let (begin, end) = ("-----BEGIN SSH HOST KEY KEYS-----", "-----END SSH HOST KEY KEYS-----");
+    let key = wait::until_async("the host key on the console", JOIN_TIMEOUT, EVERY, || async {
+        let console = server.vm().console();
+        let printed = console.split(begin).nth(1)?.split(end).next()?;
+        let line = printed.lines().map(str::trim).find(|l| l.starts_with("ssh-ed25519 "))?;
+        Some(line.to_owned())
+    })
+    .await?;
+    std::fs::write(keys.path("host.pub"), format!("{key}\n"))?;
+    let known = format!("[127.0.0.1]:{ADOPTED_SSH_PORT} {key}\n");
+    Ok(std::fs::write(keys.path("known_hosts"), known)?)
+}
+
+/// Runs `command` on the existing server as root through the operator's own login (its key, the
+/// server's host key pinned); what it printed.
+async fn on_server(ns: &Netns, keys: &Keys, command: &str) -> anyhow::Result<String> {
+    let mut ssh = tokio::process::Command::from(ns.command("ssh"));
+    let output = ssh
+        .args(["-F", "/dev/null", "-i"])
+        .arg(keys.path("operator"))
+        .arg("-o")
+        .arg(format!("UserKnownHostsFile={}", keys.path("known_hosts").display()))
+        .args(["-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"])
+        .args(["-p", &ADOPTED_SSH_PORT.to_string(), "root@127.0.0.1", command])
+        .kill_on_drop(true)
+        .output()
+        .await?;
+    anyhow::ensure!(
+        output.status.success(),
+        "ssh {command:?}: {}: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
+
+/// The SSH access Secret of the existing server, pinning key `pinned`'s public half.
+fn access_secret(keys: &Keys, pinned: &str) -> anyhow::Result<Secret> {
+    Ok(Secret {
+        metadata: kube::api::ObjectMeta { name: Some(ADOPTED.into()), ..Default::default() },
+        type_: Some(SECRET_TYPE.into()),
+        string_data: Some(BTreeMap::from([
+            ("privateKey".to_owned(), keys.read("siteboot")?),
+            ("hostKey".to_owned(), keys.read(&format!("{pinned}.pub"))?),
+            ("address".to_owned(), "127.0.0.1".to_owned()),
+            ("port".to_owned(), ADOPTED_SSH_PORT.to_string()),
+        ])),
+        ..Default::default()
+    })
+}
+
+/// The Host's SSHReady condition, once `done` accepts it: (status, reason, message).
+async fn ssh_ready(
+    hosts: &Api<Host>,
+    done: impl Fn(&str, &str) -> bool,
+) -> anyhow::Result<(String, String, String)> {
+    wait::for_async("the existing server's SSHReady condition", JOIN_TIMEOUT, || async {
+        let status = hosts.get(ADOPTED).await.ok()?.status?;
+        let c = host_condition(&status.conditions, SSH_READY)?;
+        done(&c.status, &c.reason).then(|| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    })
+    .await
+}
+
+/// Issue 26: the existing server adopted over SSH (see the module's documentation). Its
+/// MachineDeployment waits for `joined`: the other hosts have joined.
+async fn adopted(
+    lab: &ProviderLab,
+    server: &ServerVm,
+    keys: &Keys,
+    joined: &tokio::sync::Notify,
+) -> anyhow::Result<()> {
+    let ssh = |command: &'static str| on_server(&lab.lab, keys, command);
+    learn_host_key(server, keys).await?;
+    wait::until_async("the server's sshd", JOIN_TIMEOUT, EVERY, || async {
+        ssh("true").await.ok()
+    })
+    .await?;
+
+    // Pinned to a key the server does not have: siteboot connects, sees another key, and sends
+    // nothing. The server's sshd logs the connection closed before any authentication.
+    let (secrets, hosts): (Api<Secret>, _) = (Api::namespaced(lab.env.client(), NS), lab.hosts());
+    let pp = PostParams::default();
+    secrets.create(&pp, &access_secret(keys, "impostor")?).await?;
+    let mut host = Host::new(ADOPTED, HostSpec::new(ADOPTED_MAC));
+    host.metadata.labels = Some(BTreeMap::from([
+        (SITE_LABEL.to_owned(), SITE.to_owned()),
+        (ADOPT_LABEL.to_owned(), ADOPTED.to_owned()),
+    ]));
+    host.spec.access = Some(Access {
+        ssh: Some(SshAccess {
+            address: "127.0.0.1".into(),
+            port: ADOPTED_SSH_PORT,
+            user: "root".into(),
+            mode: SshMode::Adopt,
+            credentials_name: ADOPTED.into(),
+        }),
+    });
+    hosts.create(&pp, &host).await?;
+    let refused = ssh_ready(&hosts, |status, _| status == "False").await?;
+    anyhow::ensure!(refused.1 == "HostKeyMismatch", "{refused:?}");
+    let journal = wait::for_async("sshd to log siteboot's connection", TIMEOUT, || async {
+        let journal = server.vm().second_serial().ok()?;
+        journal.contains("[preauth]").then_some(journal)
+    })
+    .await?;
+    let siteboot_key = keys.fingerprint("siteboot")?;
+    for needle in [siteboot_key.as_str(), "authenticating user", "Failed publickey"] {
+        anyhow::ensure!(!journal.contains(needle), "the server's sshd logged {needle:?}");
+    }
+    let state = hosts.get(ADOPTED).await?.status.and_then(|s| s.state);
+    anyhow::ensure!(state == Some(HostState::Registering), "refused, yet {state:?}");
+
+    // Its own key pinned: logged in, inspected over SSH, Available.
+    let fixed = json!({ "stringData": { "hostKey": keys.read("host.pub")? } });
+    secrets.patch(ADOPTED, &PatchParams::default(), &Patch::Merge(&fixed)).await?;
+    let available = wait_host(&hosts, ADOPTED, "Available", JOIN_TIMEOUT, |h| {
+        host_state(h) == Some(HostState::Available)
+    })
+    .await?;
+    let hardware = available.status.and_then(|s| s.hardware).context("no hardware")?;
+    let macs: Vec<&str> = hardware.nics.iter().map(|n| n.mac.as_str()).collect();
+    anyhow::ensure!(macs.contains(&ADOPTED_MAC), "inspected NICs {macs:?}");
+
+    // Claimed: the data delivered over SSH joins the kubelet.
+    joined.notified().await;
+    let config = bootstrap::create_config_template(&lab.env, NS, ADOPTED, json!({})).await?;
+    let selector = json!({ "matchLabels": { ADOPT_LABEL: ADOPTED } });
+    let spec = json!({ "image": image_spec(ADOPTED), "hostSelector": selector });
+    lab.create_template_spec(ADOPTED, spec).await?;
+    lab.create_machine_deployment_with(NS, ADOPTED, CLUSTER, ADOPTED, 1, config).await?;
+    let first = lab.wait_running(ADOPTED, 1, JOIN_TIMEOUT).await?.remove(0);
+    let node = first.data["status"]["nodeRef"]["name"].as_str().context("no nodeRef")?;
+    let nodes: Api<Node> = Api::all(lab.env.client());
+    let node = ready_and_matched(&nodes, node, JOIN_TIMEOUT).await?;
+    let provider_id = node.spec.and_then(|s| s.provider_id);
+    anyhow::ensure!(provider_id == Some(format!("siteboot://{NS}/{ADOPTED}")), "{provider_id:?}");
+    let joined = checklist(&ssh("node-checklist").await?);
+    anyhow::ensure!(joined == joined_checklist(KubeletOn::Host), "after the join: {joined:?}");
+
+    // Scaled to 0: the host reset over SSH, and Available again.
+    lab.scale(ADOPTED, 0).await?;
+    wait_host(&hosts, ADOPTED, "Available again, reset", JOIN_TIMEOUT, |h| {
+        host_state(h) == Some(HostState::Available)
+    })
+    .await?;
+    let left = ssh(RESET_CHECK).await?;
+    anyhow::ensure!(left == RESET, "after the reset:\n{left}");
+
+    // Claimed again, by the next Machine.
+    lab.scale(ADOPTED, 1).await?;
+    let again = lab.wait_running(ADOPTED, 1, JOIN_TIMEOUT).await?.remove(0);
+    anyhow::ensure!(again.name_any() != first.name_any(), "the same Machine");
+    Ok(())
 }
 
 /// The value, or a panic that shows what the objects looked like (the processes' logs and the

@@ -125,6 +125,8 @@ impl NodeVm {
             ],
             memory_mb: MEMORY_MB,
             cpus: CPUS,
+            mac: None,
+            ssh_forward: None,
         };
         Ok(Self { vm: DiskVm::start(ns, &boot)?, _dir: dir })
     }
@@ -137,6 +139,79 @@ impl NodeVm {
     pub fn checklist(&mut self, timeout: Duration) -> Result<BTreeMap<String, String>> {
         Ok(checklist(&self.vm.wait_for_console(CHECKLIST, timeout)?))
     }
+}
+
+/// A file an installer would have put on a [`ServerVm`]'s disk.
+pub struct InstalledFile<'a> {
+    /// Absolute, in the guest.
+    pub path: &'a str,
+    pub contents: &'a [u8],
+    pub mode: u32,
+}
+
+/// A server that already runs the node image, as an existing server runs its OS: booted from
+/// its own copy of the image's disk with `files` written into it first, no seed, no network
+/// boot path, and its sshd at `127.0.0.1:ssh_port` of the namespace QEMU runs in.
+pub struct ServerVm {
+    vm: DiskVm,
+    _dir: tempfile::TempDir,
+}
+
+impl ServerVm {
+    pub fn boot(
+        image: &NodeImage,
+        ns: &Netns,
+        name: &str,
+        mac: &str,
+        ssh_port: u16,
+        files: &[InstalledFile],
+    ) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("siteboot-server-").tempdir()?;
+        let disk = dir.path().join("disk.raw");
+        run(Command::new("cp").arg("--sparse=always").arg(image.disk()).arg(&disk))?;
+        install(&disk, dir.path(), files)?;
+        let boot = DiskBoot {
+            name: name.to_owned(),
+            drives: vec![Drive { path: disk, format: "raw", read_only: false }],
+            memory_mb: MEMORY_MB,
+            // One vCPU: it runs beside the libvirt lab's guests on a 2-core machine.
+            cpus: 1,
+            mac: Some(mac.to_owned()),
+            ssh_forward: Some(ssh_port),
+        };
+        Ok(Self { vm: DiskVm::start(ns, &boot)?, _dir: dir })
+    }
+
+    pub fn vm(&self) -> &DiskVm {
+        &self.vm
+    }
+}
+
+/// Writes `files` into the root file system of raw disk `disk` (its partition 3, see
+/// `scripts/lib/bootable-disk.sh`), loop-mounted on a folder of `scratch`; parent folders are
+/// made as needed.
+fn install(disk: &Path, scratch: &Path, files: &[InstalledFile]) -> Result<()> {
+    let listed = Command::new("partx").args(["-g", "-o", "START", "-n", "3"]).arg(disk).output()?;
+    let start: u64 = String::from_utf8(listed.stdout)?
+        .trim()
+        .parse()
+        .with_context(|| format!("partx found no partition 3 on {}", disk.display()))?;
+    let root = scratch.join("root");
+    std::fs::create_dir(&root)?;
+    run(Command::new("mount")
+        .arg("-o")
+        .arg(format!("loop,offset={}", start * 512))
+        .arg(disk)
+        .arg(&root))?;
+    let written = files.iter().try_for_each(|file| -> Result<()> {
+        let at = root.join(file.path.trim_start_matches('/'));
+        std::fs::create_dir_all(at.parent().context("a file at the root")?)?;
+        std::fs::write(&at, file.contents)?;
+        std::fs::set_permissions(&at, std::os::unix::fs::PermissionsExt::from_mode(file.mode))
+            .with_context(|| format!("installing {}", file.path))
+    });
+    let unmounted = run(Command::new("umount").arg(&root));
+    written.and(unmounted)
 }
 
 /// The `key=value` pairs of a console line from [`CHECKLIST`] on.
