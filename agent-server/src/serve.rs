@@ -31,9 +31,10 @@ pub struct Opened {
     pub id: String,
     pub kind: OperationKind,
     pub bootstrap_delivered: bool,
-    /// Its token came through the host's BMC, in virtual media: holding it is the evidence,
-    /// and the segment can add nothing to it.
-    pub virtual_media: bool,
+    /// Its token never crossed the provisioning segment (the host's BMC put it in virtual
+    /// media, or siteboot's SSH login put it in a kexec'ed ramdisk): holding it is the
+    /// evidence, and the segment can add nothing to it.
+    pub out_of_band: bool,
 }
 
 /// Where a provisioning writes, and what the installed OS learns of itself.
@@ -273,8 +274,8 @@ async fn bootstrap<R: Records>(records: &R, req: &AgentRequest) -> Answer<R> {
         ));
     };
     // Asked as the data is about to leave: a table entry naming the MAC can be planted or
-    // stale. A token from virtual media is the evidence itself.
-    if !op.virtual_media
+    // stale. A token that came out of band is the evidence itself.
+    if !op.out_of_band
         && let Err(refusal) = confirm_holder(req).await
     {
         let note = format!("bootstrap data refused to {}: {refusal}", req.remote);

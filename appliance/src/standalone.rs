@@ -441,7 +441,7 @@ impl<'a> Records for FileRecords<'a> {
             id: op.id,
             kind: op.kind,
             bootstrap_delivered: op.bootstrap_delivered,
-            virtual_media: false,
+            out_of_band: false,
         })
     }
 

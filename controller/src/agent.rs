@@ -178,10 +178,10 @@ pub async fn machine_name(client: &kube::Client, host: &Host) -> Result<String, 
 
 fn opened(op: Operation) -> Opened {
     Opened {
+        out_of_band: op.token_out_of_band(),
         id: op.id,
         kind: op.kind,
         bootstrap_delivered: op.bootstrap_delivered,
-        virtual_media: op.virtual_media,
     }
 }
 

@@ -102,6 +102,9 @@ struct Agent {
     client: AgentClient,
     token: Option<Token>,
     root: SystemRoot,
+    /// Its token came in the initrd's archive: kexec'ed over SSH, known to the appliance only
+    /// by that token, which ends with the operation.
+    kexeced: bool,
 }
 
 /// Prints a line on the console.
@@ -137,7 +140,8 @@ impl Agent {
     }
 
     /// Posts a body the appliance must get (inspection, completion); says so if refused.
-    async fn post(&self, path: &str, body: &impl Serialize) {
+    /// Whether the appliance took it.
+    async fn post(&self, path: &str, body: &impl Serialize) -> bool {
         let response = self.insist(Method::POST, path, Some(body)).await;
         if !response.status.is_success() {
             say!(
@@ -146,6 +150,7 @@ impl Agent {
                 String::from_utf8_lossy(&response.body)
             );
         }
+        response.status.is_success()
     }
 
     async fn run(&self) {
@@ -209,7 +214,13 @@ impl Agent {
             Err(e) => Complete { ok: false, message: e.to_string() },
         };
         say!("{}: {}", if body.ok { "done" } else { "failed" }, body.message);
-        self.post("v1/complete", &body).await;
+        // A network-booted ramdisk is told to reboot by its MAC, a virtual-media one is
+        // power-cycled by its BMC; a kexec'ed one has nobody left to ask once its operation
+        // ended. Into the new OS, or, after a failure, the old one, where siteboot's retry can
+        // kexec it again.
+        if self.post("v1/complete", &body).await && self.kexeced {
+            reboot();
+        }
     }
 
     /// Reports progress of `step` to the appliance while `progress` changes.
@@ -407,6 +418,7 @@ fn main() -> ExitCode {
         client: AgentClient::new(cmdline.agent, cmdline.fingerprint),
         token: cmdline.token,
         root: SystemRoot(root),
+        kexeced: initrd_cmdline_path.exists(),
     };
     let runtime = tokio::runtime::Runtime::new().expect("a runtime starts");
     runtime.block_on(agent.run());
@@ -640,6 +652,7 @@ mod tests {
             client: client.clone(),
             token: Token::new("t0k3n").ok(),
             root: SystemRoot(root.path().to_owned()),
+            kexeced: false,
         };
         let completes = run_until(agent, &log, 1).await;
         assert_eq!(completes[0]["ok"], true, "{completes:?}");
@@ -663,7 +676,8 @@ mod tests {
         // Deprovisioning wipes it: nothing is left for blkid to find.
         let tasks = vec![json!({"action": "deprovision", "operation": "op-3", "wipe": "quick"})];
         let (client, log) = appliance(tasks).await;
-        let agent = Agent { client, token: None, root: SystemRoot(root.path().to_owned()) };
+        let agent =
+            Agent { client, token: None, root: SystemRoot(root.path().to_owned()), kexeced: false };
         let completes = run_until(agent, &log, 1).await;
         assert_eq!(completes[0]["ok"], true, "{completes:?}");
         assert_eq!(blkid(&disk, 0, 100 << 20), "");
@@ -691,7 +705,8 @@ mod tests {
                    "metaData": {"instance-id": "i-1"}}),
         ];
         let (client, log) = appliance(tasks).await;
-        let agent = Agent { client, token: None, root: SystemRoot(root.path().to_owned()) };
+        let agent =
+            Agent { client, token: None, root: SystemRoot(root.path().to_owned()), kexeced: false };
         let completes = run_until(agent, &log, 3).await;
         let disk = root.path().join("dev/vda");
         let message = completes[0]["message"].as_str().unwrap();
