@@ -34,6 +34,11 @@ pub const SEED_DIR: &str = "/var/lib/cloud/seed/nocloud";
 /// makes cloud-init delete and regenerate the SSH host keys by default, and siteboot, which
 /// pins the key, could then not log in to reset the host.
 const KEEP_HOST_KEYS: &str = "#cloud-config\nssh_deletekeys: false\n";
+/// The file of [`STATE_DIR`] that says what kubelet's and containerd's units were before the
+/// delivery (`<unit> <is-enabled>` lines), which the reset puts back.
+const UNITS_BEFORE: &str = "units-before";
+/// The units a delivery may enable and a reset stops, disables and puts back.
+const UNITS: &str = "kubelet containerd";
 /// The transient unit that runs the data.
 const RUN_UNIT: &str = "siteboot-adopt";
 /// How long the data's run may take (a kubeadm join pulls images).
@@ -267,6 +272,12 @@ pub fn deliver(delivery: &Delivery) -> Vec<Step> {
     let private = FileMode::new(0o600).expect("permission bits");
     // A server that never ran cloud-init has no seed directory, nor siteboot's own: root's only.
     let directories = format!("umask 077 && mkdir -p {} {}", quote(SEED_DIR), quote(STATE_DIR));
+    // Rewritten by a delivery resumed before its start: nothing has run since.
+    let record = format!(
+        "for u in {UNITS}; do printf '%s %s\\n' $u \"$(systemctl is-enabled $u.service 2>/dev/null)\"; \
+         done > {units}",
+        units = quote(&format!("{STATE_DIR}/{UNITS_BEFORE}")),
+    );
     let mut steps = vec![
         Step::Run(check(delivery.format)),
         Step::Run(Command::new(
@@ -329,6 +340,12 @@ pub fn deliver(delivery: &Delivery) -> Vec<Step> {
         max = RUN_LIMIT.as_secs() + 60,
         unit = quote(&unit_script),
     );
+    steps.push(Step::Run(Command::new(
+        "recording kubelet's and containerd's units",
+        &record,
+        SHORT,
+        Expect::Success,
+    )));
     steps.push(Step::Run(Command::new("starting the run", &start, SHORT, Expect::Success)));
     steps
 }
@@ -345,9 +362,11 @@ const KUBERNETES_STATE: &[&str] = &[
 ];
 
 /// Releases an adopted host: its Kubernetes state goes (kubelet, containerd's state, CNI,
-/// certificates), its OS and data disks stay; the last step prints what is left, and must
-/// print nothing. The delivery marker goes last, so a reset cut short is a host still adopted,
-/// and is run again. Every step can run again.
+/// certificates), its OS and data disks stay; a step prints what is left, and must print
+/// nothing. Then kubelet and containerd are enabled again if they were before the delivery
+/// (containerd started: the next tenant's data, kubeadm's say, expects it running, as it was
+/// before the host was adopted). The delivery marker goes last, so a reset cut short is a host
+/// still adopted, and is run again. Every step can run again.
 pub fn reset() -> Vec<Step> {
     let state: Vec<String> = KUBERNETES_STATE.iter().map(|p| quote(p)).collect();
     let state = state.join(" ");
@@ -363,9 +382,11 @@ pub fn reset() -> Vec<Step> {
         ),
         run(
             "stopping kubelet and containerd",
-            "for u in kubelet containerd; do systemctl disable --now $u.service 2>/dev/null; done; \
+            &format!(
+                "for u in {UNITS}; do systemctl disable --now $u.service 2>/dev/null; done; \
              if systemctl is-active --quiet kubelet || systemctl is-active --quiet containerd; then \
-               echo 'kubelet or containerd still runs' >&2; exit 1; fi; exit 0",
+               echo 'kubelet or containerd still runs' >&2; exit 1; fi; exit 0"
+            ),
             SHORT,
         ),
         run(
@@ -388,6 +409,19 @@ pub fn reset() -> Vec<Step> {
             SHORT,
             Expect::NothingLeft,
         )),
+        run(
+            "enabling kubelet and containerd again as they were before",
+            &format!(
+                "f={units}; [ -f $f ] || exit 0; \
+                 for u in {UNITS}; do \
+                   if grep -qx \"$u enabled\" $f; then systemctl enable --quiet $u.service || exit 1; fi; \
+                 done; \
+                 if grep -qx 'containerd enabled' $f; then systemctl start containerd.service || exit 1; fi; \
+                 exit 0",
+                units = quote(&format!("{STATE_DIR}/{UNITS_BEFORE}")),
+            ),
+            SHORT,
+        ),
         run("removing the delivery marker", &format!("rm -rf {}", quote(STATE_DIR)), SHORT),
     ]
 }
@@ -657,7 +691,7 @@ mod tests {
         assert_eq!(progress(&probed(()), &id), Ok(Progress::NotStarted));
         // The claim of the start command, without systemd-run.
         let steps = deliver(&delivery(DataFormat::Script, meta("h")));
-        let start = &lines(&steps)[2];
+        let start = lines(&steps).last().copied().unwrap();
         let claim = start.split(" && systemd-run").next().unwrap().to_owned() + "'";
         assert!(on_host(&claim).status.success(), "{claim}");
         assert!(!on_host(&claim).status.success(), "the marker was claimed twice");
@@ -758,12 +792,12 @@ mod tests {
 
         let fine = Fake { sent: Mutex::default(), answer: |_| (0, "", String::new()) };
         block_on(follow(&fine, &reset())).unwrap();
-        assert_eq!(fine.sent.lock().unwrap().len(), 5);
+        assert_eq!(fine.sent.lock().unwrap().len(), 6);
         let id: OperationId = "op-1".parse().unwrap();
         assert_eq!(block_on(where_it_stands(&fine, &id)).unwrap(), Progress::NotStarted);
     }
 
-    /// The reset removes the state it then verifies gone, the marker after the verification.
+    /// The reset removes the state it then verifies gone, the marker last.
     #[test]
     fn the_reset_removes_the_node_state_verifies_it_and_then_the_marker() {
         let steps = reset();
@@ -773,6 +807,72 @@ mod tests {
             assert!(lines(&steps)[2].contains(state), "{state} is not removed");
             assert!(verify.line.contains(state), "{state} is not verified");
         }
-        assert!(lines(&steps)[4].contains(STATE_DIR));
+        let last = lines(&steps)[5];
+        assert!(last.contains("rm -rf") && last.contains(STATE_DIR), "{last}");
+    }
+
+    /// What the delivery recorded of kubelet's and containerd's units, the reset puts back, once
+    /// the state is verified gone: run by a real shell on a scratch root, with a stand-in
+    /// `systemctl` that answers `is-enabled` as the node image would and logs the rest.
+    #[test]
+    fn the_reset_enables_again_what_was_enabled_before_the_delivery() {
+        let root = std::env::temp_dir().join(format!("siteboot-units-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (bin, log) = (root.join("bin"), root.join("systemctl.log"));
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::create_dir_all(root.join(&STATE_DIR[1..])).unwrap();
+        let systemctl = format!(
+            "#!/bin/sh\ncase \"$1 $2\" in\n\
+             'is-enabled containerd.service') echo enabled ;;\n\
+             'is-enabled kubelet.service') echo disabled ;;\n\
+             *) echo \"$*\" >> {} ;;\nesac\n",
+            log.display()
+        );
+        std::fs::write(bin.join("systemctl"), systemctl).unwrap();
+        std::fs::set_permissions(
+            bin.join("systemctl"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let run = |command: &Command| {
+            let line = command.line.replace("/var/lib", &format!("{}/var/lib", root.display()));
+            let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+            let status =
+                std::process::Command::new("sh").args(["-c", &line]).env("PATH", path).status();
+            assert!(status.unwrap().success(), "{line}");
+        };
+        let step = |steps: Vec<Step>, what: &str| {
+            steps
+                .into_iter()
+                .find_map(|s| match s {
+                    Step::Run(c) if c.what == what => Some(c),
+                    _ => None,
+                })
+                .unwrap()
+        };
+        let delivery = deliver(&delivery(DataFormat::CloudConfig, meta("h")));
+        run(&step(delivery, "recording kubelet's and containerd's units"));
+        let recorded = root.join(&STATE_DIR[1..]).join(UNITS_BEFORE);
+        assert_eq!(
+            std::fs::read_to_string(&recorded).unwrap(),
+            "kubelet disabled\ncontainerd enabled\n"
+        );
+
+        let restore = step(reset(), "enabling kubelet and containerd again as they were before");
+        run(&restore);
+        let logged = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(logged, "enable --quiet containerd.service\nstart containerd.service\n");
+        // A host adopted before anything was recorded: nothing is enabled.
+        std::fs::remove_file(&recorded).unwrap();
+        std::fs::remove_file(&log).unwrap();
+        run(&restore);
+        assert!(!log.exists());
+        let steps = reset();
+        let position = |what: &str| {
+            steps.iter().position(|s| matches!(s, Step::Run(c) if c.what == what)).unwrap()
+        };
+        assert!(position("verifying the reset") < position(restore.what));
+        assert!(position(restore.what) < position("removing the delivery marker"));
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }
