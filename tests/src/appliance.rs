@@ -22,6 +22,12 @@ pub const PREFIX_LEN: u8 = 24;
 pub const HTTP_PORT: u16 = 8080;
 /// The profile [`lab_config`] defines: the test kernel + initramfs, which calls back.
 pub const LAB_PROFILE: &str = "lab";
+/// The lab profile's kernel command line. panic=-1: a kernel panic resets, -no-reboot makes
+/// that a QEMU exit, and the test fails at once instead of at its deadline. no_timer_check: a
+/// TCG guest on a busy machine can miss the timer interrupts the kernel's IO-APIC check counts
+/// in its first milliseconds, and the kernel then panics ("IO-APIC + timer doesn't work!", seen
+/// in a CI run).
+pub const LAB_CMDLINE: &str = "console=ttyS0 quiet panic=-1 no_timer_check";
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -55,9 +61,7 @@ pub fn lab_config(mode: &str) -> Value {
             LAB_PROFILE: {
                 "kernel": "lab/vmlinuz",
                 "initrds": ["lab/initrd.img"],
-                // panic=-1: a kernel panic resets, -no-reboot makes that a QEMU exit, and the
-                // test fails at once instead of at its deadline.
-                "cmdline": "console=ttyS0 panic=-1",
+                "cmdline": LAB_CMDLINE,
             }
         },
         "unknown_hosts": { "profile": LAB_PROFILE },

@@ -657,12 +657,13 @@ impl ProviderLab {
         template: &str,
         replicas: u32,
     ) -> Result<()> {
-        let bootstrap = json!({ "dataSecretName": format!("{cluster}-bootstrap") });
-        self.create_machine_deployment_with(ns, name, cluster, template, replicas, bootstrap).await
+        let machine = json!({ "bootstrap": { "dataSecretName": format!("{cluster}-bootstrap") } });
+        self.create_machine_deployment_with(ns, name, cluster, template, replicas, machine).await
     }
 
-    /// [`ProviderLab::create_machine_deployment_in`] whose Machines' `spec.bootstrap` is
-    /// `bootstrap` (a `configRef` to a bootstrap provider's template, say).
+    /// [`ProviderLab::create_machine_deployment_in`] whose Machines' spec has `machine`'s fields
+    /// besides the cluster and the infrastructure: `bootstrap` (a `configRef` to a bootstrap
+    /// provider's template, say), and `version` where that provider needs one.
     pub async fn create_machine_deployment_with(
         &self,
         ns: &str,
@@ -670,22 +671,22 @@ impl ProviderLab {
         cluster: &str,
         template: &str,
         replicas: u32,
-        bootstrap: Value,
+        machine: Value,
     ) -> Result<()> {
+        let mut spec = json!({
+            "clusterName": cluster,
+            "infrastructureRef": { "apiGroup": INFRA_GROUP, "kind": "SitebootMachineTemplate", "name": template },
+        });
+        spec.as_object_mut()
+            .expect("an object")
+            .extend(machine.as_object().context("a Machine's spec fields, as an object")?.clone());
         let md: DynamicObject = serde_json::from_value(json!({
             "apiVersion": CAPI, "kind": "MachineDeployment", "metadata": { "name": name },
             "spec": {
                 "clusterName": cluster,
                 "replicas": replicas,
                 "selector": { "matchLabels": { "pool": name } },
-                "template": {
-                    "metadata": { "labels": { "pool": name } },
-                    "spec": {
-                        "clusterName": cluster,
-                        "bootstrap": bootstrap,
-                        "infrastructureRef": { "apiGroup": INFRA_GROUP, "kind": "SitebootMachineTemplate", "name": template },
-                    },
-                },
+                "template": { "metadata": { "labels": { "pool": name } }, "spec": spec },
             },
         }))?;
         self.api_in(ns, "MachineDeployment").create(&PostParams::default(), &md).await?;
@@ -757,7 +758,8 @@ fn hex(bytes: &[u8]) -> String {
 fn appliance_config() -> Value {
     let mut cfg = appliance::lab_config("full");
     cfg.as_object_mut().unwrap().remove("unknown_hosts");
-    cfg["profiles"]["ramdisk"] = json!({ "kernel": "ramdisk/vmlinuz", "initrds": ["ramdisk/initrd.img"], "cmdline": "console=ttyS0" });
+    // no_timer_check: see appliance::LAB_CMDLINE.
+    cfg["profiles"]["ramdisk"] = json!({ "kernel": "ramdisk/vmlinuz", "initrds": ["ramdisk/initrd.img"], "cmdline": "console=ttyS0 no_timer_check" });
     cfg["kubernetes"] =
         json!({ "site": SITE, "ramdisk_profile": "ramdisk", "lease_namespace": SYSTEM_NS });
     cfg

@@ -152,8 +152,13 @@ pub struct DiskBoot {
     pub cpus: u32,
     /// The NIC's MAC; QEMU's default (52:54:00:12:34:56) if None.
     pub mac: Option<String>,
+    /// The SMBIOS system UUID (`product_uuid`); QEMU's default, all zeros, if None.
+    pub uuid: Option<String>,
     /// A port of the namespace's loopback forwarded to the guest's sshd (port 22).
     pub ssh_forward: Option<u16>,
+    /// Whether a reboot of the guest boots it again (a server rebooting into what was written
+    /// to its disk); otherwise QEMU exits.
+    pub reboots: bool,
 }
 
 /// A VM that boots its first drive through SeaBIOS (no network boot; its console is `ttyS0`),
@@ -173,8 +178,10 @@ impl DiskVm {
         let console = dir.path().join("console.log");
         let second = dir.path().join("ttyS1.log");
         let mut qemu = ns.command("qemu-system-x86_64");
-        qemu.args(["-accel", "tcg", "-nographic", "-no-reboot", "-monitor", "none"])
+        qemu.args(["-accel", "tcg", "-nographic", "-monitor", "none"])
             .args(["-smp", &boot.cpus.to_string(), "-m", &boot.memory_mb.to_string()])
+            .args((!boot.reboots).then_some("-no-reboot"))
+            .args(boot.uuid.iter().flat_map(|uuid| ["-uuid", uuid]))
             .arg("-serial")
             .arg(format!("file:{}", console.display()))
             .arg("-serial")

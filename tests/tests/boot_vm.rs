@@ -22,7 +22,7 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(240);
 /// The site's own DHCP server in the proxyDHCP tests.
 const SITE_DHCP: &str = "10.99.0.2";
 /// `quiet`: the console tail printed on failure shows firmware and init, not kernel chatter.
-const CMDLINE: &str = "console=ttyS0 quiet panic=-1";
+const CMDLINE: &str = appliance::LAB_CMDLINE;
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Dhcp {

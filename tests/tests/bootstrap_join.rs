@@ -24,11 +24,16 @@
 //! and Available. A MachineDeployment of siteboot's bootstrap provider claims it: the data
 //! delivered over SSH joins its kubelet (the image's checklist, run over SSH, as after a
 //! boot), the Node Ready with the Host's providerID. Scaled to 0, the host is reset, checked on
-//! the VM (the node's state gone, the operator's data kept), Available again, and claimed again
-//! by the next Machine, which gets its Node.
+//! the VM (the node's state gone, containerd running again as before, the operator's data
+//! kept), Available again, and claimed again by a Machine of kubeadm's bootstrap provider, whose
+//! data joins with `kubeadm join`; siteboot sets that Node's providerID, found by the server's
+//! system UUID. Released once more and switched to mode `Reimage`,
+//! it is claimed by a MachineDeployment of the test OS ([`reimaged`]): kexec'ed over SSH into
+//! the deploy ramdisk, which reaches the appliance from QEMU's user-mode network by its token
+//! alone, writes the test OS and reboots into it; the test OS runs the data.
 //!
 //! Needs `scripts/build-test-peers`, root (the lab namespace, debootstrap) and, the first time,
-//! the Debian mirror (the image is then cached under `$SITEBOOT_CACHE/images/`).
+//! the Debian mirror (the images and the ramdisk are then cached under `$SITEBOOT_CACHE`).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -53,6 +58,7 @@ use siteboot_tests::kube::node::{
 };
 use siteboot_tests::kube::{KubeEnv, Peers, VM_HOST_ADDRESS};
 use siteboot_tests::netns::Netns;
+use siteboot_tests::os_images::{self, TestOsImage};
 use siteboot_tests::provider::{NS, ProviderLab, SITE, host_state, image_spec, wait_host};
 use siteboot_tests::sshd::Keys;
 use siteboot_tests::wait;
@@ -74,17 +80,29 @@ const ADOPTED_SSH_PORT: u16 = 2201;
 const ADOPT_LABEL: &str = "e2e.siteboot.dev/adopt";
 /// A file of the server's operator: a reset keeps it.
 const OPERATOR_DATA: &str = "/srv/data/keep";
-/// What [`RESET_CHECK`] prints on a reset host.
-const RESET: &str = "kubelet: inactive\ncontainerd: inactive\nkubelet processes: 0\n\
-                     siteboot units: 0\noperator data: kept\n";
+/// What [`RESET_CHECK`] prints on a reset host: containerd running again, as before the
+/// adoption, with none of the node's images.
+const RESET: &str = "kubelet: inactive\ncontainerd: active\ncontainerd images: 0\n\
+                     kubelet processes: 0\nsiteboot units: 0\noperator data: kept\n";
+/// The existing server's labels once it is to be reimaged, its template, MachineDeployment and
+/// bootstrap data Secret (a script the test OS runs).
+const REIMAGED: &str = "reimaged";
+const REIMAGED_DATA: &str = "#!/bin/sh\necho \"user-data on $(hostname)\"\nexit 7\n";
+/// The test OS's lines once it ran the data (`scripts/build-test-os-image`).
+const TEST_OS_DONE: &str = "siteboot-test-os: done";
+const TEST_OS_FAILED: &str = "siteboot-test-os: failed";
+const TEST_OS_DATA_EXIT: &str = "siteboot-test-os: user-data exit=7";
 /// How often the existing server is looked at while it boots.
 const EVERY: Duration = Duration::from_secs(3);
-/// Run on the server after its reset: whatever of the node's state is left, the units, the
-/// kubelet's processes, siteboot's units, the operator's file.
-const RESET_CHECK: &str = "for p in /etc/kubernetes /var/lib/kubelet /var/lib/containerd \
-     /etc/cni/net.d /var/lib/cloud/seed/nocloud /var/lib/siteboot/adopt; do \
+/// Run on the server after its reset: whatever of the node's state is left (containerd,
+/// started again, makes its empty CNI configuration folder), the units,
+/// containerd's images, the kubelet's processes, siteboot's units, the operator's file.
+const RESET_CHECK: &str = "for p in /etc/kubernetes /var/lib/kubelet \
+     /var/lib/cloud/seed/nocloud /var/lib/siteboot/adopt; do \
      [ -e $p ] && echo \"left: $p\"; done; \
+     for f in $(ls -A /etc/cni/net.d 2>/dev/null); do echo \"left: /etc/cni/net.d/$f\"; done; \
      for u in kubelet containerd; do echo \"$u: $(systemctl is-active $u)\"; done; \
+     echo \"containerd images: $(ctr -n k8s.io images ls -q | wc -l)\"; \
      echo \"kubelet processes: $(pgrep -xc kubelet)\"; \
      echo \"siteboot units: $(systemctl list-units --all --no-legend 'siteboot*' | wc -l)\"; \
      echo \"operator data: $(cat /srv/data/keep)\"";
@@ -96,17 +114,26 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
         |what: &str| eprintln!("bootstrap join: {what} ({} s)", started.elapsed().as_secs());
     // Before the lab: a cold build takes minutes and needs no apiserver.
     let image = NodeImage::build(&Peers::locate().unwrap()).unwrap();
-    progress("node image ready");
+    let (ramdisk, test_os) =
+        (os_images::ramdisk(None).unwrap(), os_images::test_os_image().unwrap());
+    progress("node image, ramdisk and test OS ready");
     let mut lab = ProviderLab::start(0, |_| {}).await.unwrap();
+    lab.install_ramdisk(&ramdisk).unwrap();
     // Issue 26's existing server boots while the lab gets ready.
     let keys =
         Keys::make(&[("siteboot", "ed25519"), ("operator", "ed25519"), ("impostor", "ed25519")])
             .unwrap();
     let server = existing_server(&image, &lab.lab, &keys).unwrap();
     lab.env.start_control_plane().await.unwrap();
+    lab.env.start_kubeadm_bootstrap_provider().await.unwrap();
     let env = &lab.env;
     env.install_crd_yaml(capi::TEST_MACHINE_CRDS).await.unwrap();
     capi::create_cluster_at(env, NS, CLUSTER, None, VM_HOST_ADDRESS).await.unwrap();
+    // kubeadm's init phases, run in the lab namespace, reach the apiserver at the address the
+    // VMs use (QEMU's user-mode network's name for the namespace's loopback), which the
+    // namespace's loopback gets too: the apiserver's port is forwarded on every address there.
+    lab.lab.ip(&["address", "add", &format!("{VM_HOST_ADDRESS}/32"), "dev", "lo"]).unwrap();
+    env.prepare_kubeadm_join(&lab.lab, VM_HOST_ADDRESS, NS, CLUSTER).await.unwrap();
     bootstrap::create_workers(env, NS, CLUSTER, "workers", 1, json!({})).await.unwrap();
     let nspawn_spec = json!({ "nspawn": true });
     bootstrap::create_workers(env, NS, CLUSTER, NSPAWN, 1, nspawn_spec).await.unwrap();
@@ -116,11 +143,11 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     // guests in the other stream of `scripts/test`, slowed that lab past its deadlines).
     let joined = tokio::sync::Notify::new();
     let (adoption, ()) = tokio::join!(
-        adopted(&lab, &server, &keys, &joined),
+        adopted(&lab, &server, &keys, &joined, &test_os),
         join_from_the_data(env, &image, &lab.lab, &joined, progress)
     );
     must(adoption, env).await;
-    progress("the existing server was adopted, reset and adopted again");
+    progress("the existing server was adopted, reset, adopted again and reimaged");
 }
 
 /// The Machines of the two MachineDeployments: one deleted before its host boots, one on a host
@@ -295,13 +322,14 @@ async fn ssh_ready(
     .await
 }
 
-/// Issue 26: the existing server adopted over SSH (see the module's documentation). Its
-/// MachineDeployment waits for `joined`: the other hosts have joined.
+/// Issue 26: the existing server adopted over SSH, then reimaged (see the module's
+/// documentation). Its MachineDeployment waits for `joined`: the other hosts have joined.
 async fn adopted(
     lab: &ProviderLab,
     server: &ServerVm,
     keys: &Keys,
     joined: &tokio::sync::Notify,
+    test_os: &TestOsImage,
 ) -> anyhow::Result<()> {
     let ssh = |command: &'static str| on_server(&lab.lab, keys, command);
     learn_host_key(server, keys).await?;
@@ -361,7 +389,8 @@ async fn adopted(
     let selector = json!({ "matchLabels": { ADOPT_LABEL: ADOPTED } });
     let spec = json!({ "image": image_spec(ADOPTED), "hostSelector": selector });
     lab.create_template_spec(ADOPTED, spec).await?;
-    lab.create_machine_deployment_with(NS, ADOPTED, CLUSTER, ADOPTED, 1, config).await?;
+    let machine = json!({ "bootstrap": config });
+    lab.create_machine_deployment_with(NS, ADOPTED, CLUSTER, ADOPTED, 1, machine).await?;
     let first = lab.wait_running(ADOPTED, 1, JOIN_TIMEOUT).await?.remove(0);
     let node = first.data["status"]["nodeRef"]["name"].as_str().context("no nodeRef")?;
     let nodes: Api<Node> = Api::all(lab.env.client());
@@ -380,10 +409,75 @@ async fn adopted(
     let left = ssh(RESET_CHECK).await?;
     anyhow::ensure!(left == RESET, "after the reset:\n{left}");
 
-    // Claimed again, by the next Machine.
-    lab.scale(ADOPTED, 1).await?;
-    let again = lab.wait_running(ADOPTED, 1, JOIN_TIMEOUT).await?.remove(0);
-    anyhow::ensure!(again.name_any() != first.name_any(), "the same Machine");
+    // Claimed again, by a Machine of kubeadm's bootstrap provider: its data joins with
+    // `kubeadm join`, and names no provider-id: siteboot sets the Node's, found by the system
+    // UUID the inspection over SSH read.
+    let kubeadm = format!("{ADOPTED}-kubeadm");
+    let machine = lab.env.create_kubeadm_config_template(NS, &kubeadm, &kubeadm, true).await?;
+    lab.create_machine_deployment_with(NS, &kubeadm, CLUSTER, ADOPTED, 1, machine).await?;
+    let again = lab.wait_running(&kubeadm, 1, JOIN_TIMEOUT).await?.remove(0);
+    let config_ref = &again.data["spec"]["bootstrap"]["configRef"];
+    anyhow::ensure!(config_ref["kind"] == "KubeadmConfig", "the Machine's bootstrap: {config_ref}");
+    let node = again.data["status"]["nodeRef"]["name"].as_str().context("no nodeRef")?;
+    let node = ready_and_matched(&nodes, node, JOIN_TIMEOUT).await?;
+    let system_uuid = node
+        .status
+        .as_ref()
+        .and_then(|s| s.node_info.as_ref())
+        .map(|i| i.system_uuid.to_lowercase());
+    anyhow::ensure!(
+        system_uuid.as_deref() == Some(server.uuid()),
+        "the Node's system UUID: {system_uuid:?}"
+    );
+    let provider_id = node.spec.and_then(|s| s.provider_id);
+    anyhow::ensure!(provider_id == Some(format!("siteboot://{NS}/{ADOPTED}")), "{provider_id:?}");
+    let joined = checklist(&ssh("node-checklist").await?);
+    anyhow::ensure!(joined == joined_checklist(KubeletOn::Host), "after kubeadm join: {joined:?}");
+    lab.scale(&kubeadm, 0).await?;
+    reimaged(lab, server, test_os).await
+}
+
+/// The existing server, released and Available, switched to mode `Reimage` and claimed by a
+/// MachineDeployment of the test OS: kexec'ed over SSH into the ramdisk, imaged, rebooted into
+/// the test OS, which runs the data; the Host Provisioned.
+async fn reimaged(
+    lab: &ProviderLab,
+    server: &ServerVm,
+    test_os: &TestOsImage,
+) -> anyhow::Result<()> {
+    let hosts = lab.hosts();
+    wait_host(&hosts, ADOPTED, "Available again, reset", JOIN_TIMEOUT, |h| {
+        host_state(h) == Some(HostState::Available)
+    })
+    .await?;
+    let reimage = json!({
+        "metadata": { "labels": { ADOPT_LABEL: REIMAGED } },
+        "spec": { "access": { "ssh": { "mode": "Reimage" } } },
+    });
+    hosts.patch(ADOPTED, &PatchParams::default(), &Patch::Merge(&reimage)).await?;
+    let image = lab.serve_image(REIMAGED, test_os)?;
+    capi::create_bootstrap_secret(&lab.env, NS, CLUSTER, REIMAGED, REIMAGED_DATA).await?;
+    let selector = json!({ "matchLabels": { ADOPT_LABEL: REIMAGED } });
+    lab.create_template_spec(REIMAGED, json!({ "image": image, "hostSelector": selector })).await?;
+    let data = json!({ "bootstrap": { "dataSecretName": REIMAGED } });
+    lab.create_machine_deployment_with(NS, REIMAGED, CLUSTER, REIMAGED, 1, data).await?;
+    // The ramdisk writes the test OS and reboots into it; the test OS powers off at its end.
+    let console = wait::until_async("the test OS's last line", JOIN_TIMEOUT * 2, EVERY, || async {
+        let console = server.vm().console();
+        (console.contains(TEST_OS_DONE) || console.contains(TEST_OS_FAILED)).then_some(console)
+    })
+    .await?;
+    let provider_id = format!("siteboot-test-os: provider-id=siteboot://{NS}/{ADOPTED}");
+    for line in [TEST_OS_DONE, provider_id.as_str(), TEST_OS_DATA_EXIT] {
+        anyhow::ensure!(
+            console.lines().any(|l| l.trim_end() == line),
+            "no {line:?} on the console"
+        );
+    }
+    wait_host(&hosts, ADOPTED, "Provisioned, reimaged", TIMEOUT, |h| {
+        host_state(h) == Some(HostState::Provisioned)
+    })
+    .await?;
     Ok(())
 }
 

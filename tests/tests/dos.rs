@@ -28,7 +28,7 @@ use siteboot_tests::{initramfs, wait};
 const SERVER_IP: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 1);
 const HTTP: SocketAddrV4 = SocketAddrV4::new(SERVER_IP, appliance::HTTP_PORT);
 const VM_MAC: &str = "52:54:00:00:0d:11";
-const CMDLINE: &str = "console=ttyS0 quiet panic=-1";
+const CMDLINE: &str = appliance::LAB_CMDLINE;
 /// From QEMU start to the callback: ~30 s under TCG; generous for CI.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(240);
 

@@ -83,8 +83,6 @@ const VM_LABEL: &str = "e2e.siteboot.dev/vm";
 const WORKERS: &str = "workers";
 /// The worker the appliance is killed under while its ramdisk writes the image.
 const CRASHED_WHILE_IMAGING: &str = "uefi";
-/// Cluster API's kubeadm bootstrap provider's API.
-const KUBEADM_BOOTSTRAP: &str = "bootstrap.cluster.x-k8s.io/v1beta2";
 /// The workload's Deployment, and its pods' `app` label.
 const WORKLOAD: &str = "workload";
 /// One network boot plus an operation under TCG, four VMs sharing two cores: a few minutes.
@@ -461,7 +459,7 @@ async fn inspected(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<V
 /// media, left powered off with the media ejected).
 async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
     let vm = inspected(env, s, timeline).await?;
-    let data = json!({ "dataSecretName": format!("{CLUSTER}-bootstrap") });
+    let data = json!({ "bootstrap": { "dataSecretName": format!("{CLUSTER}-bootstrap") } });
     let spec =
         json!({ "image": env.image, "hostSelector": { "matchLabels": { VM_LABEL: s.name } } });
     env.lab.create_template_spec(s.name, spec).await?;
@@ -503,7 +501,7 @@ async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Resul
     let (a_vm, b_vm) =
         futures_util::try_join!(inspected(env, a, a_timeline), inspected(env, b, b_timeline))?;
     let config = bootstrap::create_config_template(&env.lab.env, NS, WORKERS, node_config());
-    let config = config.await?;
+    let config = json!({ "bootstrap": config.await? });
     let spec = json!({ "image": env.node_image, "hostSelector": { "matchLabels": { VM_LABEL: WORKERS } } });
     env.lab.create_template_spec(WORKERS, spec).await?;
     env.lab.create_machine_deployment_with(NS, WORKERS, CLUSTER, WORKERS, 2, config).await?;
@@ -609,13 +607,14 @@ async fn kubeadm_rollout(
     let kube = &env.lab.env;
     let old = claiming_machine(env, s.name).await?;
     let console_from = vm.domain.console().lines().count();
-    let config = kubeadm_config_template(env).await?;
+    let machine = kube.create_kubeadm_config_template(NS, "workers-kubeadm", "kubeadm", false);
+    let machine = machine.await?;
     let rollout = json!({ "spec": {
         "rollout": { "strategy": {
             "type": "RollingUpdate",
             "rollingUpdate": { "maxSurge": 0, "maxUnavailable": 1 },
         } },
-        "template": { "spec": { "bootstrap": config, "version": kube.kubernetes_version()? } },
+        "template": { "spec": machine },
     }});
     let deployments = env.lab.api("MachineDeployment");
     deployments.patch(WORKERS, &PatchParams::default(), &Patch::Merge(&rollout)).await?;
@@ -678,43 +677,6 @@ async fn kubeadm_joined(
     workload_running(env, Some(&name)).await?;
     timeline.mark("the Deployment's pod Running on the kubeadm-joined Node");
     Ok(name)
-}
-
-/// A KubeadmConfigTemplate for the node image, as a user writes one for a plain Debian image
-/// with containerd: the systemd cgroup driver (as kubeadm configures the kubelet), forwarding,
-/// Debian's CNI plugins where containerd looks for them, the kubelet enabled; returns a
-/// Machine's `spec.bootstrap` that uses it.
-async fn kubeadm_config_template(env: &Env<'_>) -> Result<Value> {
-    const NAME: &str = "workers-kubeadm";
-    let containerd = r#"version = 2
-[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-  SystemdCgroup = true
-"#;
-    let template: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": KUBEADM_BOOTSTRAP, "kind": "KubeadmConfigTemplate",
-        "metadata": { "name": NAME },
-        "spec": { "template": { "spec": {
-            "format": "cloud-config",
-            "files": [{ "path": "/etc/containerd/config.toml", "content": containerd }],
-            "preKubeadmCommands": [
-                "modprobe br_netfilter",
-                "sysctl -w net.ipv4.ip_forward=1",
-                "mkdir -p /opt/cni && ln -sfn /usr/lib/cni /opt/cni/bin",
-                "systemctl restart containerd",
-                "systemctl enable kubelet",
-            ],
-            "joinConfiguration": { "nodeRegistration": {
-                "kubeletExtraArgs": [{ "name": "node-labels", "value": "example.com/pool=kubeadm" }],
-            } },
-        } } },
-    }))?;
-    let templates = env.lab.env.api(KUBEADM_BOOTSTRAP, "KubeadmConfigTemplate", Some(NS));
-    templates.create(&PostParams::default(), &template).await?;
-    Ok(json!({ "configRef": {
-        "apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "KubeadmConfigTemplate", "name": NAME,
-    } }))
 }
 
 /// Which of `hosts` the next Machine claims: the remediated one's replacement may get either

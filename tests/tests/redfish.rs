@@ -67,8 +67,7 @@ fn power_on_with_a_one_time_network_boot_boots_the_ramdisk() {
     let mac = "52:54:00:00:03:01";
     let boot = initramfs::boot_files().unwrap();
     let ns = appliance::lab_network("redfish").unwrap();
-    let mut config = appliance::lab_config("full");
-    config["profiles"][appliance::LAB_PROFILE]["cmdline"] = json!("console=ttyS0 quiet panic=-1");
+    let config = appliance::lab_config("full");
     let siteboot = Appliance::start(&ns, config).unwrap();
     siteboot.install_boot_files(&boot).unwrap();
     let libvirt = Libvirt::start(&ns).unwrap();

@@ -505,9 +505,7 @@ fn a_host_with_a_bmc_is_booted_into_the_ramdisk_through_it() {
         host("52:54:00:00:5a:13", "other-machine", &address, &good),
         host("52:54:00:00:5a:14", "no-bmc-there", &nobody, &good),
     ]);
-    let (_lab, app, config_path) = standalone_lab_with(lab, dir.path(), hosts, |config| {
-        config["profiles"][LAB_PROFILE]["cmdline"] = json!("console=ttyS0 quiet panic=-1");
-    });
+    let (_lab, app, config_path) = standalone_lab_with(lab, dir.path(), hosts, |_| {});
     app.install_boot_files(&boot).unwrap();
 
     for (name, reason) in [

@@ -63,7 +63,6 @@ fn the_page_follows_a_vm_boot_live_and_shows_hostile_strings_as_text() {
     let boot = initramfs::boot_files().unwrap();
     let ns = appliance::lab_network("status").unwrap();
     let mut config = appliance::lab_config("full");
-    config["profiles"][appliance::LAB_PROFILE]["cmdline"] = json!("console=ttyS0 quiet panic=-1");
     // The VM and a few hosts that stay off, each with a reservation: a name and an address.
     let mut hosts = vec![json!({ "mac": VM_MAC, "profile": appliance::LAB_PROFILE })];
     let mut reservations =

@@ -21,12 +21,25 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use kube::api::{Api, DeleteParams, PostParams};
-use serde_json::json;
+use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
+use serde_json::{Value, json};
 
 use super::{KubeEnv, peers};
 use crate::netns::Netns;
 
+/// Cluster API's kubeadm bootstrap provider's API.
+const KUBEADM_BOOTSTRAP: &str = "bootstrap.cluster.x-k8s.io/v1beta2";
+/// The node image's CNI configuration (a bridge), as its build installs it.
+const NODE_CNI: &str =
+    include_str!("../../fixtures/node-image/rootfs/etc/cni/net.d/10-node.conflist");
+/// The containerd configuration kubeadm's hosts get: the systemd cgroup driver, as kubeadm
+/// configures the kubelet.
+const CONTAINERD_CONFIG: &str = r#"version = 2
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+  SystemdCgroup = true
+"#;
 /// The bootstrap token `kubeadm init phase bootstrap-token` insists on creating; deleted at
 /// once (CABPK mints one per Machine).
 const INIT_TOKEN_ID: &str = "sbinit";
@@ -95,6 +108,56 @@ impl KubeEnv {
             info.get("kubeconfig").is_some_and(|k| k.contains(&format!("https://{endpoint}")));
         ensure!(named, "cluster-info does not name https://{endpoint}: {info:?}");
         Ok(())
+    }
+
+    /// A KubeadmConfigTemplate `name` in `ns` for the node image, as a user writes one for a
+    /// plain Debian image with containerd: the systemd cgroup driver, forwarding, Debian's CNI
+    /// plugins where containerd looks for them, the kubelet enabled, its Node labelled
+    /// `example.com/pool=<pool>`. `after_reset`: for a host whose node state a reset removed (an
+    /// adopted server claimed again), the image's CNI configuration and container images put
+    /// back, as a cluster's CNI and an image preload would. Returns the fields of a Machine's
+    /// spec that use it: `bootstrap`, and `version` (the peers' Kubernetes version), which
+    /// kubeadm's provider needs.
+    pub async fn create_kubeadm_config_template(
+        &self,
+        ns: &str,
+        name: &str,
+        pool: &str,
+        after_reset: bool,
+    ) -> Result<Value> {
+        let mut files =
+            vec![json!({ "path": "/etc/containerd/config.toml", "content": CONTAINERD_CONFIG })];
+        let mut commands = vec![
+            "modprobe br_netfilter",
+            "sysctl -w net.ipv4.ip_forward=1",
+            "mkdir -p /opt/cni && ln -sfn /usr/lib/cni /opt/cni/bin",
+            "systemctl restart containerd",
+            "systemctl enable kubelet",
+        ];
+        if after_reset {
+            files.push(json!({ "path": "/etc/cni/net.d/10-node.conflist", "content": NODE_CNI }));
+            commands.push("node-images");
+        }
+        let template: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": KUBEADM_BOOTSTRAP, "kind": "KubeadmConfigTemplate",
+            "metadata": { "name": name },
+            "spec": { "template": { "spec": {
+                "format": "cloud-config",
+                "files": files,
+                "preKubeadmCommands": commands,
+                "joinConfiguration": { "nodeRegistration": {
+                    "kubeletExtraArgs": [{ "name": "node-labels", "value": format!("example.com/pool={pool}") }],
+                } },
+            } } },
+        }))?;
+        let templates = self.api(KUBEADM_BOOTSTRAP, "KubeadmConfigTemplate", Some(ns));
+        templates.create(&PostParams::default(), &template).await?;
+        let config_ref = json!({
+            "apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "KubeadmConfigTemplate", "name": name,
+        });
+        Ok(
+            json!({ "bootstrap": { "configRef": config_ref }, "version": self.kubernetes_version()? }),
+        )
     }
 
     /// The Kubernetes version of the peers (kubeadm's, the control plane's and the kubelet's):

@@ -126,7 +126,9 @@ impl NodeVm {
             memory_mb: MEMORY_MB,
             cpus: CPUS,
             mac: None,
+            uuid: None,
             ssh_forward: None,
+            reboots: false,
         };
         Ok(Self { vm: DiskVm::start(ns, &boot)?, _dir: dir })
     }
@@ -154,6 +156,7 @@ pub struct InstalledFile<'a> {
 /// boot path, and its sshd at `127.0.0.1:ssh_port` of the namespace QEMU runs in.
 pub struct ServerVm {
     vm: DiskVm,
+    uuid: String,
     _dir: tempfile::TempDir,
 }
 
@@ -170,6 +173,8 @@ impl ServerVm {
         let disk = dir.path().join("disk.raw");
         run(Command::new("cp").arg("--sparse=always").arg(image.disk()).arg(&disk))?;
         install(&disk, dir.path(), files)?;
+        // A system UUID of its own, as a server has (siteboot finds its Node by it).
+        let uuid = format!("00000000-0000-4000-8000-{}", mac.replace(':', "").to_lowercase());
         let boot = DiskBoot {
             name: name.to_owned(),
             drives: vec![Drive { path: disk, format: "raw", read_only: false }],
@@ -177,13 +182,21 @@ impl ServerVm {
             // One vCPU: it runs beside the libvirt lab's guests on a 2-core machine.
             cpus: 1,
             mac: Some(mac.to_owned()),
+            uuid: Some(uuid.clone()),
             ssh_forward: Some(ssh_port),
+            // Reimaged, it reboots into its new OS.
+            reboots: true,
         };
-        Ok(Self { vm: DiskVm::start(ns, &boot)?, _dir: dir })
+        Ok(Self { vm: DiskVm::start(ns, &boot)?, uuid, _dir: dir })
     }
 
     pub fn vm(&self) -> &DiskVm {
         &self.vm
+    }
+
+    /// Its SMBIOS system UUID, in lower case.
+    pub fn uuid(&self) -> &str {
+        &self.uuid
     }
 }
 

@@ -107,7 +107,8 @@ async fn lifecycle(
     let config = json!({ "nodeLabels": { "example.com/pool": WORKERS } });
     let bootstrap = bootstrap::create_config_template(&lab.env, NS, WORKERS, config).await?;
     lab.create_template_spec(WORKERS, json!({ "image": image })).await?;
-    lab.create_machine_deployment_with(NS, WORKERS, CLUSTER, WORKERS, 1, bootstrap).await?;
+    let machine = json!({ "bootstrap": bootstrap });
+    lab.create_machine_deployment_with(NS, WORKERS, CLUSTER, WORKERS, 1, machine).await?;
     step("MachineDeployment of 1 created (SitebootMachineTemplate + SitebootConfigTemplate)");
     let machine = lab.wait_running(WORKERS, 1, STEP_TIMEOUT).await?.remove(0);
     let node_name = machine.data["status"]["nodeRef"]["name"].as_str().context("no nodeRef")?;

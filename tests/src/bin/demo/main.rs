@@ -14,7 +14,6 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use serde_json::json;
 use siteboot_tests::appliance::{self, Appliance};
 use siteboot_tests::initramfs;
 use siteboot_tests::vm::{self, Firmware, Vm, VmConfig};
@@ -59,8 +58,7 @@ fn run() -> Result<()> {
 
     println!("==> siteboot in a private network namespace");
     let ns = appliance::lab_network("demo")?;
-    let mut config = appliance::lab_config("full");
-    config["profiles"][appliance::LAB_PROFILE]["cmdline"] = json!("console=ttyS0 quiet panic=-1");
+    let config = appliance::lab_config("full");
     let siteboot = Appliance::start(&ns, config)?;
     siteboot.install_boot_files(&boot)?;
     println!(
