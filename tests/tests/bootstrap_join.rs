@@ -22,7 +22,8 @@
 //! `Adopt`. Pinned to another host key, it
 //! is refused and its sshd logs no authentication; pinned to its own, it is inspected over SSH
 //! and Available. A MachineDeployment of siteboot's bootstrap provider claims it: the data
-//! delivered over SSH joins its kubelet (the image's checklist, run over SSH, as after a
+//! delivered over SSH (the appliance killed once the run started, and restarted: it runs once)
+//! joins its kubelet (the image's checklist, run over SSH, as after a
 //! boot), the Node Ready with the Host's providerID. Scaled to 0, the host is reset, checked on
 //! the VM (the node's state gone, containerd running again as before, the operator's data
 //! kept), Available again, and claimed again by a Machine of kubeadm's bootstrap provider, whose
@@ -391,6 +392,15 @@ async fn adopted(
     lab.create_template_spec(ADOPTED, spec).await?;
     let machine = json!({ "bootstrap": config });
     lab.create_machine_deployment_with(NS, ADOPTED, CLUSTER, ADOPTED, 1, machine).await?;
+    // The appliance killed (kill -9) once the run has started on the server, while cloud-init
+    // joins: the restarted appliance learns from the server's marker where the delivery
+    // stands, records it and waits for the result; the data runs once.
+    wait::until_async("the delivery started", JOIN_TIMEOUT, Duration::from_secs(1), || async {
+        ssh("test -e /var/lib/siteboot/adopt/delivery").await.ok()
+    })
+    .await?;
+    lab.siteboot.kill9();
+    lab.siteboot.restart()?;
     let first = lab.wait_running(ADOPTED, 1, JOIN_TIMEOUT).await?.remove(0);
     let node = first.data["status"]["nodeRef"]["name"].as_str().context("no nodeRef")?;
     let nodes: Api<Node> = Api::all(lab.env.client());
@@ -399,6 +409,9 @@ async fn adopted(
     anyhow::ensure!(provider_id == Some(format!("siteboot://{NS}/{ADOPTED}")), "{provider_id:?}");
     let joined = checklist(&ssh("node-checklist").await?);
     anyhow::ensure!(joined == joined_checklist(KubeletOn::Host), "after the join: {joined:?}");
+    let runs =
+        ssh("journalctl -o cat -u siteboot-adopt | grep -c '^Started siteboot-adopt'").await?;
+    anyhow::ensure!(runs.trim() == "1", "the data's unit started {} times", runs.trim());
 
     // Scaled to 0: the host reset over SSH, and Available again.
     lab.scale(ADOPTED, 0).await?;
