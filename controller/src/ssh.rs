@@ -18,9 +18,9 @@ use siteboot_boot::files::FileRoot;
 use siteboot_boot::inventory::{LinuxBoot, Source};
 use siteboot_ipxe::Word;
 use siteboot_ssh::adopt::{
-    self, AdoptError, Delivery, MetaData, OperationId, Progress, Remote, STATE_DIR, StepFailed,
+    self, AdoptError, Delivery, MetaData, OperationId, Progress, Remote, Stalled, StepFailed,
 };
-use siteboot_ssh::inspect::{self, InspectError, Report};
+use siteboot_ssh::inspect::{self, InspectError, InspectFailed, Report};
 use siteboot_ssh::reimage::{self, KexecProgress};
 pub use siteboot_ssh::{
     AccessError, BindingError, BoundAccess, ClientKey, Endpoint, HostKey, HostKeyPolicy,
@@ -79,20 +79,12 @@ pub enum SshAccessError {
     InspectionFailed(String),
     #[error("the server's inspection report is unreadable: {0}")]
     Report(#[from] InspectError),
-    /// A step of the delivery failed (the run itself was not started, or its start is unknown:
-    /// the next pass probes).
+    /// The delivery cannot go on (a step failed, and the run was not started or its start is
+    /// unknown: the next pass probes; or the server's marker says it must not run).
     #[error("delivering the bootstrap data: {0}")]
-    Delivery(StepFailed),
+    Delivery(#[from] Stalled),
     #[error("delivering the bootstrap data: {0}")]
     Adopt(#[from] AdoptError),
-    #[error(
-        "the server holds another delivery's marker in {STATE_DIR}, and no reset ran since: nothing was sent"
-    )]
-    OtherDelivery,
-    #[error(
-        "the server no longer has delivery {0}'s marker in {STATE_DIR}, though its run was seen started: it is not run again; release the host to reset it"
-    )]
-    MarkerLost(String),
     /// A step of the reset failed, or left something behind: the host is not released.
     #[error("resetting the server: {0}")]
     Reset(StepFailed),
@@ -120,9 +112,7 @@ impl SshAccessError {
             Self::NotForThisServer { .. } => "SSHCredentialsNotForThisServer",
             Self::RecordUnreadable(_) => "SSHHostKeyRecordInvalid",
             Self::InspectionFailed(_) | Self::Report(_) => "SSHInspectionFailed",
-            Self::Delivery(_) | Self::Adopt(_) | Self::OtherDelivery | Self::MarkerLost(_) => {
-                "SSHDeliveryFailed"
-            }
+            Self::Delivery(_) | Self::Adopt(_) => "SSHDeliveryFailed",
             Self::Reset(_) => "SSHResetFailed",
             Self::KexecUnreachable(e) => e.reason(),
             Self::HostKeyNotRecorded => "SSHHostKeyNotRecorded",
@@ -269,15 +259,13 @@ pub async fn check(host: &Host, client: &kube::Client) -> Result<Reached, SshAcc
 /// the server says it is. Whether it is this Host's machine is [`identify`]'s question.
 pub async fn inspect(host: &Host, client: &kube::Client) -> Result<Report, SshAccessError> {
     let (session, _, _) = connect(host, client).await?;
-    let command = inspect::command();
-    let output = session.run(&command.line, &[], command.deadline).await;
+    let report = inspect::run(&session).await;
     hang_up(host, session).await;
-    let output = output?;
-    if !output.success() || output.stdout.truncated() {
-        let stderr: String = output.stderr.text().chars().take(200).collect();
-        return Err(SshAccessError::InspectionFailed(format!("{:?}: {stderr:?}", output.status)));
-    }
-    Ok(inspect::parse(output.stdout.bytes())?)
+    report.map_err(|e| match e {
+        InspectFailed::Ssh(e) => SshAccessError::Connect(e),
+        InspectFailed::Command(why) => SshAccessError::InspectionFailed(why),
+        InspectFailed::Report(e) => SshAccessError::Report(e),
+    })
 }
 
 /// Logs in to `host`'s server (its key pinned by now) and moves its delivery on: where the
@@ -305,19 +293,13 @@ async fn deliver_on(
     let op = host.status.as_ref().and_then(|s| s.operation.as_ref());
     let Some(op) = op else { return Ok(Progress::NotStarted) };
     let id: OperationId = op.id.parse()?;
-    match adopt::where_it_stands(remote, &id).await.map_err(SshAccessError::Delivery)? {
-        Progress::NotStarted if op.bootstrap_delivered => {
-            return Err(SshAccessError::MarkerLost(op.id.clone()));
+    let delivery = match data {
+        Some((data, meta)) => {
+            Some(Delivery { id: id.clone(), meta, data: data.value, format: data.format.parse()? })
         }
-        Progress::NotStarted => {}
-        Progress::OtherDelivery => return Err(SshAccessError::OtherDelivery),
-        progress => return Ok(progress),
-    }
-    let Some((data, meta)) = data else { return Ok(Progress::NotStarted) };
-    let delivery = Delivery { id, meta, data: data.value, format: data.format.parse()? };
-    let steps = adopt::deliver(&delivery);
-    adopt::follow(remote, &steps).await.map_err(SshAccessError::Delivery)?;
-    Ok(Progress::Running)
+        None => None,
+    };
+    Ok(adopt::advance(remote, &id, op.bootstrap_delivered, delivery.as_ref()).await?)
 }
 
 /// Logs in to `host`'s server and resets it ([`adopt::reset`]): its Kubernetes state removed
@@ -711,7 +693,7 @@ mod tests {
         let (other, sent) = deliver("delivery=op-0\n", false, staged());
         assert_eq!((other.unwrap_err().reason(), sent.len()), ("SSHDeliveryFailed", 1));
         let (lost, sent) = deliver("", true, None);
-        assert!(matches!(lost, Err(SshAccessError::MarkerLost(_))), "{lost:?}");
+        assert!(matches!(lost, Err(SshAccessError::Delivery(Stalled::MarkerLost(_)))), "{lost:?}");
         assert_eq!(sent.len(), 1);
     }
 

@@ -37,6 +37,11 @@ const KEEP_HOST_KEYS: &str = "#cloud-config\nssh_deletekeys: false\n";
 /// The file of [`STATE_DIR`] that says what kubelet's and containerd's units were before the
 /// delivery (`<unit> <is-enabled>` lines), which the reset puts back.
 const UNITS_BEFORE: &str = "units-before";
+/// [`UNITS_BEFORE`]'s path, quoted for a script.
+fn units_before() -> String {
+    quote(&format!("{STATE_DIR}/{UNITS_BEFORE}"))
+}
+
 /// The units a delivery may enable and a reset stops, disables and puts back.
 const UNITS: &str = "kubelet containerd";
 /// The transient unit that runs the data.
@@ -276,7 +281,7 @@ pub fn deliver(delivery: &Delivery) -> Vec<Step> {
     let record = format!(
         "for u in {UNITS}; do printf '%s %s\\n' $u \"$(systemctl is-enabled $u.service 2>/dev/null)\"; \
          done > {units}",
-        units = quote(&format!("{STATE_DIR}/{UNITS_BEFORE}")),
+        units = units_before(),
     );
     let mut steps = vec![
         Step::Run(check(delivery.format)),
@@ -418,7 +423,7 @@ pub fn reset() -> Vec<Step> {
                  done; \
                  if grep -qx 'containerd enabled' $f; then systemctl start containerd.service || exit 1; fi; \
                  exit 0",
-                units = quote(&format!("{STATE_DIR}/{UNITS_BEFORE}")),
+                units = units_before(),
             ),
             SHORT,
         ),
@@ -525,6 +530,45 @@ pub(crate) async fn run(remote: &impl Remote, command: &Command) -> Result<Strin
         return Err(StepFailed::LeftBehind { what, left: echoed(&stdout) });
     }
     Ok(stdout)
+}
+
+/// Why a delivery cannot go on (nothing of it was started by the pass that says so).
+#[derive(Debug, thiserror::Error)]
+pub enum Stalled {
+    /// A step failed: the run was not started, or whether it was is unknown (the next pass
+    /// probes).
+    #[error(transparent)]
+    Step(#[from] StepFailed),
+    #[error(
+        "the server holds another delivery's marker in {STATE_DIR}, and no reset ran since: nothing was sent"
+    )]
+    OtherDelivery,
+    #[error(
+        "the server no longer has delivery {0}'s marker in {STATE_DIR}, though its run was seen started: it is not run again; reset the host (release it) first"
+    )]
+    MarkerLost(OperationId),
+}
+
+/// One pass of delivery `id` on the server behind `remote`, as the Kubernetes and the
+/// standalone modes both run it: where it stands, probed first on every pass, and, only if it
+/// was never started, `delivery` (of `id`; `None`: not staged yet, nothing is sent) followed,
+/// which claims the marker and starts the run. `seen_started`: an earlier pass saw this run
+/// started, so a server without the marker lost it, and nothing is run again.
+pub async fn advance(
+    remote: &impl Remote,
+    id: &OperationId,
+    seen_started: bool,
+    delivery: Option<&Delivery>,
+) -> Result<Progress, Stalled> {
+    match where_it_stands(remote, id).await? {
+        Progress::NotStarted if seen_started => return Err(Stalled::MarkerLost(id.clone())),
+        Progress::NotStarted => {}
+        Progress::OtherDelivery => return Err(Stalled::OtherDelivery),
+        progress => return Ok(progress),
+    }
+    let Some(delivery) = delivery else { return Ok(Progress::NotStarted) };
+    follow(remote, &deliver(delivery)).await?;
+    Ok(Progress::Running)
 }
 
 /// Where delivery `id` stands on the host behind `remote` ([`probe`], [`progress`]).

@@ -45,7 +45,7 @@ impl Target {
     }
 
     /// `host:port`, with an IPv6 address in brackets: for messages.
-    fn address(&self) -> String {
+    pub fn address(&self) -> String {
         if self.host.contains(':') {
             format!("[{}]:{}", self.host, self.port)
         } else {

@@ -13,6 +13,7 @@ use std::time::Duration;
 use siteboot_agent_api::{Disk, Hardware, Nic, System};
 
 use crate::adopt::{Command, Expect};
+use crate::{Session, SshError};
 
 /// How long the command may take: it reads sysfs and two small files.
 const LIMIT: Duration = Duration::from_secs(30);
@@ -112,6 +113,28 @@ pub enum InspectError {
     Missing(&'static str),
     #[error("unexpected line {0:?}")]
     Line(String),
+}
+
+/// Why [`run`] has no report.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectFailed {
+    #[error(transparent)]
+    Ssh(#[from] SshError),
+    #[error("the inspection command failed: {0}")]
+    Command(String),
+    #[error("the server's inspection report is unreadable: {0}")]
+    Report(#[from] InspectError),
+}
+
+/// Runs [`command`] on the server behind `session` and reads what it printed ([`parse`]).
+pub async fn run(session: &Session) -> Result<Report, InspectFailed> {
+    let command = command();
+    let output = session.run(&command.line, &[], command.deadline).await?;
+    if !output.success() || output.stdout.truncated() {
+        let stderr: String = output.stderr.text().chars().take(200).collect();
+        return Err(InspectFailed::Command(format!("{:?}: {stderr:?}", output.status)));
+    }
+    Ok(parse(output.stdout.bytes())?)
 }
 
 /// At most 40 characters of `s`, for an error: `{:?}` escapes what is left.

@@ -23,7 +23,7 @@ use crate::crd::{
 };
 use crate::pools::MacStanding;
 use crate::ssh::{Endpoint, Kexecuted, Reached, SshAccessError};
-use siteboot_ssh::adopt::Progress;
+use siteboot_ssh::adopt::{Progress, Stalled};
 use siteboot_ssh::inspect::Report;
 
 /// How soon a boot or reboot the BMC failed is tried again.
@@ -722,7 +722,7 @@ fn delivery<'a>(host: &'a Host, seen: &Observed, progress: Progress) -> Outcome<
             return Outcome::after(DELIVERY_CHECK).noted(note);
         }
         Progress::OtherDelivery => {
-            return ssh_checked(host, seen, Err(SshAccessError::OtherDelivery));
+            return ssh_checked(host, seen, Err(Stalled::OtherDelivery.into()));
         }
         Progress::Running
             if lifecycle::older_than(
@@ -1282,7 +1282,7 @@ pub mod tests {
         let mut host = delivering();
         probed(&mut host, &fresh, Progress::Running);
         let id = host.status.as_ref().unwrap().operation.as_ref().unwrap().id.clone();
-        let lost = Answer::Delivery(Err(SshAccessError::MarkerLost(id)));
+        let lost = Answer::Delivery(Err(Stalled::MarkerLost(id.parse().unwrap()).into()));
         answered(&mut host, Step::DeliverOverSsh, &fresh, lost);
         let (status, reason, message) = ssh_ready(&host).unwrap();
         assert_eq!((status.as_str(), reason.as_str()), ("False", "SSHDeliveryFailed"));
@@ -1306,7 +1306,7 @@ pub mod tests {
             &mut host,
             Step::DeliverOverSsh,
             &fresh,
-            Answer::Delivery(Err(SshAccessError::Delivery(check))),
+            Answer::Delivery(Err(SshAccessError::Delivery(check.into()))),
         );
         assert_eq!(failed, (Again::After(Duration::from_secs(10)), 1));
         let (status, reason, message) = ssh_ready(&host).unwrap();
