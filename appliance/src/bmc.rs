@@ -4,7 +4,6 @@
 //! address never power-cycles another machine); then it boots the host once from the network,
 //! into the ramdisk.
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -83,14 +82,7 @@ struct CredentialsFile {
 /// password others can read is refused rather than used).
 pub fn read_credentials(path: &Path) -> Result<Credentials, BmcFailure> {
     let fail = |why: String| BmcFailure::Credentials { path: path.to_owned(), why };
-    let file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
-    let mode = file.metadata().map_err(|e| fail(e.to_string()))?.permissions().mode();
-    if mode & 0o077 != 0 {
-        return Err(fail(format!(
-            "is readable or writable by others (mode {:o}): chmod 600 it",
-            mode & 0o777
-        )));
-    }
+    let file = crate::owner_only::open(path).map_err(fail)?;
     let parsed: CredentialsFile = serde_norway::from_reader(file)
         .map_err(|e| fail(format!("is not YAML with username and password: {e}")))?;
     Credentials::new(&parsed.username, &parsed.password).map_err(|e| fail(e.to_string()))
@@ -131,6 +123,8 @@ async fn bounded<T>(work: impl Future<Output = T>) -> Result<T, BmcFailure> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
     use super::*;
 
     fn write(dir: &Path, text: &str, mode: u32) -> PathBuf {

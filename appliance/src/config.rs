@@ -26,9 +26,11 @@ use siteboot_boot::inventory::{BootAction, LinuxBoot, LocalBoot, Source};
 use siteboot_boot::media::BootMedia;
 use siteboot_boot::tftp::TftpSettings;
 use siteboot_ipxe::{IpxeBinaries, Word};
+use siteboot_ssh::{HostKeyError, Target};
 
 use crate::bmc::HostBmc;
 use crate::fd_limit;
+use crate::ssh::HostSsh;
 use crate::standalone::{ListedHost, Provisioning, StaticInventory};
 
 #[cfg(feature = "kubernetes")]
@@ -210,6 +212,11 @@ pub struct HostFile {
     /// The host's Redfish BMC: each `siteboot host inspect|provision|deprovision` boots it
     /// once from the network (powering it on or restarting it). Unset: power-cycle it by hand.
     pub bmc: Option<BmcFile>,
+    /// A server that already runs an OS, reached over SSH: `siteboot host provision` adopts it
+    /// as it runs (its `user_data` delivered through its own cloud-init, or run if it is a
+    /// script), `deprovision` resets it (its Kubernetes state removed, its OS and data kept),
+    /// `inspect` reads it. No ramdisk, so no image, `root_device_hints` or `bmc` beside it.
+    pub ssh: Option<SshFile>,
     /// For a host behind a DHCP relay: the relay agent information (option 82) the relay puts
     /// in its messages, `circuit_id` (its port), `remote_id` (the relay or switch) or both.
     /// A relayed message for this MAC is answered only when it carries each one given, byte
@@ -234,6 +241,33 @@ pub struct BmcFile {
     /// The firmware path of the network boot (`UEFI` or `Legacy`, Redfish
     /// `BootSourceOverrideMode`). Unset: whatever the system is set to.
     pub boot_mode: Option<BootMode>,
+}
+
+/// A host's SSH access, as Kubernetes mode's `spec.access.ssh` with its Secret, the private key
+/// in a file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SshFile {
+    /// The server's IP address.
+    pub address: std::net::IpAddr,
+    #[serde(default = "default_ssh_port")]
+    pub port: u16,
+    #[serde(default = "default_ssh_user")]
+    pub user: String,
+    /// A file (absolute path, readable by its owner only) with the private key siteboot logs in
+    /// with (OpenSSH or PEM, no passphrase), read at each use.
+    pub private_key_file: PathBuf,
+    /// The server's host key, as its `/etc/ssh/ssh_host_*_key.pub` holds it (`ssh-ed25519
+    /// AAAA...`): a server that presents another is sent nothing.
+    pub host_key: String,
+}
+
+fn default_ssh_port() -> u16 {
+    22
+}
+
+fn default_ssh_user() -> String {
+    "root".to_owned()
 }
 
 fn default_wipe() -> WipePolicy {
@@ -577,6 +611,7 @@ fn hosts(
             provisioning,
             wipe: host.wipe,
             bmc: host.bmc.as_ref().map(|b| bmc(b, &format!("{at}.bmc"))).transpose()?,
+            ssh: host.ssh.as_ref().map(|ssh| host_ssh(ssh, host, &at)).transpose()?,
             relay_pin: host.relay_agent.clone(),
         };
         if hosts.insert(host.mac, listed).is_some() {
@@ -606,9 +641,23 @@ fn host_name(
     }
 }
 
-/// A host's operation fields: all of them need a ramdisk to run the operations, and user-data
-/// goes with an image.
+/// A host's operation fields: an SSH host's run over SSH, and leave no place for a ramdisk's;
+/// the others all need a ramdisk to run the operations, and user-data goes with an image.
 fn check_host_operations(host: &HostFile, ramdisk: bool, at: &str) -> Result<(), FieldError> {
+    if host.ssh.is_some() {
+        let ramdisk_fields = [
+            ("image", host.image.is_some()),
+            ("root_device_hints", host.root_device_hints.is_some()),
+            ("bmc", host.bmc.is_some()),
+        ];
+        if let Some((field, _)) = ramdisk_fields.iter().find(|(_, set)| *set) {
+            return Err(FieldError::new(
+                format!("{at}.{field}"),
+                "an SSH host is adopted as it runs, with no ramdisk (reimaging over SSH is Kubernetes mode's for now)",
+            ));
+        }
+        return Ok(());
+    }
     let operations = host.image.is_some()
         || host.user_data.is_some()
         || host.root_device_hints.is_some()
@@ -620,7 +669,10 @@ fn check_host_operations(host: &HostFile, ramdisk: bool, at: &str) -> Result<(),
         ));
     }
     if host.user_data.is_some() && host.image.is_none() {
-        return Err(FieldError::new(format!("{at}.user_data"), "user_data goes with an image"));
+        return Err(FieldError::new(
+            format!("{at}.user_data"),
+            "user_data goes with an image or ssh",
+        ));
     }
     Ok(())
 }
@@ -716,13 +768,8 @@ fn provisioning(image: &ImageFile, host: &HostFile, at: &str) -> Result<Provisio
             format!("{:?}: {e} (sha256:<64 hex digits>)", image.checksum),
         )
     })?;
-    if let Some(path) = &host.user_data
-        && !path.is_absolute()
-    {
-        return Err(FieldError::new(
-            format!("{at}.user_data"),
-            format!("{}: give an absolute path", path.display()),
-        ));
+    if let Some(path) = &host.user_data {
+        absolute(path, &format!("{at}.user_data"))?;
     }
     Ok(Provisioning {
         image: Image {
@@ -751,18 +798,42 @@ fn bmc(bmc: &BmcFile, at: &str) -> Result<HostBmc, FieldError> {
             })
         })
         .transpose()?;
-    if !bmc.credentials_file.is_absolute() {
-        return Err(FieldError::new(
-            format!("{at}.credentials_file"),
-            format!("{}: give an absolute path", bmc.credentials_file.display()),
-        ));
-    }
+    absolute(&bmc.credentials_file, &format!("{at}.credentials_file"))?;
     Ok(HostBmc {
         address,
         pin,
         credentials_file: bmc.credentials_file.clone(),
         boot_mode: bmc.boot_mode,
     })
+}
+
+/// A host's SSH access, checked without I/O: a target SSH can use, a host key, absolute paths
+/// to the private key and the user-data (read at each use).
+fn host_ssh(ssh: &SshFile, host: &HostFile, at: &str) -> Result<HostSsh, FieldError> {
+    let target = Target::new(&ssh.address.to_string(), ssh.port, &ssh.user)
+        .map_err(|e| FieldError::new(format!("{at}.ssh"), e.to_string()))?;
+    let host_key = ssh.host_key.parse().map_err(|e: HostKeyError| {
+        FieldError::new(format!("{at}.ssh.host_key"), format!("{:?}: {e}", ssh.host_key))
+    })?;
+    absolute(&ssh.private_key_file, &format!("{at}.ssh.private_key_file"))?;
+    if let Some(path) = &host.user_data {
+        absolute(path, &format!("{at}.user_data"))?;
+    }
+    Ok(HostSsh {
+        target,
+        private_key_file: ssh.private_key_file.clone(),
+        host_key,
+        user_data: host.user_data.clone(),
+    })
+}
+
+/// A file the config names, read when it is used: an absolute path, so it does not depend on
+/// where `siteboot` was started.
+fn absolute(path: &Path, field: &str) -> Result<(), FieldError> {
+    if path.is_absolute() {
+        return Ok(());
+    }
+    Err(FieldError::new(field, format!("{}: give an absolute path", path.display())))
 }
 
 fn check_http(h: &HttpSettings) -> Result<(), FieldError> {
@@ -1204,6 +1275,48 @@ unknown_hosts:
                 "hosts[0]",
                 "bmc need a ramdisk_profile",
             ),
+        ];
+        for (text, field, message) in cases {
+            let e = error_of(text);
+            assert_eq!(&e.field, field, "got {e}\n{text}");
+            assert!(e.message.contains(message), "{e}");
+        }
+    }
+
+    /// An SSH host needs no ramdisk, takes its user_data without an image, and refuses what
+    /// only a ramdisk could use.
+    #[test]
+    fn a_host_reached_over_ssh_is_checked_without_a_ramdisk() {
+        let key =
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEwlXB8lkkHcwFYCSCopHZP7EL7EaFMGYyYTWBLhWrBu";
+        let ssh = |fields: &str, more: &str| {
+            GOOD.replace(
+                "    profile: linux\n",
+                &format!("    profile: linux\n    ssh: {{ {fields} }}\n{more}"),
+            )
+        };
+        let fields = format!("address: 10.0.0.21, private_key_file: /k, host_key: '{key}'");
+        let (_ipxe, text) = with_ipxe(&ssh(&fields, "    user_data: /etc/siteboot/u\n"));
+        let config = Config::parse(&text).unwrap();
+        let view = config.inventory.show("52:54:00:12:34:56").unwrap();
+        assert_eq!(view.ssh.as_deref(), Some("10.0.0.21:22"), "port 22 by default");
+        assert!(config.ramdisk.is_none() && config.inventory.has_ssh_hosts());
+        let cases: &[(String, &str, &str)] = &[
+            (
+                ssh(&fields, "    image: { url: 'http://h/i.raw', checksum: 'sha256:00' }\n"),
+                "hosts[0].image",
+                "adopted as it runs",
+            ),
+            (
+                ssh(&fields, "    wipe: full\n    bmc: { address: x, credentials_file: /c }\n"),
+                "hosts[0].bmc",
+                "no ramdisk",
+            ),
+            (ssh(&fields.replace("/k", "k"), ""), "hosts[0].ssh.private_key_file", "absolute"),
+            (ssh(&fields.replace(key, "ssh-ed25519 AAAA"), ""), "hosts[0].ssh.host_key", "AAAA"),
+            (ssh(&fields.replace("10.0.0.21", "db-1.example"), ""), "hosts[0].ssh.address", ""),
+            (ssh(&format!("{fields}, user: 'root; reboot'"), ""), "hosts[0].ssh", "user"),
+            (ssh(&format!("{fields}, password: x"), ""), "hosts[0].ssh.password", "unknown field"),
         ];
         for (text, field, message) in cases {
             let e = error_of(text);

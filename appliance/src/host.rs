@@ -42,8 +42,12 @@ pub fn list(state_dir: &Path) -> Result<()> {
 pub fn run(state_dir: &Path, name: &str, kind: OperationKind, timeout: Duration) -> Result<()> {
     let host = expect_host(call(state_dir, &Request::Start { host: name.to_owned(), kind })?)?;
     let op = host.record.operation.clone().expect("a started operation");
-    let boot = op.network_boot.as_deref().unwrap_or("power-cycle the host into PXE if it is on");
-    println!("{name}: {kind:?} operation {} started; {boot}", op.id);
+    let how = match (&host.ssh, &op.network_boot) {
+        (Some(address), _) => format!("over SSH at {address}"),
+        (None, Some(boot)) => boot.clone(),
+        (None, None) => "power-cycle the host into PXE if it is on".to_owned(),
+    };
+    println!("{name}: {kind:?} operation {} started; {how}", op.id);
     let deadline = Instant::now() + timeout;
     let mut follow = Follow::new();
     loop {

@@ -10,10 +10,12 @@ mod interface;
 #[cfg_attr(not(feature = "kubernetes"), path = "no_kubernetes.rs")]
 mod kubernetes;
 mod operations;
+mod owner_only;
 // Checks the examples show every field; kubernetes.yaml's need Kubernetes mode.
 #[cfg(all(test, feature = "kubernetes"))]
 mod serde_keys;
 mod serve;
+mod ssh;
 mod standalone;
 
 use std::path::PathBuf;
@@ -96,7 +98,8 @@ enum Command {
     /// socket in <state_dir>/control, root only) to inspect, provision or wipe a host listed
     /// under `hosts` (by name or MAC), and follow it until it ends; or cancel it. The host
     /// boots the ramdisk (`ramdisk_profile`) at its next network boot: siteboot boots it
-    /// through its `bmc` if it has one, else power-cycle it.
+    /// through its `bmc` if it has one, else power-cycle it. A host with `ssh` boots nothing:
+    /// its operations run over SSH on the OS it runs.
     Host {
         /// The configuration file the appliance runs with (for state_dir).
         #[arg(long, short, global = true, default_value = "/etc/siteboot/siteboot.yaml")]
@@ -113,11 +116,14 @@ enum Command {
 enum HostCommand {
     /// Each host's state, profile and last operation.
     List,
-    /// Boot the ramdisk and record the host's hardware.
+    /// Boot the ramdisk (or, with `ssh`, log in) and record the host's hardware.
     Inspect { name: String },
-    /// Write the host's image and user-data (its `image`, `user_data`, `root_device_hints`).
+    /// Write the host's image and user-data (its `image`, `user_data`, `root_device_hints`);
+    /// with `ssh`, adopt it as it runs: its `user_data` run once by its own cloud-init (or as
+    /// a script, if it starts with `#!`).
     Provision { name: String },
-    /// Wipe the host's disks (its `wipe` policy).
+    /// Wipe the host's disks (its `wipe` policy); with `ssh`, reset it: its Kubernetes state
+    /// (kubelet, containerd's, CNI, certificates) removed and checked gone, its OS and data kept.
     Deprovision { name: String },
     /// End the host's operation now: its ramdisk's token stops working. A cancelled
     /// provisioning leaves the host wipe-required if its ramdisk had booted.

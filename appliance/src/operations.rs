@@ -215,7 +215,8 @@ impl HostRecord {
         now: u64,
     ) -> Option<&Outcome> {
         let op = self.operation.take()?;
-        let booted = op.token_issued.is_some();
+        // A host adopted over SSH boots no ramdisk: its data's run started stands for it.
+        let booted = op.token_issued.is_some() || op.bootstrap_delivered;
         match (op.kind, ok) {
             (OperationKind::Inspect, true) => self.hardware = hardware.or(self.hardware.take()),
             (OperationKind::Provision, true) => {

@@ -99,12 +99,10 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     let Hosts { inventory, known, site, checkpoint, controller } = match kube {
         None => {
             let site = format!("standalone ({interface}, {})", config.address);
-            let operations =
-                config.ramdisk.clone().map(|ramdisk| (ramdisk, config.ramdisk_silence_timeout));
             standalone_hosts(
                 config.inventory,
                 site,
-                operations,
+                (config.ramdisk.clone(), config.ramdisk_silence_timeout),
                 &config.state_dir,
                 image_service,
                 &shutdown,
@@ -271,18 +269,19 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
 }
 
 /// What the boot plane serves standalone: the hosts of the config, with their operations
-/// (`operations`: the ramdisk and its silence timeout, from `ramdisk_profile`) and the control
-/// socket `siteboot host` talks to, both under `state_dir`.
+/// (`operations`: the ramdisk, from `ramdisk_profile`, and its silence timeout; on when there
+/// is a ramdisk or a host reached over SSH) and the control socket `siteboot host` talks to,
+/// both under `state_dir`.
 fn standalone_hosts(
     mut inventory: StaticInventory,
     site: String,
-    operations: Option<(LinuxBoot, Duration)>,
+    (ramdisk, max_silence): (Option<LinuxBoot>, Duration),
     state_dir: &std::path::Path,
     images: ImageService,
     shutdown: &CancellationToken,
 ) -> Result<Hosts> {
     let known = inventory.known_hosts().to_string();
-    if let Some((ramdisk, max_silence)) = operations {
+    if ramdisk.is_some() || inventory.has_ssh_hosts() {
         let store = crate::operations::Store::open(state_dir)
             .context("opening the host records (<state_dir>/hosts)")?;
         let token_max_age = siteboot_agent_server::silence::TOKEN_MAX_AGE;
@@ -298,6 +297,7 @@ fn standalone_hosts(
     let listener = crate::control::bind(state_dir)?;
     tokio::spawn(crate::control::serve(listener, inventory.clone(), shutdown.clone()));
     tokio::spawn(inventory.clone().watch_silence(shutdown.clone()));
+    tokio::spawn(inventory.clone().drive_ssh(shutdown.clone()));
     Ok(Hosts { inventory, known, site, checkpoint: None, controller: None })
 }
 

@@ -3,6 +3,7 @@
 //!
 //! | host | boot |
 //! |---|---|
+//! | reached over SSH (`ssh`), whatever is under way | its profile: its operations run over SSH ([`crate::ssh`], moved on by [`StaticInventory::drive_ssh`]) |
 //! | an operation under way, asked from the address that holds its MAC | the ramdisk (`ramdisk_profile`) with a fresh token |
 //! | an operation under way, asked from elsewhere, or after its bootstrap data went out | the ramdisk with no token: it waits |
 //! | no operation | its profile |
@@ -38,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::bmc::{self, BmcFailure, HostBmc};
 use crate::operations::{HostRecord, NoOperation, StartError, Store, StoreError, now};
+use crate::ssh::{self, HostSsh, Pass};
 
 /// A host listed under `hosts`.
 #[derive(Debug)]
@@ -55,6 +57,9 @@ pub struct ListedHost {
     pub wipe: WipePolicy,
     /// Its BMC, if siteboot may power-cycle it.
     pub bmc: Option<HostBmc>,
+    /// Its SSH access, if it is a running server whose operations go over SSH ([`crate::ssh`])
+    /// instead of through the ramdisk.
+    pub ssh: Option<HostSsh>,
     /// The relay agent information its relayed DHCP messages must carry (`relay_agent`).
     pub relay_pin: Option<RelayPin>,
 }
@@ -82,7 +87,8 @@ pub struct StaticInventory {
 pub struct Operations {
     store: Store,
     records: Mutex<HashMap<MacAddr, HostRecord>>,
-    ramdisk: LinuxBoot,
+    /// `None`: only the hosts reached over SSH have operations.
+    ramdisk: Option<LinuxBoot>,
     images: Arc<ImageService>,
     token_max_age: Duration,
     /// How long a ramdisk that booted may stay silent before its operation ends.
@@ -141,11 +147,16 @@ impl StaticInventory {
         self.hosts.len()
     }
 
+    /// Whether a listed host is reached over SSH: its operations need no ramdisk.
+    pub fn has_ssh_hosts(&self) -> bool {
+        self.hosts.values().any(|h| h.ssh.is_some())
+    }
+
     /// Turns host operations on: reads every listed host's record from `store`.
     pub fn enable_operations(
         &mut self,
         store: Store,
-        ramdisk: LinuxBoot,
+        ramdisk: Option<LinuxBoot>,
         images: Arc<ImageService>,
         token_max_age: Duration,
         max_silence: Duration,
@@ -177,15 +188,22 @@ impl StaticInventory {
     /// Starts (or follows, if one of that kind is under way) an operation on host `name`. A
     /// host with a BMC is then booted into the ramdisk through it: a BMC that cannot be used
     /// for this host fails the request before the operation starts, one that fails to boot it
-    /// ends the operation with the reason.
+    /// ends the operation with the reason. A host reached over SSH has its operation moved on
+    /// by [`drive_ssh`](Self::drive_ssh).
     pub async fn start(&self, name: &str, kind: OperationKind) -> Result<HostView, ControlError> {
         let (mac, host) = self.listed(name)?;
         let ops = self.operations.as_ref().ok_or(ControlError::NoRamdisk)?;
+        if host.ssh.is_none() && ops.ramdisk.is_none() {
+            return Err(ControlError::NoRamdisk);
+        }
         if kind == OperationKind::Provision {
-            let provisioning =
-                host.provisioning.as_ref().ok_or_else(|| ControlError::NoImage(name.to_owned()))?;
-            // Read again when the ramdisk asks; checked here so a missing file fails now.
-            if let Some(path) = &provisioning.user_data {
+            let user_data = match (&host.ssh, &host.provisioning) {
+                (Some(ssh), _) => &ssh.user_data,
+                (None, Some(provisioning)) => &provisioning.user_data,
+                (None, None) => return Err(ControlError::NoImage(name.to_owned())),
+            };
+            // Read again when it is sent; checked here so a missing file fails now.
+            if let Some(path) = user_data {
                 std::fs::File::open(path)
                     .map_err(|e| ControlError::UserData(format!("{}: {e}", path.display())))?;
             }
@@ -209,8 +227,15 @@ impl StaticInventory {
         let (record, started) = ops
             .update(mac, true, |r| {
                 let before = r.operation.as_ref().map(|op| op.id.clone());
-                let op = r.start(kind, now())?;
-                Ok((before.is_none()).then(|| op.id.clone()))
+                let id = r.start(kind, now())?.id.clone();
+                if let (None, Some(ssh)) = (&before, &host.ssh) {
+                    r.progress(
+                        format!("connecting over SSH to {}", ssh.target.address()),
+                        None,
+                        now(),
+                    );
+                }
+                Ok((before.is_none()).then_some(id))
             })
             .map_err(refused)?;
         let Some(id) = started else { return Ok(self.view(mac, host, record)) };
@@ -292,7 +317,8 @@ impl StaticInventory {
     }
 
     fn end_silent_operations(&self, ops: &Operations) {
-        for (mac, host) in &self.hosts {
+        // An SSH host has no ramdisk to fall silent: its passes say when it is unreachable.
+        for (mac, host) in self.hosts.iter().filter(|(_, h)| h.ssh.is_none()) {
             let ended = ops
                 .update(*mac, true, |r| r.end_if_silent(now(), ops.max_silence).cloned().ok_or(()));
             match ended {
@@ -305,6 +331,41 @@ impl StaticInventory {
                 Err(Err(e)) => {
                     tracing::error!(host = %host.name, error = %e, "cannot end a silent operation")
                 }
+            }
+        }
+    }
+
+    /// Moves the operation of every host reached over SSH on, a pass at a time per host (a
+    /// reset may take minutes, and the other hosts do not wait for it), until `stop`. An
+    /// operation carried over a restart goes on from where its server says it stands.
+    pub async fn drive_ssh(self: Arc<Self>, stop: CancellationToken) {
+        if self.operations.is_none() {
+            return;
+        }
+        let mut hosts = tokio::task::JoinSet::new();
+        for (mac, host) in &self.hosts {
+            if host.ssh.is_some() {
+                hosts.spawn(self.clone().drive_ssh_host(*mac, stop.clone()));
+            }
+        }
+        while hosts.join_next().await.is_some() {}
+    }
+
+    async fn drive_ssh_host(self: Arc<Self>, mac: MacAddr, stop: CancellationToken) {
+        let (Some(ops), Some(host)) = (&self.operations, self.hosts.get(&mac)) else { return };
+        let Some(access) = &host.ssh else { return };
+        loop {
+            if let Some(op) = self.record(mac).operation {
+                // Stopped mid-pass, it is as a crash: the next appliance's pass probes first.
+                let pass = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    pass = ssh::pass(access, mac, &host.name, &op) => pass,
+                };
+                record_pass(ops, mac, host, &op.id, pass);
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(SSH_PASS_EVERY) => {}
             }
         }
     }
@@ -340,6 +401,7 @@ impl StaticInventory {
             profile: host.profile.clone(),
             state: record.state(),
             bmc: host.bmc.as_ref().map(|b| b.address.to_string()),
+            ssh: host.ssh.as_ref().map(|s| s.target.address()),
             record,
         }
     }
@@ -353,27 +415,29 @@ impl StaticInventory {
             .expect("records lock")
             .get(&request.mac)
             .is_some_and(|r| r.operation.is_some());
-        if !pending {
+        // A host reached over SSH boots its profile whatever it runs: its operations need no
+        // ramdisk, and none gets a token.
+        let Some(ramdisk) = ops.ramdisk.as_ref().filter(|_| pending && host.ssh.is_none()) else {
             return Some(host.action.clone());
-        }
+        };
         if !request.remote_holds_mac {
             tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host.name, "boot script asked for by an address that does not hold this MAC; no token issued");
-            return Some(ramdisk_boot(&ops.ramdisk, None));
+            return Some(ramdisk_boot(ramdisk, None));
         }
         if let Err(why) = request.segment.confirm(request.remote, request.mac).await {
             tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host.name, %why, "boot script asked for by an address the segment does not confirm as this MAC's; no token issued");
-            return Some(ramdisk_boot(&ops.ramdisk, None));
+            return Some(ramdisk_boot(ramdisk, None));
         }
         let issued =
             ops.update(request.mac, true, |r| r.issue_token(request.remote, now()).ok_or(()));
         match issued {
             Ok((_, (token, operation))) => {
                 tracing::info!(mac = %request.mac, host = %host.name, %operation, "issued a ramdisk token");
-                Some(ramdisk_boot(&ops.ramdisk, Some((&token, &operation))))
+                Some(ramdisk_boot(ramdisk, Some((&token, &operation))))
             }
             Err(Ok(())) => {
                 tracing::warn!(mac = %request.mac, remote = %request.remote, host = %host.name, "boot script asked for after the operation's bootstrap data was delivered; no new token");
-                Some(ramdisk_boot(&ops.ramdisk, None))
+                Some(ramdisk_boot(ramdisk, None))
             }
             Err(Err(e)) => {
                 tracing::error!(host = %host.name, error = %e, "cannot issue a ramdisk token");
@@ -393,6 +457,52 @@ impl StaticInventory {
     }
 }
 
+/// Records what a pass over SSH found for operation `id` of host `host`, unless the operation
+/// ended meanwhile (cancelled): the data's run seen started, the step it is at (written when
+/// it changes), or how it ended.
+fn record_pass(ops: &Operations, mac: MacAddr, host: &ListedHost, id: &str, pass: Pass) {
+    let current = ops.records.lock().expect("records lock").get(&mac).cloned().unwrap_or_default();
+    let persist = match (&pass, current.operation.as_ref()) {
+        (Pass::Going { step, delivered }, Some(op)) => {
+            op.step.as_deref() != Some(step.as_str()) || op.bootstrap_delivered != *delivered
+        }
+        _ => true,
+    };
+    let delivered = pass.delivered();
+    let recorded = ops.update(mac, persist, |r| {
+        let op = r.operation.as_mut().filter(|op| op.id == id).ok_or(())?;
+        op.bootstrap_delivered |= delivered;
+        match &pass {
+            Pass::Going { step, .. } => r.progress(step.clone(), None, now()),
+            Pass::Done { ok, message, hardware, installed, .. } => {
+                let installed = installed.as_ref().map(|(url, sum)| (url.as_str(), sum.as_str()));
+                r.finish(*ok, message.clone(), hardware.as_deref().cloned(), installed, now());
+            }
+        }
+        Ok(())
+    });
+    match (recorded, pass) {
+        (Err(Ok(())), _) => {} // Ended meanwhile.
+        (Err(Err(e)), _) => {
+            tracing::error!(host = %host.name, error = %e, "cannot record an operation over SSH; tried again at the next pass")
+        }
+        (Ok(_), Pass::Going { step, .. }) if persist => {
+            tracing::info!(host = %host.name, %mac, operation = %id, "{step}")
+        }
+        (Ok(_), Pass::Going { .. }) => {}
+        (Ok((record, ())), Pass::Done { ok, message, .. }) => {
+            let state = record.state();
+            if ok {
+                tracing::info!(host = %host.name, %mac, operation = %id, %state, "{message}; operation over SSH succeeded")
+            } else {
+                tracing::warn!(host = %host.name, %mac, operation = %id, %state, "{message}; operation over SSH failed")
+            }
+        }
+    }
+}
+
+/// How often a host reached over SSH is looked at while its operation goes on.
+const SSH_PASS_EVERY: Duration = Duration::from_secs(5);
 /// Seconds between two writes of one step's progress.
 const PROGRESS_WRITE_SECS: u64 = 5;
 /// How often operations are checked for a silent ramdisk, at the most.
@@ -478,7 +588,7 @@ impl<'a> Records for FileRecords<'a> {
             meta_data: MetaData {
                 instance_id: op.id.clone(),
                 local_hostname: Some(host.name.clone()),
-                provider_id: Some(format!("siteboot://standalone/{}", host.name)),
+                provider_id: Some(provider_id(&host.name)),
             },
         })
     }
@@ -630,6 +740,11 @@ impl Operations {
     }
 }
 
+/// The providerID a provisioned host's meta-data gives it.
+pub fn provider_id(name: &str) -> String {
+    format!("siteboot://standalone/{name}")
+}
+
 /// One host as `siteboot host` shows it (no token hash, no BMC credentials).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct HostView {
@@ -639,6 +754,9 @@ pub struct HostView {
     pub state: String,
     /// Its BMC's address, if it has one.
     pub bmc: Option<String>,
+    /// Its SSH server's address, if its operations go over SSH.
+    #[serde(default)]
+    pub ssh: Option<String>,
     pub record: HostRecord,
 }
 
@@ -711,6 +829,11 @@ mod tests {
     /// One listed host (`node-a`, booting the local disk) with operations on, its records in
     /// `dir`.
     fn inventory(dir: &std::path::Path) -> StaticInventory {
+        inventory_with(dir, None)
+    }
+
+    /// [`inventory`], its host reached over SSH if `ssh` says so.
+    fn inventory_with(dir: &std::path::Path, ssh: Option<HostSsh>) -> StaticInventory {
         let host = ListedHost {
             action: BootAction::LocalDisk(LocalBoot::Exit),
             profile: "disk".into(),
@@ -719,6 +842,7 @@ mod tests {
             provisioning: None,
             wipe: WipePolicy::Quick,
             bmc: None,
+            ssh,
             relay_pin: None,
         };
         let mut inventory = StaticInventory::new(HashMap::from([(mac(), host)]), None);
@@ -732,7 +856,7 @@ mod tests {
         let images = Arc::new(ImageService::new(cache, endpoints));
         let store = Store::open(dir).unwrap();
         let (hour, minute) = (Duration::from_secs(3600), Duration::from_secs(60));
-        inventory.enable_operations(store, ramdisk, images, hour, minute).unwrap();
+        inventory.enable_operations(store, Some(ramdisk), images, hour, minute).unwrap();
         inventory
     }
 
@@ -841,5 +965,64 @@ mod tests {
         let view = again.show("node-a").unwrap();
         assert_eq!(view.record.hardware.map(|h| h.cpus), Some(2));
         assert!(view.record.last.is_some_and(|l| l.ok && l.kind == OperationKind::Inspect));
+    }
+
+    /// A host reached over SSH boots its profile while its operation runs (no ramdisk, no
+    /// token), and its record follows what the passes found: the data's run seen started
+    /// (kept over a restart), a failure after it leaving the host to be reset first, a pass of
+    /// an operation that ended meanwhile ignored.
+    #[test]
+    fn a_host_reached_over_ssh_gets_no_ramdisk_and_its_record_follows_the_passes() {
+        let dir = tempfile::tempdir().unwrap();
+        let key =
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEwlXB8lkkHcwFYCSCopHZP7EL7EaFMGYyYTWBLhWrBu";
+        let access = HostSsh {
+            target: siteboot_ssh::Target::new("10.0.0.5", 22, "root").unwrap(),
+            private_key_file: "/k".into(),
+            host_key: key.parse().unwrap(),
+            user_data: None,
+        };
+        let inventory = inventory_with(dir.path(), Some(access.clone()));
+        let view = block_on(inventory.start("node-a", OperationKind::Provision)).unwrap();
+        let op = view.record.operation.unwrap();
+        assert_eq!(op.step.as_deref(), Some("connecting over SSH to 10.0.0.5:22"));
+        assert_eq!(boot(&inventory, true), vec!["Some(LocalDisk(Exit))".to_owned()], "its profile");
+        let pass = |inventory: &StaticInventory, id: &str, pass: Pass| {
+            let ops = inventory.operations.as_ref().unwrap();
+            record_pass(ops, mac(), &inventory.hosts[&mac()], id, pass);
+            inventory.show("node-a").unwrap().record
+        };
+        let step = "the bootstrap data runs on the server".to_owned();
+        let record = pass(&inventory, &op.id, Pass::Going { step, delivered: true });
+        assert!(record.operation.is_some_and(|op| op.bootstrap_delivered));
+
+        // Restarted: the delivery is known started.
+        let inventory = inventory_with(dir.path(), Some(access));
+        let record = inventory.show("node-a").unwrap().record;
+        assert!(record.operation.as_ref().is_some_and(|op| op.bootstrap_delivered));
+        let failed = Pass::Done {
+            ok: false,
+            message: "the bootstrap data exited with status 7".into(),
+            hardware: None,
+            installed: None,
+            delivered: true,
+        };
+        let record = pass(&inventory, &op.id, failed);
+        assert_eq!(record.state(), "WipeRequired");
+        let again = block_on(inventory.start("node-a", OperationKind::Provision));
+        assert!(matches!(again, Err(ControlError::Start(StartError::WipeRequired))), "{again:?}");
+
+        let view = block_on(inventory.start("node-a", OperationKind::Deprovision)).unwrap();
+        let reset = Pass::Done {
+            ok: true,
+            message: "reset over SSH".into(),
+            hardware: None,
+            installed: None,
+            delivered: false,
+        };
+        let stale = pass(&inventory, &op.id, reset.clone());
+        assert_eq!(stale.state(), "Deprovisioning", "a pass of an ended operation");
+        let id = view.record.operation.unwrap().id;
+        assert_eq!(pass(&inventory, &id, reset).state(), "Available");
     }
 }

@@ -55,7 +55,7 @@ fn the_example_passes_on_a_machine_without_its_http_root() {
     assert_eq!(checked.status.code(), Some(0), "{}", text(&checked.stderr));
     assert_eq!(
         text(&checked.stdout),
-        format!("{file}: ok (full DHCP, 2 known hosts, iPXE binaries for bios, uefi-x64)\n")
+        format!("{file}: ok (full DHCP, 3 known hosts, iPXE binaries for bios, uefi-x64)\n")
     );
     assert_eq!(
         text(&checked.stderr),
