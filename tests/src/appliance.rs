@@ -193,6 +193,11 @@ impl Appliance {
         &self.http_root
     }
 
+    /// Where the config is written: what `siteboot host --config` takes.
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
     /// The config as written.
     pub fn config(&self) -> String {
         std::fs::read_to_string(&self.config_path).unwrap_or_default()

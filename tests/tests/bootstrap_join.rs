@@ -26,7 +26,11 @@
 //! joins its kubelet (the image's checklist, run over SSH, as after a
 //! boot), the Node Ready with the Host's providerID. Scaled to 0, the host is reset, checked on
 //! the VM (the node's state gone, containerd running again as before, the operator's data
-//! kept), Available again, and claimed again by a Machine of kubeadm's bootstrap provider, whose
+//! kept), Available again. While it waits so, a standalone appliance ([`standalone`], no
+//! Kubernetes) lists the server with its SSH access: `siteboot host inspect`, `provision` (a
+//! script delivered over SSH; the appliance killed once it runs, and restarted: it runs once)
+//! and `deprovision` (the reset, checked the same way). Then it is claimed again by a Machine
+//! of kubeadm's bootstrap provider, whose
 //! data joins with `kubeadm join`; siteboot sets that Node's providerID, found by the server's
 //! system UUID. Released once more and switched to mode `Reimage`,
 //! it is claimed by a MachineDeployment of the test OS ([`reimaged`]): kexec'ed over SSH into
@@ -51,6 +55,7 @@ use siteboot_controller::crd::{
     Access, Host, HostSpec, HostState, SITE_LABEL, SshAccess, SshMode, condition as host_condition,
 };
 use siteboot_controller::ssh::SECRET_TYPE;
+use siteboot_tests::appliance::{self, Appliance, BRIDGE, LAB_PROFILE};
 use siteboot_tests::kube::bootstrap::{self, BOOTSTRAP, condition, secret_text};
 use siteboot_tests::kube::capi::{self, CAPI, wait_gone, wait_object};
 use siteboot_tests::kube::node::{
@@ -93,6 +98,11 @@ const REIMAGED_DATA: &str = "#!/bin/sh\necho \"user-data on $(hostname)\"\nexit 
 const TEST_OS_DONE: &str = "siteboot-test-os: done";
 const TEST_OS_FAILED: &str = "siteboot-test-os: failed";
 const TEST_OS_DATA_EXIT: &str = "siteboot-test-os: user-data exit=7";
+/// The standalone appliance's address on the lab bridge, beside the Kubernetes-mode one's.
+const STANDALONE_ADDRESS: &str = "10.99.0.2";
+/// The standalone adoption's user-data: a script (no cloud-init), which counts its runs and
+/// still runs when the appliance is killed.
+const STANDALONE_DATA: &str = "#!/bin/sh\necho run >> /root/standalone-runs\nsleep 5\n";
 /// How often the existing server is looked at while it boots.
 const EVERY: Duration = Duration::from_secs(3);
 /// Run on the server after its reset: whatever of the node's state is left (containerd,
@@ -323,6 +333,86 @@ async fn ssh_ready(
     .await
 }
 
+/// Issue 26's standalone mode, while the server's Host is Available: a standalone appliance (no
+/// `ramdisk_profile`) lists the server with its SSH access, and `siteboot host` runs its
+/// operations over SSH: `inspect` (its MAC found), `provision` (the script delivered; the
+/// appliance killed once its run started, and restarted: it runs once) and `deprovision` (the
+/// reset, checked on the server as the Kubernetes-mode one is).
+async fn standalone(lab: &ProviderLab, keys: &Keys) -> anyhow::Result<()> {
+    let ssh = |command: &'static str| on_server(&lab.lab, keys, command);
+    let dir = tempfile::tempdir()?;
+    let user_data = dir.path().join("user-data");
+    std::fs::write(&user_data, STANDALONE_DATA)?;
+    lab.lab.ip(&["address", "add", &format!("{STANDALONE_ADDRESS}/32"), "dev", BRIDGE])?;
+    let mut config = appliance::lab_config("off");
+    config["address"] = json!(STANDALONE_ADDRESS);
+    config["hosts"] = json!([{
+        "mac": ADOPTED_MAC,
+        "profile": LAB_PROFILE,
+        "name": ADOPTED,
+        "user_data": user_data,
+        "ssh": {
+            "address": "127.0.0.1",
+            "port": ADOPTED_SSH_PORT,
+            "private_key_file": keys.path("siteboot"),
+            "host_key": keys.read("host.pub")?.trim(),
+        },
+    }]);
+    let app = Appliance::start(&lab.lab, config)?;
+    let host = |operation: &str| {
+        let mut command = tokio::process::Command::new(appliance::binary()?);
+        command.args(["host", operation, ADOPTED, "--timeout", "600s", "--config"]);
+        command.arg(app.config_path()).kill_on_drop(true);
+        anyhow::Ok(command)
+    };
+    let phases = async {
+        let inspected = cli_output(host("inspect")?.output().await?)?;
+        anyhow::ensure!(inspected.contains("Inspect succeeded; now Available"), "{inspected}");
+        eprintln!("bootstrap join: standalone: the server inspected over SSH");
+        let provision = host("provision")?.stdout(std::process::Stdio::piped()).spawn()?;
+        wait::until_async(
+            "the standalone delivery",
+            JOIN_TIMEOUT,
+            Duration::from_secs(1),
+            || async { ssh("test -e /var/lib/siteboot/adopt/delivery").await.ok() },
+        )
+        .await?;
+        app.kill9();
+        app.restart()?;
+        let provisioned = cli_output(provision.wait_with_output().await?)?;
+        anyhow::ensure!(
+            provisioned.contains("Provision succeeded; now Provisioned"),
+            "{provisioned}"
+        );
+        let runs = ssh("cat /root/standalone-runs").await?;
+        anyhow::ensure!(runs == "run\n", "the data ran {} times", runs.lines().count());
+        eprintln!("bootstrap join: standalone: adopted (killed and restarted during the run)");
+        let reset = cli_output(host("deprovision")?.output().await?)?;
+        anyhow::ensure!(reset.contains("Deprovision succeeded; now Available"), "{reset}");
+        let left = ssh(RESET_CHECK).await?;
+        anyhow::ensure!(left == RESET, "after the standalone reset:\n{left}");
+        eprintln!("bootstrap join: standalone: reset");
+        Ok(())
+    };
+    let result = phases.await;
+    if result.is_err() {
+        app.print_log();
+    }
+    result
+}
+
+/// What a `siteboot host` command printed, if it succeeded.
+fn cli_output(output: std::process::Output) -> anyhow::Result<String> {
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    anyhow::ensure!(
+        output.status.success(),
+        "siteboot host: {}\n{stdout}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(stdout)
+}
+
 /// Issue 26: the existing server adopted over SSH, then reimaged (see the module's
 /// documentation). Its MachineDeployment waits for `joined`: the other hosts have joined.
 async fn adopted(
@@ -421,6 +511,11 @@ async fn adopted(
     .await?;
     let left = ssh(RESET_CHECK).await?;
     anyhow::ensure!(left == RESET, "after the reset:\n{left}");
+
+    // While its Host waits Available, no Kubernetes: a standalone appliance adopts the server
+    // and resets it. (Here, not before the first claim: the reset removes the CNI configuration
+    // the node image ships, which only kubeadm's template below writes again.)
+    standalone(lab, keys).await?;
 
     // Claimed again, by a Machine of kubeadm's bootstrap provider: its data joins with
     // `kubeadm join`, and names no provider-id: siteboot sets the Node's, found by the system

@@ -119,7 +119,7 @@ fn version_and_check_config_run_in_the_image() {
     assert!(checked.status.success());
     assert_eq!(
         stdout(&checked),
-        "/usr/share/siteboot/examples/standalone.yaml: ok (full DHCP, 2 known hosts, iPXE \
+        "/usr/share/siteboot/examples/standalone.yaml: ok (full DHCP, 3 known hosts, iPXE \
          binaries for bios, uefi-x64)"
     );
     let checked = run(podman_run_as_deployed().args([
