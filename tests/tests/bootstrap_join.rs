@@ -101,8 +101,10 @@ const TEST_OS_DATA_EXIT: &str = "siteboot-test-os: user-data exit=7";
 /// The standalone appliance's address on the lab bridge, beside the Kubernetes-mode one's.
 const STANDALONE_ADDRESS: &str = "10.99.0.2";
 /// The standalone adoption's user-data: a script (no cloud-init), which counts its runs and
-/// still runs when the appliance is killed.
-const STANDALONE_DATA: &str = "#!/bin/sh\necho run >> /root/standalone-runs\nsleep 5\n";
+/// then waits (up to 5 minutes) for the test to let it end, so it runs while the appliance is
+/// killed.
+const STANDALONE_DATA: &str = "#!/bin/sh\necho run >> /root/standalone-runs\n\
+    for i in $(seq 300); do [ -e /root/standalone-go ] && exit 0; sleep 1; done; exit 1\n";
 /// How often the existing server is looked at while it boots.
 const EVERY: Duration = Duration::from_secs(3);
 /// Run on the server after its reset: whatever of the node's state is left (containerd,
@@ -370,15 +372,13 @@ async fn standalone(lab: &ProviderLab, keys: &Keys) -> anyhow::Result<()> {
         anyhow::ensure!(inspected.contains("Inspect succeeded; now Available"), "{inspected}");
         eprintln!("bootstrap join: standalone: the server inspected over SSH");
         let provision = host("provision")?.stdout(std::process::Stdio::piped()).spawn()?;
-        wait::until_async(
-            "the standalone delivery",
-            JOIN_TIMEOUT,
-            Duration::from_secs(1),
-            || async { ssh("test -e /var/lib/siteboot/adopt/delivery").await.ok() },
-        )
+        wait::until_async("the standalone run", JOIN_TIMEOUT, Duration::from_secs(1), || async {
+            ssh("test -e /root/standalone-runs").await.ok()
+        })
         .await?;
         app.kill9();
         app.restart()?;
+        ssh("touch /root/standalone-go").await?;
         let provisioned = cli_output(provision.wait_with_output().await?)?;
         anyhow::ensure!(
             provisioned.contains("Provision succeeded; now Provisioned"),
