@@ -247,9 +247,26 @@ impl ThreadDhcp<'_> {
         let socket = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP))?;
         socket.set_broadcast(true)?;
         socket.bind_device(Some(self.iface.as_bytes()))?;
-        socket
-            .bind(&SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, Self::CLIENT_PORT).into())
-            .with_context(|| format!("binding port {} on {}", Self::CLIENT_PORT, self.iface))?;
+        // A socket on this port closed a moment ago (an earlier lease on this interface) may
+        // still be held by a child another thread of the test forked and has not exec'd yet:
+        // close-on-exec lets go of it only at the exec. Wait that out, briefly.
+        let address = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, Self::CLIENT_PORT).into();
+        let deadline = std::time::Instant::now() + Self::RETRY;
+        loop {
+            match socket.bind(&address) {
+                Ok(()) => break,
+                Err(e)
+                    if e.kind() == ErrorKind::AddrInUse && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| {
+                        format!("binding port {} on {}", Self::CLIENT_PORT, self.iface)
+                    });
+                }
+            }
+        }
         socket.set_read_timeout(Some(Self::RETRY))?;
         // The server answers from an address this interface has no route to yet, which
         // reverse-path filtering (inherited from the machine's sysctl) would drop; udhcpc reads
