@@ -104,6 +104,11 @@ impl Libvirt {
         Ok(())
     }
 
+    /// The domain `name` the lab defined, if it did.
+    pub fn domain(&self, name: &str) -> Option<Domain> {
+        self.domains.lock().expect("not poisoned").iter().find(|d| d.name == name).cloned()
+    }
+
     /// Runs `virsh -c qemu:///system <args>`; returns its stdout.
     pub fn virsh(&self, args: &[&str]) -> Result<String> {
         netns::output(Command::new("virsh").args(["-q", "-c", LIBVIRT_URI]).args(args))
@@ -248,6 +253,13 @@ impl Domain {
                     .find_map(|line| line.find(pattern).map(|i| line[i..].trim().to_owned()))
             },
         )
+    }
+
+    /// The last `lines` lines of its serial console.
+    pub fn console_tail(&self, lines: usize) -> String {
+        let console = tail(&self.console, CONSOLE_TAIL_BYTES);
+        let all: Vec<&str> = console.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
     }
 
     /// Prints the tail of its console, and of its second serial port if the guest wrote there.

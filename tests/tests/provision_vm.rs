@@ -92,6 +92,8 @@ const MIB: u64 = 1 << 20;
 /// How long a ramdisk may say nothing during an operation: far longer than a TCG ramdisk takes
 /// from its boot script to its first call, short enough to wait for in the failure scenario.
 const SILENCE: Duration = Duration::from_secs(150);
+/// How much of a failed scenario's consoles its failure message quotes.
+const CONSOLE_LINES: usize = 25;
 /// The failure scenario's Host, domain, template and MachineDeployment.
 const FAILURES: &str = "failures";
 
@@ -237,9 +239,6 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
         .map(|(s, timeline)| timed(s.name, run(&env, s, timeline)))
         .chain([timed(WORKERS, workers_run(&env, &workers)), timed(FAILURES, failures(&env))]);
     let results = futures_util::future::join_all(runs).await;
-    for (s, timeline) in scenarios.iter().zip(&timelines) {
-        eprintln!("{}", timeline.render(s.name, &lab.siteboot.timeline(s.mac).unwrap_or_default()));
-    }
     let mut failed = Vec::new();
     for (name, result, took) in &results {
         match result {
@@ -247,9 +246,33 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
             Err(e) => failed.push(format!("scenario {name}: FAILED after {took:.0?}: {e:#}")),
         }
     }
+    // Each host's timeline; a failed scenario's hosts first, with their consoles' last lines,
+    // in the panic's message: a CI log that keeps only the failure's neighbourhood still shows
+    // where those hosts' boots stopped.
+    let in_failed = |s: &Scenario| {
+        results.iter().any(|(name, result, _)| {
+            result.is_err() && (*name == s.name || (*name == WORKERS && s.os == Os::Node))
+        })
+    };
+    let (first, then): (Vec<_>, Vec<_>) =
+        scenarios.iter().zip(&timelines).partition(|(s, _)| in_failed(s));
+    let report: Vec<String> = first
+        .into_iter()
+        .chain(then)
+        .map(|(s, t)| {
+            let mut text = t.render(s.name, &lab.siteboot.timeline(s.mac).unwrap_or_default());
+            if in_failed(s) {
+                let console = libvirt.domain(s.name).map(|d| d.console_tail(CONSOLE_LINES));
+                text +=
+                    &format!("\nthe end of {}'s console:\n{}", s.name, console.unwrap_or_default());
+            }
+            text
+        })
+        .collect();
+    eprintln!("{}", report.join("\n"));
     if !failed.is_empty() {
         eprintln!("{}", lab.describe().await);
-        panic!("{}", failed.join("\n"));
+        panic!("{}\n{}", failed.join("\n"), report.join("\n"));
     }
     // Every Machine was deleted: nothing of theirs is left (the Hosts stay, as inventory).
     let leftovers = lab.leftovers().await.unwrap();
