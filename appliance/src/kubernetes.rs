@@ -17,7 +17,7 @@ use siteboot_controller::dhcp_checkpoint::ConfigMapCheckpoint;
 use siteboot_controller::inventory::KubeInventory;
 use siteboot_controller::manifests::SecretAccess;
 use siteboot_controller::run;
-use siteboot_controller::ssh::{KexecRamdisk, RamdiskFilesError};
+use siteboot_ssh::reimage::{KexecRamdisk, RamdiskFilesError};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 

@@ -14,6 +14,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource, ResourceExt};
 use siteboot_agent_server::silence::{RAMDISK_SILENCE_TIMEOUT, TOKEN_MAX_AGE};
 use siteboot_boot::inventory::LinuxBoot;
+use siteboot_ssh::reimage::{KexecRamdisk, RamdiskFilesError};
 
 use crate::cache::HostIndex;
 use crate::conditions::{READY, Reason};
@@ -63,7 +64,7 @@ pub struct Ctx {
     pub media_certificate: Option<String>,
     /// The deploy ramdisk a Reimage host reached over SSH is kexec'ed into, or why there is
     /// none (said on the Host when it is needed).
-    pub kexec_ramdisk: Result<crate::ssh::KexecRamdisk, crate::ssh::RamdiskFilesError>,
+    pub kexec_ramdisk: Result<KexecRamdisk, RamdiskFilesError>,
 }
 
 impl Ctx {
@@ -97,7 +98,7 @@ impl Ctx {
             workloads: Default::default(),
             media_base: None,
             media_certificate: None,
-            kexec_ramdisk: Err(crate::ssh::RamdiskFilesError::NotConfigured),
+            kexec_ramdisk: Err(RamdiskFilesError::NotConfigured),
         }
     }
 

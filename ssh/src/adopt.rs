@@ -581,12 +581,68 @@ pub async fn where_it_stands(
     progress(&probed, id).map_err(|source| StepFailed::Progress { what: probe.what, source })
 }
 
+/// A stand-in for a host, for the tests of this crate's plans (adopt's and reimage's).
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::future::Future;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use super::Remote;
+    use crate::output::Captured;
+    use crate::upload::{FileMode, RemotePath};
+    use crate::{ExitStatus, Output, SshError};
+
+    /// A command line's exit code, stdout and stderr.
+    type Answer = (u32, &'static str, String);
+
+    /// A host that answers each command line as `answer` says, recording what it was sent and
+    /// what was uploaded.
+    pub(crate) struct Fake {
+        pub(crate) sent: Mutex<Vec<String>>,
+        pub(crate) uploaded: Mutex<Vec<(String, Vec<u8>)>>,
+        answer: Box<dyn Fn(&str) -> Answer + Send + Sync>,
+    }
+
+    impl Fake {
+        pub(crate) fn new(answer: impl Fn(&str) -> Answer + Send + Sync + 'static) -> Self {
+            Self { sent: Mutex::default(), uploaded: Mutex::default(), answer: Box::new(answer) }
+        }
+    }
+
+    impl Remote for Fake {
+        async fn run(&self, line: &str, _: Duration) -> Result<Output, SshError> {
+            self.sent.lock().unwrap().push(line.to_owned());
+            let (code, stdout, stderr) = (self.answer)(line);
+            Ok(Output {
+                status: ExitStatus::Code(code),
+                stdout: Captured::of(stdout.as_bytes()),
+                stderr: Captured::of(stderr.as_bytes()),
+            })
+        }
+
+        async fn upload(
+            &self,
+            path: &RemotePath,
+            _: FileMode,
+            bytes: &[u8],
+            _: Duration,
+        ) -> Result<(), SshError> {
+            self.sent.lock().unwrap().push(format!("upload {path}"));
+            self.uploaded.lock().unwrap().push((path.to_string(), bytes.to_vec()));
+            Ok(())
+        }
+    }
+
+    pub(crate) fn block_on<T>(future: impl Future<Output = T>) -> T {
+        tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(future)
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
+    use super::fake::{Fake, block_on};
     use super::*;
-    use crate::output::Captured;
 
     /// Values a Host or a tenant might write to get a command run or a key injected.
     const HOSTILE: &[&str] = &[
@@ -760,53 +816,14 @@ mod tests {
         assert!(matches!("ignition".parse::<DataFormat>(), Err(AdoptError::Format(_))));
     }
 
-    /// A host that answers each command line by its first word after the script's start,
-    /// recording what it was sent.
-    struct Fake {
-        sent: Mutex<Vec<String>>,
-        answer: fn(&str) -> (u32, &'static str, String),
-    }
-
-    impl Remote for Fake {
-        async fn run(&self, line: &str, _: Duration) -> Result<Output, SshError> {
-            self.sent.lock().unwrap().push(line.to_owned());
-            let (code, stdout, stderr) = (self.answer)(line);
-            Ok(Output {
-                status: ExitStatus::Code(code),
-                stdout: Captured::of(stdout.as_bytes()),
-                stderr: Captured::of(stderr.as_bytes()),
-            })
-        }
-
-        async fn upload(
-            &self,
-            path: &RemotePath,
-            _: FileMode,
-            _: &[u8],
-            _: Duration,
-        ) -> Result<(), SshError> {
-            self.sent.lock().unwrap().push(format!("upload {path}"));
-            Ok(())
-        }
-    }
-
-    fn block_on<T>(future: impl Future<Output = T>) -> T {
-        tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(future)
-    }
-
     /// A plan stops at the first step that fails, which the error names with what the host
     /// said, short and printable; a verification that prints something fails.
     #[test]
     fn a_plan_stops_at_its_first_failing_step_and_says_which() {
-        let not_systemd = Fake {
-            sent: Mutex::default(),
-            answer: |line| match line.contains("os-release") {
-                true => {
-                    (1, "", format!("PID 1 is init, not systemd\n\u{1b}[2J{}", "x".repeat(500)))
-                }
-                false => (0, "", String::new()),
-            },
-        };
+        let not_systemd = Fake::new(|line| match line.contains("os-release") {
+            true => (1, "", format!("PID 1 is init, not systemd\n\u{1b}[2J{}", "x".repeat(500))),
+            false => (0, "", String::new()),
+        });
         let steps = deliver(&delivery(DataFormat::CloudConfig, meta("h")));
         let err = block_on(follow(&not_systemd, &steps)).unwrap_err();
         let message = err.to_string();
@@ -820,13 +837,10 @@ mod tests {
         );
         assert_eq!(not_systemd.sent.lock().unwrap().len(), 1, "steps ran after the check failed");
 
-        let leftovers = Fake {
-            sent: Mutex::default(),
-            answer: |line| match line.contains("[ -e") {
-                true => (0, "/var/lib/kubelet\n", String::new()),
-                false => (0, "", String::new()),
-            },
-        };
+        let leftovers = Fake::new(|line| match line.contains("[ -e") {
+            true => (0, "/var/lib/kubelet\n", String::new()),
+            false => (0, "", String::new()),
+        });
         let err = block_on(follow(&leftovers, &reset())).unwrap_err();
         assert!(
             matches!(&err, StepFailed::LeftBehind { left, .. } if left == "/var/lib/kubelet"),
@@ -834,7 +848,7 @@ mod tests {
         );
         assert_eq!(leftovers.sent.lock().unwrap().len(), 4, "the marker went despite leftovers");
 
-        let fine = Fake { sent: Mutex::default(), answer: |_| (0, "", String::new()) };
+        let fine = Fake::new(|_| (0, "", String::new()));
         block_on(follow(&fine, &reset())).unwrap();
         assert_eq!(fine.sent.lock().unwrap().len(), 6);
         let id: OperationId = "op-1".parse().unwrap();

@@ -16,8 +16,21 @@
 //! before the connection dies. Its start claims the host's kexec marker with an exclusive
 //! create: a pass resumed after a crash [`probe`]s first, and a server whose marker names this
 //! operation gets nothing more ([`progress`]).
+//!
+//! One pass, with no Kubernetes client (the Kubernetes mode's, and standalone mode's to come), is
+//! [`kexec`]: the probe,
+//! then (never started) the ramdisk's files read, the operation's token issued by the caller,
+//! who stores its hash first, and the plan ([`steps`]) followed. [`KexecRamdisk`] is the
+//! ramdisk it sends: a ramdisk profile's kernel and initrds, read as files under the
+//! appliance's `http.root`. Where the operation and its token's hash are kept is the caller's.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use siteboot_agent_server::token::operation_words;
+use siteboot_boot::files::FileRoot;
+use siteboot_boot::inventory::{LinuxBoot, Source};
+use siteboot_ipxe::Word;
 
 use crate::adopt::{self, Command, Expect, OperationId, Remote, SHORT, Step, StepFailed, path};
 use crate::cpio::Newc;
@@ -85,7 +98,7 @@ pub fn probe() -> Command {
 /// Whether `id`'s kexec was started, from what [`probe`] printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KexecProgress {
-    /// Not for this operation: [`kexec`]'s steps, from the first.
+    /// Not for this operation: the [`steps`], from the first.
     NotStarted,
     /// Started for this operation (a pass that died before its record): never again.
     Started,
@@ -125,7 +138,7 @@ fn check() -> Command {
 /// Uploads, loads and starts `kexec`'s ramdisk, for a host where [`progress`] said
 /// [`KexecProgress::NotStarted`]. The last step claims the marker and starts the kexec in one
 /// command: if the marker exists it fails, and nothing starts.
-pub fn kexec(kexec: &Kexec) -> Vec<Step> {
+pub fn steps(kexec: &Kexec) -> Vec<Step> {
     let private = FileMode::new(0o600).expect("permission bits");
     let dir = quote(STATE_DIR);
     let (kernel, initrd, marker) = (quote(KERNEL), quote(INITRD), quote(MARKER));
@@ -178,9 +191,139 @@ pub async fn where_it_stands(
     progress(&probed, id).map_err(|source| StepFailed::Marker { what: probe.what, source })
 }
 
+/// The deploy ramdisk as a kexec over SSH sends it: its kernel and initrds, files under the
+/// appliance's HTTP root (as `/files/` serves them), and the public words of its command line.
+/// The files are read for each kexec, not kept: a kexec is rare, and they are some 15 MB.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KexecRamdisk {
+    root: PathBuf,
+    kernel: String,
+    initrds: Vec<String>,
+    /// The ramdisk's own words and the appliance's (`siteboot.url=`, `siteboot.agent=`,
+    /// `siteboot.fingerprint=`): none secret.
+    cmdline: Vec<String>,
+}
+
+/// Why the ramdisk's files cannot be sent by kexec.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RamdiskFilesError {
+    #[error(
+        "this process has no deploy ramdisk to kexec: a controller reads it from the boot plane's http.root, and runs beside it (--role all)"
+    )]
+    NotConfigured,
+    #[error("the ramdisk's files are read from http.root, and this appliance has none")]
+    NoHttpRoot,
+    #[error("the ramdisk's {what} is a URL ({url}); kexec over SSH sends files under http.root")]
+    NotAFile { what: &'static str, url: String },
+    #[error("the ramdisk's {what} {path} cannot be read: {why}")]
+    Unreadable { what: &'static str, path: String, why: String },
+}
+
+impl KexecRamdisk {
+    /// `ramdisk`'s files under `root` (`http.root`), to boot with `cmdline`.
+    pub fn new(
+        ramdisk: &LinuxBoot,
+        root: Option<&Path>,
+        cmdline: &[Word],
+    ) -> Result<Self, RamdiskFilesError> {
+        let root = root.ok_or(RamdiskFilesError::NoHttpRoot)?;
+        let file = |what, source: &Source| match source {
+            Source::File(path) => Ok(path.as_str().to_owned()),
+            Source::Url(url) => Err(RamdiskFilesError::NotAFile { what, url: url.to_string() }),
+        };
+        Ok(Self {
+            root: root.to_owned(),
+            kernel: file("kernel", &ramdisk.kernel)?,
+            initrds: ramdisk.initrds.iter().map(|i| file("initrd", i)).collect::<Result<_, _>>()?,
+            cmdline: cmdline.iter().map(|w| w.as_str().to_owned()).collect(),
+        })
+    }
+
+    /// The kernel and the initrds (concatenated, each from a 4-byte boundary as the kernel
+    /// looks for the next archive), as served.
+    fn read(&self) -> Result<(Vec<u8>, Vec<u8>), RamdiskFilesError> {
+        let unreadable = |what, path: &str, why: &dyn std::fmt::Display| {
+            let path = self.root.join(path.trim_start_matches('/')).display().to_string();
+            RamdiskFilesError::Unreadable { what, path, why: why.to_string() }
+        };
+        let root = FileRoot::open(&self.root).map_err(|e| unreadable("directory", "", &e))?;
+        let read = |what, path: &str| {
+            let (mut file, len) = root.open_file(path).map_err(|e| unreadable(what, path, &e))?;
+            let mut bytes = Vec::with_capacity(len as usize);
+            std::io::Read::read_to_end(&mut file, &mut bytes)
+                .map_err(|e| unreadable(what, path, &e))?;
+            Ok(bytes)
+        };
+        let kernel = read("kernel", &self.kernel)?;
+        let mut initrd = Vec::new();
+        for path in &self.initrds {
+            initrd.resize(initrd.len().next_multiple_of(4), 0);
+            initrd.extend(read("initrd", path)?);
+        }
+        Ok((kernel, initrd))
+    }
+}
+
+/// What a kexec pass did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kexecuted {
+    /// Started the kexec into the operation's ramdisk.
+    Started,
+    /// Found it started by a pass that died before its record (the server's marker): nothing
+    /// was sent.
+    AlreadyStarted,
+    /// The token's write did not land (the record changed since it was read): nothing was sent.
+    NotIssued,
+}
+
+/// Why a kexec pass did not start the kexec.
+#[derive(Debug, thiserror::Error)]
+pub enum KexecFailed {
+    /// A step failed on the server: the kexec was not started.
+    #[error("kexec into the ramdisk: {0}")]
+    Step(StepFailed),
+    /// The ramdisk's files cannot be read here: nothing was sent but the probe.
+    #[error("kexec into the ramdisk: {0}")]
+    Files(RamdiskFilesError),
+}
+
+/// One kexec pass of operation `id` on the server behind `remote`: the marker probed first,
+/// and, if `id`'s kexec was never started, `ramdisk`'s files read, the token issued, and the
+/// [`steps`] followed with the token only inside the initrd. `issue` stores the token's hash
+/// before the token leaves and gives it (`None`: its write did not land, and nothing is sent);
+/// the outer error is `issue`'s.
+pub async fn kexec<E>(
+    remote: &impl Remote,
+    id: &OperationId,
+    ramdisk: &KexecRamdisk,
+    issue: impl AsyncFnOnce() -> Result<Option<String>, E>,
+) -> Result<Result<Kexecuted, KexecFailed>, E> {
+    match where_it_stands(remote, id).await {
+        Ok(KexecProgress::Started) => return Ok(Ok(Kexecuted::AlreadyStarted)),
+        Ok(KexecProgress::NotStarted) => {}
+        Err(e) => return Ok(Err(KexecFailed::Step(e))),
+    }
+    // Some 15 MB from disk: off the runtime's threads.
+    let files = ramdisk.clone();
+    let read = tokio::task::spawn_blocking(move || files.read()).await;
+    let (kernel, initrd) = match read.expect("reading the ramdisk's files does not panic") {
+        Ok(files) => files,
+        Err(e) => return Ok(Err(KexecFailed::Files(e))),
+    };
+    // Issued last: no token is minted for a kexec that the marker or the files stop.
+    let Some(token) = issue().await? else { return Ok(Ok(Kexecuted::NotIssued)) };
+    let secret_cmdline =
+        operation_words(&token, id.as_str()).map(|w| w.as_str().to_owned()).to_vec();
+    let cmdline = ramdisk.cmdline.clone();
+    let plan = Kexec { id: id.clone(), kernel, initrd, cmdline, secret_cmdline };
+    let followed = adopt::follow(remote, &steps(&plan)).await;
+    Ok(followed.map(|()| Kexecuted::Started).map_err(KexecFailed::Step))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::adopt::fake::{Fake, block_on};
 
     const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 
@@ -212,7 +355,7 @@ mod tests {
     /// kexec's command line, one shell word.
     #[test]
     fn the_token_travels_in_the_initrd_and_never_on_a_command_line() {
-        let steps = kexec(&plan());
+        let steps = steps(&plan());
         for line in lines(&steps) {
             assert!(!line.contains(TOKEN), "the token on a command line: {line}");
             assert!(!line.contains("siteboot.operation"), "{line}");
@@ -266,7 +409,7 @@ mod tests {
     /// Every command line is `timeout N sh -c '<script>'` and a real shell parses it (dry).
     #[test]
     fn every_command_is_bounded_and_parses() {
-        for line in lines(&kexec(&plan())) {
+        for line in lines(&steps(&plan())) {
             let rest = line.strip_prefix("timeout ").expect(&line);
             let (_, script) = rest.split_once(" sh -c ").expect(&line);
             let out = std::process::Command::new("sh")
@@ -292,7 +435,7 @@ mod tests {
         };
         let probed = || String::from_utf8(on_host(&probe().line).stdout).unwrap();
         assert_eq!(progress(&probed(), &id), Ok(KexecProgress::NotStarted));
-        let steps = kexec(&plan());
+        let steps = steps(&plan());
         let Step::Run(prepare) = &steps[1] else { panic!() };
         assert!(on_host(&prepare.line).status.success());
         let Step::Run(start) = &steps[5] else { panic!() };
@@ -314,7 +457,7 @@ mod tests {
     /// connection, and returns at once.
     #[test]
     fn the_kexec_is_a_clean_shutdown_started_after_the_command_returns() {
-        let steps = kexec(&plan());
+        let steps = steps(&plan());
         let Step::Run(start) = &steps[5] else { panic!() };
         for part in ["systemd-run", "--no-block", "--on-active=5", "systemctl kexec"] {
             assert!(start.line.contains(part), "{part}: {}", start.line);
@@ -322,5 +465,138 @@ mod tests {
         assert!(!start.line.contains("kexec -e"));
         let Step::Run(load) = &steps[4] else { panic!() };
         assert!(load.line.contains("rm -f"), "the uploaded files stay: {}", load.line);
+    }
+
+    /// A host whose kexec marker reads `probed`, and where every other command succeeds.
+    fn host(probed: &'static str) -> Fake {
+        Fake::new(move |line| (0, if line == probe().line { probed } else { "" }, String::new()))
+    }
+
+    /// A ramdisk profile's files under a scratch `http.root` named for `test`.
+    fn ramdisk_files(test: &str) -> (PathBuf, KexecRamdisk) {
+        let root = std::env::temp_dir().join(format!("siteboot-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("k")).unwrap();
+        std::fs::write(root.join("k/vmlinuz"), b"the kernel").unwrap();
+        std::fs::write(root.join("k/initrd.img"), b"gzip").unwrap();
+        std::fs::write(root.join("k/modules.img"), b"zstd!").unwrap();
+        let word = |w: &str| Word::new(w).unwrap();
+        let file = |w: &str| Source::File(word(w));
+        let profile = LinuxBoot {
+            kernel: file("k/vmlinuz"),
+            initrds: vec![file("k/initrd.img"), file("k/modules.img")],
+            cmdline: vec![word("console=ttyS0")],
+        };
+        let cmdline = [word("console=ttyS0"), word("siteboot.agent=https://10.0.0.1:8443")];
+        let ramdisk = KexecRamdisk::new(&profile, Some(&root), &cmdline).unwrap();
+        (root, ramdisk)
+    }
+
+    /// The kexec of op-1 on `host`, its token `issued`: what it did, and whether the token was
+    /// asked for.
+    fn kexec_with(
+        host: &Fake,
+        ramdisk: &KexecRamdisk,
+        issued: Option<&str>,
+    ) -> (Result<Kexecuted, KexecFailed>, bool) {
+        let asked = std::cell::Cell::new(false);
+        let issue = async || {
+            asked.set(true);
+            Ok::<_, std::convert::Infallible>(issued.map(str::to_owned))
+        };
+        let id: OperationId = "op-1".parse().unwrap();
+        let Ok(kexecuted) = block_on(kexec(host, &id, ramdisk, issue));
+        (kexecuted, asked.get())
+    }
+
+    /// The kexec probes first, then sends the plan: the public words on kexec's command line,
+    /// the token only inside the initrd (its own files, then an archive holding the token), on
+    /// no command line.
+    #[test]
+    fn a_kexec_sends_the_token_only_inside_the_initrd() {
+        let (root, ramdisk) = ramdisk_files("kexec-sends");
+        let server = host("");
+        let (kexecuted, asked) = kexec_with(&server, &ramdisk, Some(TOKEN));
+        assert!(matches!(kexecuted, Ok(Kexecuted::Started)), "{kexecuted:?}");
+        assert!(asked);
+        let sent = server.sent.into_inner().unwrap();
+        let plan = Kexec {
+            id: "op-1".parse().unwrap(),
+            kernel: Vec::new(),
+            initrd: Vec::new(),
+            cmdline: vec!["console=ttyS0".into(), "siteboot.agent=https://10.0.0.1:8443".into()],
+            secret_cmdline: Vec::new(),
+        };
+        let mut expected = vec![probe().line];
+        for step in steps(&plan) {
+            expected.push(match step {
+                Step::Run(command) => command.line,
+                Step::Upload { path, .. } => format!("upload {path}"),
+            });
+        }
+        assert_eq!(sent, expected);
+        assert!(sent.iter().all(|line| !line.contains(TOKEN)), "the token on a command line");
+        assert!(sent.iter().any(|l| l.contains("--command-line=console=ttyS0 siteboot.agent=")));
+        let uploaded = server.uploaded.into_inner().unwrap();
+        assert_eq!(
+            uploaded[0],
+            ("/var/lib/siteboot/reimage/vmlinuz".into(), b"the kernel".to_vec())
+        );
+        let (path, initrd) = &uploaded[1];
+        assert_eq!(path, "/var/lib/siteboot/reimage/initrd");
+        // Each initrd from a 4-byte boundary, the archive too.
+        assert!(
+            initrd.starts_with(&[&b"gzipzstd!"[..], &[0; 3], b"070701"].concat()),
+            "{initrd:?}"
+        );
+        let archive = String::from_utf8_lossy(&initrd[12..]);
+        let secret =
+            format!("siteboot/cmdline\0\0siteboot.token={TOKEN} siteboot.operation=op-1\n");
+        assert!(archive.contains(&secret), "{archive}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A server whose marker says this operation's kexec started (a pass died before its
+    /// record) gets nothing but the probe, and no token is minted; nor does one whose token
+    /// write did not land, or whose files cannot be read here (said).
+    #[test]
+    fn a_kexec_never_starts_twice_and_sends_nothing_without_its_token_or_files() {
+        let (root, ramdisk) = ramdisk_files("kexec-once");
+        let probe_only = |server: Fake| server.sent.into_inner().unwrap() == [probe().line];
+        let started = host("op-1\n");
+        let (kexecuted, asked) = kexec_with(&started, &ramdisk, Some(TOKEN));
+        assert!(matches!(kexecuted, Ok(Kexecuted::AlreadyStarted)), "{kexecuted:?}");
+        assert!(!asked && probe_only(started));
+        // Another operation's marker: its kexec never took; this one's goes on.
+        let stale = host("op-0\n");
+        let (kexecuted, _) = kexec_with(&stale, &ramdisk, Some(TOKEN));
+        assert!(matches!(kexecuted, Ok(Kexecuted::Started)), "{kexecuted:?}");
+        let lost = host("");
+        let (kexecuted, asked) = kexec_with(&lost, &ramdisk, None);
+        assert!(matches!(kexecuted, Ok(Kexecuted::NotIssued)), "{kexecuted:?}");
+        assert!(asked && probe_only(lost));
+        std::fs::remove_file(root.join("k/modules.img")).unwrap();
+        let missing = host("");
+        let (kexecuted, asked) = kexec_with(&missing, &ramdisk, Some(TOKEN));
+        let e = kexecuted.unwrap_err();
+        assert!(matches!(e, KexecFailed::Files(_)), "{e:?}");
+        assert!(e.to_string().contains("k/modules.img"), "{e}");
+        assert!(!asked && probe_only(missing));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A ramdisk profile that cannot be kexec'ed is said once, plainly.
+    #[test]
+    fn a_ramdisk_without_files_under_http_root_cannot_be_kexeced() {
+        let word = |w: &str| Word::new(w).unwrap();
+        let mut profile = LinuxBoot {
+            kernel: Source::File(word("k/vmlinuz")),
+            initrds: vec![Source::Url(word("http://elsewhere/initrd.img"))],
+            cmdline: Vec::new(),
+        };
+        let e = KexecRamdisk::new(&profile, Some(Path::new("/srv")), &[]).unwrap_err();
+        assert!(e.to_string().contains("initrd is a URL (http://elsewhere/initrd.img)"), "{e}");
+        profile.initrds.clear();
+        assert_eq!(KexecRamdisk::new(&profile, None, &[]), Err(RamdiskFilesError::NoHttpRoot));
     }
 }

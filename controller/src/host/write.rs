@@ -22,9 +22,10 @@ use crate::crd::{
     WipePolicy, set_condition,
 };
 use crate::pools::MacStanding;
-use crate::ssh::{Endpoint, Kexecuted, Reached, SshAccessError};
+use crate::ssh::{Endpoint, Reached, SshAccessError};
 use siteboot_ssh::adopt::{Progress, Stalled};
 use siteboot_ssh::inspect::Report;
+use siteboot_ssh::reimage::Kexecuted;
 
 /// How soon a boot or reboot the BMC failed is tried again.
 pub const REBOOT_RETRY: Duration = Duration::from_secs(60);
@@ -1572,7 +1573,10 @@ pub mod tests {
                 }),
                 "SSHKexecFailed",
             ),
-            (crate::ssh::RamdiskFilesError::NoHttpRoot.into(), "RamdiskFilesUnavailable"),
+            (
+                siteboot_ssh::reimage::RamdiskFilesError::NoHttpRoot.into(),
+                "RamdiskFilesUnavailable",
+            ),
         ] {
             answered(&mut host, Step::KexecOverSsh, &fresh, Answer::Kexec(Err(e)));
             assert_eq!(ssh_ready(&host).unwrap().1, reason);
