@@ -167,11 +167,7 @@ pub fn ipxe_script(
 
     let mut script = Script::new();
     script.echo(&[word("siteboot:"), word("booting"), word(&mac.hyphenated())]);
-    script.kernel(&url(&linux.kernel), &args);
-    for (url, name) in &initrds {
-        script.initrd(url, name);
-    }
-    script.boot();
+    script.boot_linux(&url(&linux.kernel), &args, &initrds);
     script.render().to_owned()
 }
 
@@ -320,13 +316,14 @@ mod tests {
         let mac = "52:54:00:00:00:01".parse().unwrap();
         let script = ipxe_script(&action, mac, &endpoints(), &agent());
         assert_eq!(
-            script,
+            script.split_inclusive('\n').take(7).collect::<String>(),
             "#!ipxe\n\
              echo siteboot: booting 52-54-00-00-00-01\n\
-             kernel http://10.0.0.1:8080/files/k/vmlinuz initrd=0-initrd.img initrd=1-initrd.img console=ttyS0 siteboot.url=http://10.0.0.1:8080 siteboot.agent=https://10.0.0.1:8443 siteboot.fingerprint=sha256:81acd762140fa692a142822d2fbe4dc6f54bcaa501f68ab37e5aeed0bafe4d99 siteboot.mac=52-54-00-00-00-01\n\
-             initrd --name 0-initrd.img http://10.0.0.1:8080/files/a/initrd.img\n\
-             initrd --name 1-initrd.img http://mirror/b/initrd.img\n\
-             boot\n"
+             kernel http://10.0.0.1:8080/files/k/vmlinuz initrd=0-initrd.img initrd=1-initrd.img console=ttyS0 siteboot.url=http://10.0.0.1:8080 siteboot.agent=https://10.0.0.1:8443 siteboot.fingerprint=sha256:81acd762140fa692a142822d2fbe4dc6f54bcaa501f68ab37e5aeed0bafe4d99 siteboot.mac=52-54-00-00-00-01 || goto siteboot-attempt-2\n\
+             initrd --name 0-initrd.img http://10.0.0.1:8080/files/a/initrd.img || goto siteboot-attempt-2\n\
+             initrd --name 1-initrd.img http://mirror/b/initrd.img || goto siteboot-attempt-2\n\
+             boot || goto siteboot-attempt-2\n\
+             :siteboot-attempt-2\n"
         );
         // What the ramdisk agent reads back from that command line.
         let kernel = script.lines().find(|l| l.starts_with("kernel ")).unwrap();

@@ -8,6 +8,11 @@
 
 use std::fmt;
 
+/// How many times [`Script::boot_linux`] tries to fetch and boot.
+pub const BOOT_ATTEMPTS: u32 = 4;
+/// How long it waits between two tries.
+pub const BOOT_RETRY_PAUSE_SECS: u32 = 5;
+
 /// One token of an iPXE command line that iPXE passes through unchanged.
 ///
 /// Invariant: non-empty, printable ASCII only, none of whitespace `$ { } # " ' \`, not `||` or
@@ -122,22 +127,50 @@ impl Script {
         self.line("echo", &args)
     }
 
-    /// `kernel URL ARGS...`: fetch the kernel; `args` become its command line.
-    pub fn kernel(&mut self, url: &Word, args: &[Word]) -> &mut Self {
-        let mut all = vec![url];
-        all.extend(args);
-        self.line("kernel", &all)
-    }
-
+    /// Fetches `kernel` (its command line `args`) and each `(url, name)` of `initrds`, and boots
+    /// them. A failed fetch or boot is tried again, [`BOOT_ATTEMPTS`] times in all and
+    /// [`BOOT_RETRY_PAUSE_SECS`] apart, with what was fetched freed: an appliance restarted
+    /// while the host fetched (an upgrade, a crash) serves again within seconds, and without
+    /// the retry the firmware would go on to its next boot entry (the old OS on the disk) with
+    /// the operation's token spent. Then `exit 1`, as a script that cannot boot does.
+    ///
     /// `initrd --name NAME URL`: the name is what `initrd=NAME` on a UEFI kernel command line
     /// refers to.
-    pub fn initrd(&mut self, url: &Word, name: &Word) -> &mut Self {
-        self.text.push_str("initrd --name ");
-        self.line(name.as_str(), &[url])
-    }
-
-    pub fn boot(&mut self) -> &mut Self {
-        self.line("boot", &[])
+    pub fn boot_linux(
+        &mut self,
+        kernel: &Word,
+        args: &[Word],
+        initrds: &[(Word, Word)],
+    ) -> &mut Self {
+        let label = |attempt: u32| match attempt {
+            BOOT_ATTEMPTS => "siteboot-give-up".to_owned(),
+            n => format!("siteboot-attempt-{}", n + 1),
+        };
+        for attempt in 0..BOOT_ATTEMPTS {
+            if attempt > 0 {
+                self.text.push_str(&format!(
+                    ":{}\nimgfree\necho siteboot: the boot failed; trying again in {BOOT_RETRY_PAUSE_SECS} s\nsleep {BOOT_RETRY_PAUSE_SECS}\n",
+                    label(attempt)
+                ));
+            }
+            let or_else = format!(" || goto {}\n", label(attempt + 1));
+            self.text.push_str("kernel ");
+            self.text.push_str(kernel.as_str());
+            for arg in args {
+                self.text.push(' ');
+                self.text.push_str(arg.as_str());
+            }
+            self.text.push_str(&or_else);
+            for (url, name) in initrds {
+                self.text.push_str(&format!("initrd --name {name} {url}{or_else}"));
+            }
+            self.text.push_str(&format!("boot{or_else}"));
+        }
+        self.text.push_str(&format!(
+            ":{}\necho siteboot: the boot failed {BOOT_ATTEMPTS} times; giving up\n",
+            label(BOOT_ATTEMPTS)
+        ));
+        self.exit()
     }
 
     /// `exit 1`: return to the firmware, which tries its next boot entry (usually the local
@@ -201,18 +234,40 @@ mod tests {
     }
 
     #[test]
-    fn script_renders_one_command_per_line() {
-        let url = Word::new("http://h/k").unwrap();
-        let initrd = Word::new("http://h/i").unwrap();
-        let name = Word::new("initrd.img").unwrap();
+    fn a_linux_boot_is_tried_again_and_then_given_up() {
+        let word = |w: &str| Word::new(w).unwrap();
         let mut script = Script::new();
-        script
-            .kernel(&url, &[Word::new("initrd=initrd.img").unwrap(), Word::new("quiet").unwrap()])
-            .initrd(&initrd, &name)
-            .boot();
-        assert_eq!(
-            script.render(),
-            "#!ipxe\nkernel http://h/k initrd=initrd.img quiet\ninitrd --name initrd.img http://h/i\nboot\n"
+        let initrds = [(word("http://h/i"), word("initrd.img"))];
+        script.boot_linux(
+            &word("http://h/k"),
+            &[word("initrd=initrd.img"), word("quiet")],
+            &initrds,
         );
+        let attempt = |or_else: &str| {
+            format!(
+                "kernel http://h/k initrd=initrd.img quiet || goto {or_else}\n\
+                 initrd --name initrd.img http://h/i || goto {or_else}\n\
+                 boot || goto {or_else}\n"
+            )
+        };
+        let again = |n: u32| {
+            format!(
+                ":siteboot-attempt-{n}\nimgfree\necho siteboot: the boot failed; trying again in 5 s\nsleep 5\n"
+            )
+        };
+        let expected = [
+            "#!ipxe\n".to_owned(),
+            attempt("siteboot-attempt-2"),
+            again(2),
+            attempt("siteboot-attempt-3"),
+            again(3),
+            attempt("siteboot-attempt-4"),
+            again(4),
+            attempt("siteboot-give-up"),
+            ":siteboot-give-up\necho siteboot: the boot failed 4 times; giving up\nexit 1\n"
+                .to_owned(),
+        ]
+        .concat();
+        assert_eq!(script.render(), expected);
     }
 }

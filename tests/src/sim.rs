@@ -371,12 +371,19 @@ pub fn http_get(ns: &Netns, url: &str) -> Result<(u16, String)> {
     ns.enter(move || http(&url, "GET", None, None))
 }
 
-/// The kernel command line of a ramdisk script siteboot served, parsed as the agent does.
-pub fn ramdisk_cmdline(script: &str) -> Result<Cmdline> {
-    let kernel = script
+/// The kernel command of a ramdisk script siteboot served, as iPXE runs it (what the script
+/// does if it fails left out).
+pub fn kernel_line(script: &str) -> Result<&str> {
+    let line = script
         .lines()
         .find(|l| l.starts_with("kernel "))
         .with_context(|| format!("no kernel line in:\n{script}"))?;
+    Ok(line.split(" || ").next().unwrap_or(line))
+}
+
+/// The kernel command line of a ramdisk script siteboot served, parsed as the agent does.
+pub fn ramdisk_cmdline(script: &str) -> Result<Cmdline> {
+    let kernel = kernel_line(script)?;
     Cmdline::parse(kernel).with_context(|| format!("the ramdisk's command line: {kernel}"))
 }
 

@@ -2,6 +2,7 @@
 //! PXE-boot the test kernel + busybox initramfs, which calls back to siteboot; checked on the
 //! console, in siteboot's timeline for the MAC and in its metrics. Once with siteboot as the full
 //! DHCP server, once as proxyDHCP beside dnsmasq (the site's DHCP server, addresses only).
+//! Each boot finds the kernel missing at first, and boots on the boot script's next try.
 //!
 //! Failures panic (`unwrap`) rather than return `Err`, so they happen while the VM, siteboot and
 //! dnsmasq are still alive and their consoles and logs get printed.
@@ -61,11 +62,30 @@ fn boot_from_siteboot(firmware: Firmware, dhcp: Dhcp, mac: &str) {
     config["profiles"][appliance::LAB_PROFILE]["cmdline"] = json!(CMDLINE);
     let siteboot = Appliance::start(&ns, config).unwrap();
     siteboot.install_boot_files(&boot).unwrap();
+    // The kernel is not there when the host first asks for it (an appliance restarting, a
+    // file being replaced): the boot script tries again, and the host boots once it is back.
+    let kernel = siteboot.http_root().join("lab/vmlinuz");
+    let aside = kernel.with_extension("later");
+    std::fs::rename(&kernel, &aside).unwrap();
     let before = siteboot.metrics().unwrap();
 
     let tap = ns.add_tap(appliance::BRIDGE).unwrap();
     let name = format!("{firmware:?}-{mode}");
     let mut vm = Vm::start(&ns, VmConfig::new(&name, firmware, mac, &tap)).unwrap();
+    siteboot_tests::wait::until(
+        "the kernel's 404",
+        BOOT_TIMEOUT,
+        Duration::from_millis(200),
+        || {
+            let timeline = siteboot.timeline(mac).ok()?;
+            appliance::events(&timeline)
+                .iter()
+                .any(|e| e["detail"].as_str().is_some_and(|d| d.starts_with("lab/vmlinuz 404")))
+                .then_some(())
+        },
+    )
+    .unwrap();
+    std::fs::rename(&aside, &kernel).unwrap();
     let marker = vm.wait_for_console("SITEBOOT-TEST: callback", BOOT_TIMEOUT).unwrap();
     assert_eq!(marker, "SITEBOOT-TEST: callback ok");
 

@@ -105,6 +105,11 @@ impl HttpServer {
         let (file, len) = match opened {
             Ok(found) => found,
             Err(e @ (FileError::NotFound | FileError::NotAFile)) => {
+                // In the host's timeline: the boot script asked for it, and its retries will.
+                if let (false, Some(mac)) = (head, self.mac_of(remote)) {
+                    let detail = format!("{name} 404 ({e})");
+                    self.plane.timeline.record(mac, Stage::HttpFile, detail);
+                }
                 return text(StatusCode::NOT_FOUND, &format!("{e}\n"));
             }
             Err(e @ (FileError::OutsideRoot | FileError::InvalidPath(_))) => {
@@ -332,13 +337,14 @@ pub(super) const IMAGE_STEP: &str = "/images/sha256/<digest>";
 /// secret) and the operation's id, which stays behind the Kubernetes API.
 pub(super) const REDACTED_ARGS: [&str; 2] = ["siteboot.token=", "siteboot.operation="];
 
-/// What the timeline says about a script: its first command after the banner, with its token
-/// and operation redacted (the timeline is published to the whole segment).
+/// What the timeline says about a script: its first command after the banner (without what
+/// runs if it fails), with its token and operation redacted (the timeline is published to the
+/// whole segment).
 pub(super) fn describe_script(script: &str) -> String {
     let line = script
         .lines()
         .find(|l| !l.starts_with("#!") && !l.starts_with("echo") && !l.trim().is_empty())
-        .unwrap_or("(empty)");
+        .map_or("(empty)", |l| l.split(" || ").next().unwrap_or(l));
     let redacted: Vec<String> = line
         .split(' ')
         .map(|w| match REDACTED_ARGS.iter().find(|arg| w.starts_with(*arg)) {
@@ -374,7 +380,7 @@ mod tests {
     #[test]
     pub(super) fn script_descriptions_redact_tokens_and_operations() {
         let script = "#!ipxe\necho hi\n\
-            kernel http://h/k siteboot.token=s3cret siteboot.operation=0a1b quiet\nboot\n";
+            kernel http://h/k siteboot.token=s3cret siteboot.operation=0a1b quiet || goto a2\nboot\n";
         assert_eq!(
             describe_script(script),
             "kernel http://h/k siteboot.token=<redacted> siteboot.operation=<redacted> quiet"

@@ -377,8 +377,7 @@ impl ImagingLab {
             if crate::sim::ramdisk_cmdline(&script)?.token.is_none() {
                 bail!("{}: the ramdisk got no token:\n{script}", host.machine.name);
             }
-            let kernel_line = script.lines().find(|l| l.starts_with("kernel ")).expect("parsed");
-            std::fs::write(root.join("cmdline"), kernel_line)?;
+            std::fs::write(root.join("cmdline"), crate::sim::kernel_line(&script)?)?;
             roots.push(root);
         }
         let pid = self.app.pid().context("siteboot runs")?;
