@@ -34,6 +34,14 @@ pub const SEED_DIR: &str = "/var/lib/cloud/seed/nocloud";
 /// makes cloud-init delete and regenerate the SSH host keys by default, and siteboot, which
 /// pins the key, could then not log in to reset the host.
 const KEEP_HOST_KEYS: &str = "#cloud-config\nssh_deletekeys: false\n";
+/// A cloud-init configuration file the delivery adds and the reset removes: NoCloud looks for
+/// its seed in [`SEED_DIR`] only. A seed device (a filesystem labelled `cidata`: the seed
+/// partition an earlier imaging left, a cloud image's seed disk) would replace the seed's
+/// user-data with its own, and the tenant's data would silently not run.
+pub const SEED_DEVICES_OFF: &str = "/etc/cloud/cloud.cfg.d/99-siteboot-adopted.cfg";
+const SEED_DEVICES_OFF_CONFIG: &str = "# siteboot's adoption: the NoCloud seed is \
+    /var/lib/cloud/seed/nocloud only (no device has this label). siteboot's reset removes this.\n\
+    datasource:\n  NoCloud:\n    fs_label: siteboot-adopted-no-device\n";
 /// The file of [`STATE_DIR`] that says what kubelet's and containerd's units were before the
 /// delivery (`<unit> <is-enabled>` lines), which the reset puts back.
 const UNITS_BEFORE: &str = "units-before";
@@ -312,6 +320,12 @@ pub fn deliver(delivery: &Delivery) -> Vec<Step> {
                 mode: private,
                 what: "writing the NoCloud vendor-data",
             });
+            steps.push(Step::Upload {
+                path: path(SEED_DEVICES_OFF),
+                bytes: SEED_DEVICES_OFF_CONFIG.as_bytes().to_vec(),
+                mode: FileMode::new(0o644).expect("permission bits"),
+                what: "turning cloud-init's seed devices off",
+            });
             // A clean slate, so this instance's modules run; then cloud-init's own stages, as
             // at boot.
             "cloud-init clean --logs && cloud-init init --local && cloud-init init && \
@@ -375,6 +389,7 @@ const KUBERNETES_STATE: &[&str] = &[
 pub fn reset() -> Vec<Step> {
     let state: Vec<String> = KUBERNETES_STATE.iter().map(|p| quote(p)).collect();
     let state = state.join(" ");
+    let devices_off = quote(SEED_DEVICES_OFF);
     let run =
         |what, script: &str, limit| Step::Run(Command::new(what, script, limit, Expect::Success));
     vec![
@@ -399,7 +414,7 @@ pub fn reset() -> Vec<Step> {
             &format!(
                 "findmnt -rn -o TARGET | grep -E '^/var/lib/(kubelet|containerd)/|^/run/containerd/' \
                  | sort -r | while read -r m; do umount -l \"$(printf '%b' \"$m\")\"; done; \
-                 rm -rf {state} {seed}",
+                 rm -rf {state} {seed} {devices_off}",
                 seed = quote(SEED_DIR),
             ),
             SHORT,
@@ -407,7 +422,7 @@ pub fn reset() -> Vec<Step> {
         Step::Run(Command::new(
             "verifying the reset",
             &format!(
-                "for p in {state}; do [ -e \"$p\" ] && echo \"$p\"; done; \
+                "for p in {state} {devices_off}; do [ -e \"$p\" ] && echo \"$p\"; done; \
                  for u in kubelet containerd; do systemctl is-active --quiet $u && echo \"$u running\"; done; \
                  exit 0"
             ),
@@ -718,6 +733,43 @@ mod tests {
         let seeded = vendor_data(DataFormat::CloudConfig).expect("no vendor-data seeded");
         assert_eq!(seeded.lines().collect::<Vec<_>>(), ["#cloud-config", "ssh_deletekeys: false"]);
         assert_eq!(vendor_data(DataFormat::Script), None);
+    }
+
+    /// A seed device (the partition an imaging left, a cloud image's seed disk) would replace
+    /// the seed's user-data (cloud-init 22.4's NoCloud reads both, the device last): the
+    /// delivery points NoCloud at a label no device has, in a file the reset removes and
+    /// verifies gone.
+    #[test]
+    fn a_cloud_config_delivery_turns_seed_devices_off_until_the_reset() {
+        let steps = deliver(&delivery(DataFormat::CloudConfig, meta("h")));
+        let config = steps.iter().find_map(|s| match s {
+            Step::Upload { path, bytes, mode, .. } if path.to_string() == SEED_DEVICES_OFF => {
+                Some((String::from_utf8(bytes.clone()).unwrap(), mode.bits()))
+            }
+            _ => None,
+        });
+        let (config, mode) = config.expect("seed devices left on");
+        assert_eq!(mode, 0o644);
+        let settings: Vec<&str> = config.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            settings,
+            ["datasource:", "  NoCloud:", "    fs_label: siteboot-adopted-no-device"]
+        );
+        // Before the run starts.
+        let upload = steps.iter().position(
+            |s| matches!(s, Step::Upload { path, .. } if path.to_string() == SEED_DEVICES_OFF),
+        );
+        assert!(
+            upload
+                < steps
+                    .iter()
+                    .position(|s| matches!(s, Step::Run(c) if c.what == "starting the run"))
+        );
+        let reset = reset();
+        let Step::Run(verify) = &reset[3] else { panic!() };
+        assert!(
+            lines(&reset)[2].contains(SEED_DEVICES_OFF) && verify.line.contains(SEED_DEVICES_OFF)
+        );
     }
 
     /// The meta-data reads back as exactly the three values, whatever they hold.
