@@ -645,15 +645,23 @@ fn host_name(
 /// the others all need a ramdisk to run the operations, and user-data goes with an image.
 fn check_host_operations(host: &HostFile, ramdisk: bool, at: &str) -> Result<(), FieldError> {
     if host.ssh.is_some() {
-        let ramdisk_fields = [
-            ("image", host.image.is_some()),
-            ("root_device_hints", host.root_device_hints.is_some()),
-            ("bmc", host.bmc.is_some()),
-        ];
-        if let Some((field, _)) = ramdisk_fields.iter().find(|(_, set)| *set) {
+        // Reached over SSH: adopted as it runs, or, with an image, kexec'ed into the ramdisk.
+        if host.bmc.is_some() {
             return Err(FieldError::new(
-                format!("{at}.{field}"),
-                "an SSH host is adopted as it runs, with no ramdisk (reimaging over SSH is Kubernetes mode's for now)",
+                format!("{at}.bmc"),
+                "an SSH host is reached over SSH only (a BMC beside it is Kubernetes mode's)",
+            ));
+        }
+        if host.root_device_hints.is_some() && host.image.is_none() {
+            return Err(FieldError::new(
+                format!("{at}.root_device_hints"),
+                "root_device_hints go with an image (an SSH host without one is adopted as it runs)",
+            ));
+        }
+        if host.image.is_some() && !ramdisk {
+            return Err(FieldError::new(
+                format!("{at}.image"),
+                "an SSH host with an image is kexec'ed into the ramdisk to write it: it needs a ramdisk_profile (top level)",
             ));
         }
         return Ok(());
@@ -1284,7 +1292,8 @@ unknown_hosts:
     }
 
     /// An SSH host needs no ramdisk, takes its user_data without an image, and refuses what
-    /// only a ramdisk could use.
+    /// only a ramdisk could use; with an image (reimaged: kexec'ed into the ramdisk) it needs
+    /// the ramdisk_profile.
     #[test]
     fn a_host_reached_over_ssh_is_checked_without_a_ramdisk() {
         let key =
@@ -1303,14 +1312,25 @@ unknown_hosts:
         assert!(config.ramdisk.is_none() && config.inventory.has_ssh_hosts());
         let cases: &[(String, &str, &str)] = &[
             (
-                ssh(&fields, "    image: { url: 'http://h/i.raw', checksum: 'sha256:00' }\n"),
+                ssh(
+                    &fields,
+                    &format!(
+                        "    image: {{ url: 'http://h/i.raw', checksum: 'sha256:{}' }}\n",
+                        "0".repeat(64)
+                    ),
+                ),
                 "hosts[0].image",
-                "adopted as it runs",
+                "needs a ramdisk_profile",
+            ),
+            (
+                ssh(&fields, "    root_device_hints: { name: sdb }\n"),
+                "hosts[0].root_device_hints",
+                "go with an image",
             ),
             (
                 ssh(&fields, "    wipe: full\n    bmc: { address: x, credentials_file: /c }\n"),
                 "hosts[0].bmc",
-                "no ramdisk",
+                "reached over SSH only",
             ),
             (ssh(&fields.replace("/k", "k"), ""), "hosts[0].ssh.private_key_file", "absolute"),
             (ssh(&fields.replace(key, "ssh-ed25519 AAAA"), ""), "hosts[0].ssh.host_key", "AAAA"),

@@ -8,7 +8,6 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use siteboot_agent_server::images::ImageService;
-use siteboot_boot::decision::media_cmdline;
 use siteboot_boot::inventory::LinuxBoot;
 use siteboot_boot::leadership::Leadership;
 use siteboot_boot::timeline::Timeline;
@@ -140,16 +139,14 @@ async fn context(kubernetes: Option<&KubernetesConfig>, kube: KubeMode) -> Resul
     Ok(ctx)
 }
 
-/// The ramdisk a Reimage host is kexec'ed into over SSH: the profile's files under
-/// `http.root`, with the command line a boot from media gets. One that cannot be is said now,
-/// and on each Host that needs it.
+/// The ramdisk a Reimage host is kexec'ed into over SSH ([`Served::kexec_ramdisk`]). One that
+/// cannot be is said now, and on each Host that needs it.
 fn kexec_ramdisk(
     config: &Config,
     ramdisk: &LinuxBoot,
     served: &Served,
 ) -> Result<KexecRamdisk, RamdiskFilesError> {
-    let cmdline = media_cmdline(&ramdisk.cmdline, served.endpoints, served.agent);
-    let kexec = KexecRamdisk::new(ramdisk, config.http.root.as_deref(), &cmdline);
+    let kexec = served.kexec_ramdisk(config.http.root.as_deref(), ramdisk);
     if let Err(e) = &kexec {
         tracing::info!("no kexec over SSH for Reimage hosts without a BMC: {e}");
     }

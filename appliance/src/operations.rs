@@ -62,9 +62,14 @@ pub struct Operation {
     pub step: Option<String>,
     pub bytes: Option<ByteCount>,
     pub last_heard: Option<u64>,
-    /// What the host's BMC was asked to do to boot it into the ramdisk; none without a BMC.
+    /// What booted the host into the ramdisk: what its BMC was asked to do, or the kexec over
+    /// SSH that started; none for a host that boots from the network by itself.
     #[serde(default)]
     pub network_boot: Option<String>,
+    /// The token never crossed the segment: it went in the initrd of a kexec over SSH, to the
+    /// server with the pinned host key, so it is bound to no address.
+    #[serde(default)]
+    pub out_of_band: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -140,6 +145,7 @@ impl HostRecord {
                 bytes: None,
                 last_heard: None,
                 network_boot: None,
+                out_of_band: false,
             });
         }
         Ok(self.operation.as_ref().expect("set above"))
@@ -149,10 +155,23 @@ impl HostRecord {
     /// `None` with no operation, or once its bootstrap data was delivered (once per operation
     /// means no new token can fetch it again).
     pub fn issue_token(&mut self, remote: Ipv4Addr, now: u64) -> Option<(String, String)> {
+        self.mint(Some(remote), now)
+    }
+
+    /// A fresh token for operation `id`, bound to no address: it goes to the server in the
+    /// initrd of a kexec over SSH ([`Operation::out_of_band`]). `None` if `id` is not under way
+    /// (cancelled meanwhile), or once its bootstrap data was delivered.
+    pub fn issue_kexec_token(&mut self, id: &str, now: u64) -> Option<String> {
+        self.operation.as_ref().filter(|op| op.id == id)?;
+        self.mint(None, now).map(|(token, _)| token)
+    }
+
+    fn mint(&mut self, bound_to: Option<Ipv4Addr>, now: u64) -> Option<(String, String)> {
         let op = self.operation.as_mut().filter(|op| !op.bootstrap_delivered)?;
         let (token, hash) = token::mint();
         op.token_hash = Some(hash);
-        op.token_address = Some(remote.to_string());
+        op.token_address = bound_to.map(|a| a.to_string());
+        op.out_of_band = bound_to.is_none();
         op.token_issued = Some(now);
         Some((token, op.id.clone()))
     }
@@ -168,7 +187,7 @@ impl HostRecord {
         let grant = self.operation.as_ref().map(|op| Grant {
             token_hash: op.token_hash.as_deref(),
             address: op.token_address.as_deref(),
-            out_of_band: false,
+            out_of_band: op.out_of_band,
             fresh: op.token_issued.is_some_and(|t| now.saturating_sub(t) <= max_age_secs),
         });
         check_token(token, grant, remote)?;
@@ -393,6 +412,31 @@ mod tests {
             Refusal::NoOperation
         );
         assert_eq!(record.start(OperationKind::Provision, 140), Err(StartError::WipeRequired));
+    }
+
+    /// A kexec's token was never on the segment: it works from whatever address the ramdisk
+    /// gets, and only for its own operation; a token later issued to a network boot is bound
+    /// to its address again.
+    #[test]
+    fn a_kexec_token_is_bound_to_no_address_and_only_to_its_operation() {
+        let mut record = HostRecord::default();
+        let id = record.start(OperationKind::Provision, 1).unwrap().id.clone();
+        assert_eq!(record.issue_kexec_token("another", 2), None);
+        let token = record.issue_kexec_token(&id, 2).unwrap();
+        let elsewhere = Ipv4Addr::new(10, 0, 2, 15);
+        let op = record.authenticate(Some(&token), elsewhere, 3, HOUR).unwrap();
+        assert!(op.out_of_band && op.token_address.is_none());
+        assert_eq!(
+            record.authenticate(Some("wrong"), elsewhere, 3, HOUR).unwrap_err(),
+            Refusal::WrongToken
+        );
+        let (booted, _) = record.issue_token(remote(), 4).unwrap();
+        assert_eq!(
+            record.authenticate(Some(&booted), elsewhere, 5, HOUR).unwrap_err(),
+            Refusal::WrongAddress
+        );
+        record.deliver_bootstrap().unwrap();
+        assert_eq!(record.issue_kexec_token(&id, 6), None, "no token after the data went out");
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use siteboot_boot::arp_probe::PacketProbe;
 use siteboot_boot::decision::DhcpMode;
+use siteboot_boot::decision::media_cmdline;
 use siteboot_boot::dhcp::checkpoint::LeaseCheckpoint;
 use siteboot_boot::dhcp::journal::Journal;
 use siteboot_boot::dhcp::leases::LeaseTable;
@@ -28,6 +29,7 @@ use siteboot_boot::tftp::TftpServer;
 use siteboot_boot::timeline::Timeline;
 use siteboot_boot::tls::ServerIdentity;
 use siteboot_boot::{AgentEndpoint, BootPlane, Endpoints, Inventory};
+use siteboot_ssh::reimage::{KexecRamdisk, RamdiskFilesError};
 use tokio::net::UdpSocket;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinSet;
@@ -50,6 +52,19 @@ pub struct Served<'a> {
     /// Where files and the agent API are served: what a ramdisk kexec'ed over SSH is told.
     pub endpoints: &'a Endpoints,
     pub agent: &'a AgentEndpoint,
+}
+
+impl Served<'_> {
+    /// `ramdisk` as a kexec over SSH sends it: its files under `http_root`, with the command
+    /// line a boot from media gets (its own words and the appliance's).
+    pub fn kexec_ramdisk(
+        &self,
+        http_root: Option<&std::path::Path>,
+        ramdisk: &LinuxBoot,
+    ) -> Result<KexecRamdisk, RamdiskFilesError> {
+        let cmdline = media_cmdline(&ramdisk.cmdline, self.endpoints, self.agent);
+        KexecRamdisk::new(ramdisk, http_root, &cmdline)
+    }
 }
 
 /// The hosts the boot plane serves, and what runs beside it for them.
@@ -96,13 +111,32 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
     let shutdown = CancellationToken::new();
     let release = CancellationToken::new();
     let image_service = ImageService::new(images.clone(), endpoints.clone());
+    let agent = AgentEndpoint {
+        address: config.address,
+        port: config.http.https_port,
+        fingerprint: identity.fingerprint,
+    };
+    let served = Served {
+        media_certificate: media.is_some().then(|| identity.certificate_pem.clone()),
+        endpoints: &endpoints,
+        agent: &agent,
+    };
     let Hosts { inventory, known, site, checkpoint, controller } = match kube {
         None => {
             let site = format!("standalone ({interface}, {})", config.address);
+            // Hosts reimaged over SSH are kexec'ed into the ramdisk: its files must be here.
+            let kexec = match &config.ramdisk {
+                Some(ramdisk) if config.inventory.has_hosts_reimaged_over_ssh() => {
+                    Some(served.kexec_ramdisk(config.http.root.as_deref(), ramdisk).context(
+                        "hosts with ssh and an image are kexec'ed into the ramdisk_profile",
+                    )?)
+                }
+                _ => None,
+            };
             standalone_hosts(
                 config.inventory,
                 site,
-                (config.ramdisk.clone(), config.ramdisk_silence_timeout),
+                (config.ramdisk.clone(), kexec, config.ramdisk_silence_timeout),
                 &config.state_dir,
                 image_service,
                 &shutdown,
@@ -110,16 +144,6 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
         }
         Some(kube) => {
             let (timeline, release) = (timeline.clone(), release.clone());
-            let agent = AgentEndpoint {
-                address: config.address,
-                port: config.http.https_port,
-                fingerprint: identity.fingerprint,
-            };
-            let served = Served {
-                media_certificate: media.is_some().then(|| identity.certificate_pem.clone()),
-                endpoints: &endpoints,
-                agent: &agent,
-            };
             crate::kubernetes::hosts(
                 &config,
                 kube,
@@ -275,7 +299,7 @@ pub async fn serve(config: Config, kube: Option<KubeMode>) -> Result<()> {
 fn standalone_hosts(
     mut inventory: StaticInventory,
     site: String,
-    (ramdisk, max_silence): (Option<LinuxBoot>, Duration),
+    (ramdisk, kexec, max_silence): (Option<LinuxBoot>, Option<KexecRamdisk>, Duration),
     state_dir: &std::path::Path,
     images: ImageService,
     shutdown: &CancellationToken,
@@ -287,7 +311,7 @@ fn standalone_hosts(
         let token_max_age = siteboot_agent_server::silence::TOKEN_MAX_AGE;
         inventory.enable_operations(
             store,
-            ramdisk,
+            (ramdisk, kexec),
             Arc::new(images),
             token_max_age,
             max_silence,

@@ -3,7 +3,9 @@
 //! Kubernetes mode follows (`siteboot_ssh`): `inspect` reads the server, `provision` adopts it
 //! (the host's `user_data` delivered through its own cloud-init, or run as a script, once), and
 //! `deprovision` resets it (its Kubernetes state removed and verified gone, its OS and data
-//! kept).
+//! kept). A host listed with an `image` is reimaged instead: `provision` and `deprovision`
+//! kexec it into the deploy ramdisk over SSH ([`kexec_pass`]), with the operation's token in
+//! its initrd, and the ramdisk runs them as on a host that booted it from the network.
 //!
 //! Each [`pass`] logs in with the host key pinned (a server that presents another gets nothing)
 //! and moves the operation one step: what it found is a [`Pass`], which the inventory records.
@@ -19,6 +21,7 @@ use siteboot_agent_server::OperationKind;
 use siteboot_boot::MacAddr;
 use siteboot_ssh::adopt::{self, DataFormat, Delivery, MetaData, Progress, Stalled, StepFailed};
 use siteboot_ssh::inspect::{self, InspectFailed};
+use siteboot_ssh::reimage::{self, KexecFailed, KexecRamdisk, Kexecuted};
 use siteboot_ssh::{ClientKey, HostKey, HostKeyPolicy, Session, SshError, Target};
 
 use crate::operations::Operation;
@@ -44,6 +47,9 @@ pub struct HostSsh {
 pub enum Pass {
     /// The operation goes on; `step` says where it is.
     Going { step: String, delivered: bool },
+    /// The server kexec'ed into the ramdisk (or was found doing so): the operation is the
+    /// ramdisk's now.
+    Kexeced { step: String },
     /// The operation ended.
     Done {
         ok: bool,
@@ -71,6 +77,7 @@ impl Pass {
     pub fn delivered(&self) -> bool {
         match self {
             Self::Going { delivered, .. } | Self::Done { delivered, .. } => *delivered,
+            Self::Kexeced { .. } => false,
         }
     }
 }
@@ -91,6 +98,46 @@ pub async fn pass(ssh: &HostSsh, mac: MacAddr, name: &str, op: &Operation) -> Pa
         tracing::debug!(host = %name, "closing the SSH connection: {e}");
     }
     pass
+}
+
+/// A pass of `op` on a host reached over SSH with an image: the server kexec'ed into the
+/// deploy ramdisk ([`reimage::kexec`]) with a token `issue` records (bound to no address) and
+/// returns, which the ramdisk then runs the operation with as on any host. A pass after a
+/// crash finds the server's kexec marker and sends nothing more; one after a failed step
+/// (the kexec not started) mints another token, and the first stops working.
+pub async fn kexec_pass<E: std::fmt::Display>(
+    ssh: &HostSsh,
+    op: &Operation,
+    ramdisk: &KexecRamdisk,
+    issue: impl AsyncFnOnce() -> Result<Option<String>, E>,
+) -> Pass {
+    let id = match op.id.parse() {
+        Ok(id) => id,
+        Err(e) => return Pass::failed(format!("operation id {:?}: {e}", op.id), false),
+    };
+    let session = match connect(ssh).await {
+        Ok(session) => session,
+        Err(e) => return unreachable(ssh, &e, false),
+    };
+    let kexecuted = reimage::kexec(&session, &id, ramdisk, issue).await;
+    if let Err(e) = session.close(CONNECT_DEADLINE).await {
+        tracing::debug!(operation = %op.id, "closing the SSH connection: {e}");
+    }
+    match kexecuted {
+        Ok(Ok(Kexecuted::Started)) => {
+            Pass::Kexeced { step: "kexec over SSH into the ramdisk started".into() }
+        }
+        Ok(Ok(Kexecuted::AlreadyStarted)) => Pass::Kexeced {
+            step: "kexec over SSH into the ramdisk found started (before a restart)".into(),
+        },
+        Ok(Ok(Kexecuted::NotIssued)) => Pass::going("the operation changed; nothing sent", false),
+        Ok(Err(KexecFailed::Step(e))) => step_failed(&e, false),
+        Ok(Err(e @ KexecFailed::Files(_))) => Pass::failed(e.to_string(), false),
+        // The record could not be written: nothing was sent, the next pass tries again.
+        Err(e) => {
+            Pass::going(format!("cannot record the ramdisk's token ({e}); trying again"), false)
+        }
+    }
 }
 
 /// Logs in to the server with the key file's key, its host key pinned.

@@ -3,7 +3,7 @@
 //!
 //! | host | boot |
 //! |---|---|
-//! | reached over SSH (`ssh`), whatever is under way | its profile: its operations run over SSH ([`crate::ssh`], moved on by [`StaticInventory::drive_ssh`]) |
+//! | reached over SSH (`ssh`), whatever is under way | its profile: its operations run over SSH ([`crate::ssh`], moved on by [`StaticInventory::drive_ssh`]); with an `image`, a kexec over SSH boots the ramdisk, whose token works from any address |
 //! | an operation under way, asked from the address that holds its MAC | the ramdisk (`ramdisk_profile`) with a fresh token |
 //! | an operation under way, asked from elsewhere, or after its bootstrap data went out | the ramdisk with no token: it waits |
 //! | no operation | its profile |
@@ -23,7 +23,7 @@ use http::StatusCode;
 use siteboot_agent_api::{Hardware, MetaData};
 use siteboot_agent_server::images::ImageService;
 use siteboot_agent_server::serve::{self, BootstrapData, Opened, Records, Target};
-use siteboot_agent_server::token::ramdisk_boot;
+use siteboot_agent_server::token::{self, ramdisk_boot};
 use siteboot_agent_server::{
     ByteCount, Image, OperationKind, Refusal, RootDeviceHints, WipePolicy,
 };
@@ -35,6 +35,7 @@ use siteboot_boot::inventory::{
     LinuxBoot, OperationSummary,
 };
 use siteboot_boot::{BootAction, MacAddr};
+use siteboot_ssh::reimage::KexecRamdisk;
 use tokio_util::sync::CancellationToken;
 
 use crate::bmc::{self, BmcFailure, HostBmc};
@@ -64,6 +65,14 @@ pub struct ListedHost {
     pub relay_pin: Option<RelayPin>,
 }
 
+impl ListedHost {
+    /// Reached over SSH with an image: its provisioning and deprovisioning kexec it into the
+    /// ramdisk ([`crate::ssh::kexec_pass`]), which then runs them as on any host.
+    pub fn reimaged_over_ssh(&self) -> bool {
+        self.ssh.is_some() && self.provisioning.is_some()
+    }
+}
+
 /// A host's image and bootstrap data.
 #[derive(Debug, Clone)]
 pub struct Provisioning {
@@ -89,6 +98,8 @@ pub struct Operations {
     records: Mutex<HashMap<MacAddr, HostRecord>>,
     /// `None`: only the hosts reached over SSH have operations.
     ramdisk: Option<LinuxBoot>,
+    /// The ramdisk as a kexec over SSH sends it, for hosts reached over SSH with an image.
+    kexec: Option<KexecRamdisk>,
     images: Arc<ImageService>,
     token_max_age: Duration,
     /// How long a ramdisk that booted may stay silent before its operation ends.
@@ -147,6 +158,12 @@ impl StaticInventory {
         self.hosts.len()
     }
 
+    /// Whether a listed host is reached over SSH with an image: it is kexec'ed into the
+    /// ramdisk.
+    pub fn has_hosts_reimaged_over_ssh(&self) -> bool {
+        self.hosts.values().any(ListedHost::reimaged_over_ssh)
+    }
+
     /// Whether a listed host is reached over SSH: its operations need no ramdisk.
     pub fn has_ssh_hosts(&self) -> bool {
         self.hosts.values().any(|h| h.ssh.is_some())
@@ -156,7 +173,7 @@ impl StaticInventory {
     pub fn enable_operations(
         &mut self,
         store: Store,
-        ramdisk: Option<LinuxBoot>,
+        (ramdisk, kexec): (Option<LinuxBoot>, Option<KexecRamdisk>),
         images: Arc<ImageService>,
         token_max_age: Duration,
         max_silence: Duration,
@@ -169,6 +186,7 @@ impl StaticInventory {
             store,
             records: Mutex::new(records),
             ramdisk,
+            kexec,
             images,
             token_max_age,
             max_silence,
@@ -317,10 +335,16 @@ impl StaticInventory {
     }
 
     fn end_silent_operations(&self, ops: &Operations) {
-        // An SSH host has no ramdisk to fall silent: its passes say when it is unreachable.
-        for (mac, host) in self.hosts.iter().filter(|(_, h)| h.ssh.is_none()) {
-            let ended = ops
-                .update(*mac, true, |r| r.end_if_silent(now(), ops.max_silence).cloned().ok_or(()));
+        for (mac, host) in &self.hosts {
+            let ended = ops.update(*mac, true, |r| {
+                // An SSH host's operation has no ramdisk to fall silent (its passes say when it
+                // is unreachable) until a kexec started one.
+                let kexeced = r.operation.as_ref().is_some_and(|op| op.network_boot.is_some());
+                if host.ssh.is_some() && !kexeced {
+                    return Err(());
+                }
+                r.end_if_silent(now(), ops.max_silence).cloned().ok_or(())
+            });
             match ended {
                 Ok((record, outcome)) => {
                     ops.images.release(&outcome.operation);
@@ -355,11 +379,31 @@ impl StaticInventory {
         let (Some(ops), Some(host)) = (&self.operations, self.hosts.get(&mac)) else { return };
         let Some(access) = &host.ssh else { return };
         loop {
-            if let Some(op) = self.record(mac).operation {
+            let op = self.record(mac).operation;
+            // Once a kexec started, the operation is the ramdisk's.
+            if let Some(op) = op.filter(|op| op.network_boot.is_none()) {
+                let kexec = match (&ops.kexec, host.reimaged_over_ssh()) {
+                    (Some(ramdisk), true) if op.kind != OperationKind::Inspect => Some(ramdisk),
+                    _ => None,
+                };
+                let issue = async || {
+                    let issued =
+                        ops.update(mac, true, |r| r.issue_kexec_token(&op.id, now()).ok_or(()));
+                    match issued {
+                        Ok((_, token)) => Ok(Some(token)),
+                        Err(Ok(())) => Ok(None),
+                        Err(Err(e)) => Err(e),
+                    }
+                };
                 // Stopped mid-pass, it is as a crash: the next appliance's pass probes first.
                 let pass = tokio::select! {
                     _ = stop.cancelled() => return,
-                    pass = ssh::pass(access, mac, &host.name, &op) => pass,
+                    pass = async {
+                        match kexec {
+                            Some(ramdisk) => ssh::kexec_pass(access, &op, ramdisk, issue).await,
+                            None => ssh::pass(access, mac, &host.name, &op).await,
+                        }
+                    } => pass,
                 };
                 record_pass(ops, mac, host, &op.id, pass);
             }
@@ -474,6 +518,10 @@ fn record_pass(ops: &Operations, mac: MacAddr, host: &ListedHost, id: &str, pass
         op.bootstrap_delivered |= delivered;
         match &pass {
             Pass::Going { step, .. } => r.progress(step.clone(), None, now()),
+            Pass::Kexeced { step } => {
+                op.network_boot = Some(step.clone());
+                r.progress(step.clone(), None, now());
+            }
             Pass::Done { ok, message, hardware, installed, .. } => {
                 let installed = installed.as_ref().map(|(url, sum)| (url.as_str(), sum.as_str()));
                 r.finish(*ok, message.clone(), hardware.as_deref().cloned(), installed, now());
@@ -486,10 +534,10 @@ fn record_pass(ops: &Operations, mac: MacAddr, host: &ListedHost, id: &str, pass
         (Err(Err(e)), _) => {
             tracing::error!(host = %host.name, error = %e, "cannot record an operation over SSH; tried again at the next pass")
         }
-        (Ok(_), Pass::Going { step, .. }) if persist => {
+        (Ok(_), Pass::Going { step, .. } | Pass::Kexeced { step }) if persist => {
             tracing::info!(host = %host.name, %mac, operation = %id, "{step}")
         }
-        (Ok(_), Pass::Going { .. }) => {}
+        (Ok(_), Pass::Going { .. } | Pass::Kexeced { .. }) => {}
         (Ok((record, ())), Pass::Done { ok, message, .. }) => {
             let state = record.state();
             if ok {
@@ -535,10 +583,20 @@ impl<'a> Records for FileRecords<'a> {
     type Host = (MacAddr, &'a ListedHost);
     type Error = StoreError;
 
+    /// The listed host whose MAC holds the request's address, else the one whose kexec token
+    /// the request carries: a ramdisk kexec'ed over SSH may ask from an address this appliance
+    /// knows no MAC of (a routed segment, a NAT).
     async fn host(&self, req: &AgentRequest) -> Result<Self::Host, Failure> {
-        let mac = req.remote_mac.ok_or(Refusal::UnknownAddress)?;
-        let host = self.hosts.get(&mac).ok_or(Refusal::UnknownHost)?;
-        Ok((mac, host))
+        let listed = req.remote_mac.and_then(|mac| self.hosts.get_key_value(&mac));
+        let kexeced = || {
+            let mac = self.ops.out_of_band_holder(req.token.as_deref()?)?;
+            self.hosts.get_key_value(&mac)
+        };
+        match listed.or_else(kexeced) {
+            Some((mac, host)) => Ok((*mac, host)),
+            None if req.remote_mac.is_none() => Err(Refusal::UnknownAddress.into()),
+            None => Err(Refusal::UnknownHost.into()),
+        }
     }
 
     fn name(&self, (_, host): &Self::Host) -> String {
@@ -551,7 +609,7 @@ impl<'a> Records for FileRecords<'a> {
             id: op.id,
             kind: op.kind,
             bootstrap_delivered: op.bootstrap_delivered,
-            out_of_band: false,
+            out_of_band: op.out_of_band,
         })
     }
 
@@ -694,6 +752,15 @@ impl Operations {
         }
         records.insert(mac, next.clone());
         Ok((next, value))
+    }
+
+    /// The host whose operation's token went out of band (a kexec's) and is `token`.
+    fn out_of_band_holder(&self, token: &str) -> Option<MacAddr> {
+        let records = self.records.lock().expect("records lock");
+        records.iter().find_map(|(mac, r)| {
+            let op = r.operation.as_ref().filter(|op| op.out_of_band)?;
+            token::matches(token, op.token_hash.as_deref()?).then_some(*mac)
+        })
     }
 
     /// The operation `req`'s token acts for (with whether one is under way at all).
@@ -856,8 +923,20 @@ mod tests {
         let images = Arc::new(ImageService::new(cache, endpoints));
         let store = Store::open(dir).unwrap();
         let (hour, minute) = (Duration::from_secs(3600), Duration::from_secs(60));
-        inventory.enable_operations(store, Some(ramdisk), images, hour, minute).unwrap();
+        inventory.enable_operations(store, (Some(ramdisk), None), images, hour, minute).unwrap();
         inventory
+    }
+
+    /// SSH access to the server at 10.0.0.5.
+    fn ssh_access() -> HostSsh {
+        let key =
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEwlXB8lkkHcwFYCSCopHZP7EL7EaFMGYyYTWBLhWrBu";
+        HostSsh {
+            target: siteboot_ssh::Target::new("10.0.0.5", 22, "root").unwrap(),
+            private_key_file: "/k".into(),
+            host_key: key.parse().unwrap(),
+            user_data: None,
+        }
     }
 
     /// The segment's answer, whatever it is asked.
@@ -967,6 +1046,58 @@ mod tests {
         assert!(view.record.last.is_some_and(|l| l.ok && l.kind == OperationKind::Inspect));
     }
 
+    /// A host reached over SSH with an image: its ramdisk, kexec'ed with a token that never
+    /// crossed the segment, is known by that token from an address with no MAC known here (a
+    /// NAT, a routed segment), and only by it; once the kexec started, the silence rule watches
+    /// the ramdisk as on any host.
+    #[test]
+    fn a_kexeced_ramdisk_is_known_by_its_token_from_any_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let access = ssh_access();
+        let mut inventory = inventory_with(dir.path(), Some(access));
+        let image = Image {
+            url: "http://h/i.raw".into(),
+            checksum: format!("sha256:{}", "0".repeat(64)),
+            format: None,
+            grow_last_partition: false,
+        };
+        let host = inventory.hosts.get_mut(&mac()).unwrap();
+        host.provisioning =
+            Some(Provisioning { image, user_data: None, root_device_hints: Default::default() });
+        assert!(inventory.has_hosts_reimaged_over_ssh());
+        // A wipe: its task needs no image fetched.
+        let view = block_on(inventory.start("node-a", OperationKind::Deprovision)).unwrap();
+        let id = view.record.operation.unwrap().id;
+        let ops = inventory.operations.as_ref().unwrap();
+        let get = http::Method::GET;
+        let (_, token) =
+            ops.update(mac(), true, |r| r.issue_kexec_token(&id, now()).ok_or(())).unwrap();
+        let (status, body) = agent(&inventory, get.clone(), "v1/task", Some(&token), None);
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains(r#""action":"deprovision""#), "{body}");
+        let (status, body) = agent(&inventory, get.clone(), "v1/task", Some("00"), None);
+        assert_eq!((status, body.as_str()), (403, "refused: no MAC is known for this address\n"));
+        // A token a network boot got is no key without the MAC behind its address.
+        let booted = ops.update(mac(), true, |r| r.issue_token(HOST, now()).ok_or(())).unwrap().1.0;
+        let (status, _) = agent(&inventory, get, "v1/task", Some(&booted), None);
+        assert_eq!(status, 403);
+
+        let step = "kexec over SSH into the ramdisk started".to_owned();
+        record_pass(ops, mac(), &inventory.hosts[&mac()], &id, Pass::Kexeced { step });
+        let op = inventory.show("node-a").unwrap().record.operation.unwrap();
+        assert!(op.network_boot.is_some_and(|b| b.contains("kexec")));
+        let silent = ops.update(mac(), false, |r| {
+            let op = r.operation.as_mut().unwrap();
+            op.token_issued = Some(1);
+            op.last_heard = Some(1);
+            Ok::<_, ()>(())
+        });
+        assert!(silent.is_ok());
+        inventory.end_silent_operations(ops);
+        let last = inventory.show("node-a").unwrap().record.last.unwrap();
+        assert!(!last.ok && last.message.contains("ramdisk silent"), "{last:?}");
+    }
+
     /// A host reached over SSH boots its profile while its operation runs (no ramdisk, no
     /// token), and its record follows what the passes found: the data's run seen started
     /// (kept over a restart), a failure after it leaving the host to be reset first, a pass of
@@ -974,14 +1105,7 @@ mod tests {
     #[test]
     fn a_host_reached_over_ssh_gets_no_ramdisk_and_its_record_follows_the_passes() {
         let dir = tempfile::tempdir().unwrap();
-        let key =
-            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEwlXB8lkkHcwFYCSCopHZP7EL7EaFMGYyYTWBLhWrBu";
-        let access = HostSsh {
-            target: siteboot_ssh::Target::new("10.0.0.5", 22, "root").unwrap(),
-            private_key_file: "/k".into(),
-            host_key: key.parse().unwrap(),
-            user_data: None,
-        };
+        let access = ssh_access();
         let inventory = inventory_with(dir.path(), Some(access.clone()));
         let view = block_on(inventory.start("node-a", OperationKind::Provision)).unwrap();
         let op = view.record.operation.unwrap();

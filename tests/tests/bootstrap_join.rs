@@ -64,7 +64,7 @@ use siteboot_tests::kube::node::{
 };
 use siteboot_tests::kube::{KubeEnv, Peers, VM_HOST_ADDRESS};
 use siteboot_tests::netns::Netns;
-use siteboot_tests::os_images::{self, TestOsImage};
+use siteboot_tests::os_images::{self, Ramdisk, TestOsImage};
 use siteboot_tests::provider::{NS, ProviderLab, SITE, host_state, image_spec, wait_host};
 use siteboot_tests::sshd::Keys;
 use siteboot_tests::wait;
@@ -111,7 +111,8 @@ const EVERY: Duration = Duration::from_secs(3);
 /// started again, makes its empty CNI configuration folder), the units,
 /// containerd's images, the kubelet's processes, siteboot's units, the operator's file.
 const RESET_CHECK: &str = "for p in /etc/kubernetes /var/lib/kubelet \
-     /var/lib/cloud/seed/nocloud /var/lib/siteboot/adopt; do \
+     /var/lib/cloud/seed/nocloud /etc/cloud/cloud.cfg.d/99-siteboot-adopted.cfg \
+     /var/lib/siteboot/adopt; do \
      [ -e $p ] && echo \"left: $p\"; done; \
      for f in $(ls -A /etc/cni/net.d 2>/dev/null); do echo \"left: /etc/cni/net.d/$f\"; done; \
      for u in kubelet containerd; do echo \"$u: $(systemctl is-active $u)\"; done; \
@@ -156,7 +157,7 @@ async fn a_real_kubelet_joins_from_the_data_and_nothing_of_siteboot_stays() {
     // guests in the other stream of `scripts/test`, slowed that lab past its deadlines).
     let joined = tokio::sync::Notify::new();
     let (adoption, ()) = tokio::join!(
-        adopted(&lab, &server, &keys, &joined, &test_os),
+        adopted(&lab, &server, &keys, &joined, (&image, &ramdisk, &test_os)),
         join_from_the_data(env, &image, &lab.lab, &joined, progress)
     );
     must(adoption, env).await;
@@ -346,27 +347,8 @@ async fn standalone(lab: &ProviderLab, keys: &Keys) -> anyhow::Result<()> {
     let user_data = dir.path().join("user-data");
     std::fs::write(&user_data, STANDALONE_DATA)?;
     lab.lab.ip(&["address", "add", &format!("{STANDALONE_ADDRESS}/32"), "dev", BRIDGE])?;
-    let mut config = appliance::lab_config("off");
-    config["address"] = json!(STANDALONE_ADDRESS);
-    config["hosts"] = json!([{
-        "mac": ADOPTED_MAC,
-        "profile": LAB_PROFILE,
-        "name": ADOPTED,
-        "user_data": user_data,
-        "ssh": {
-            "address": "127.0.0.1",
-            "port": ADOPTED_SSH_PORT,
-            "private_key_file": keys.path("siteboot"),
-            "host_key": keys.read("host.pub")?.trim(),
-        },
-    }]);
-    let app = Appliance::start(&lab.lab, config)?;
-    let host = |operation: &str| {
-        let mut command = tokio::process::Command::new(appliance::binary()?);
-        command.args(["host", operation, ADOPTED, "--timeout", "600s", "--config"]);
-        command.arg(app.config_path()).kill_on_drop(true);
-        anyhow::Ok(command)
-    };
+    let app = Appliance::start(&lab.lab, standalone_config(keys, &user_data)?)?;
+    let host = |operation: &str| host_command(&app, operation);
     let phases = async {
         let inspected = cli_output(host("inspect")?.output().await?)?;
         anyhow::ensure!(inspected.contains("Inspect succeeded; now Available"), "{inspected}");
@@ -401,6 +383,117 @@ async fn standalone(lab: &ProviderLab, keys: &Keys) -> anyhow::Result<()> {
     result
 }
 
+/// Issue 26's standalone reimage: a standalone appliance with a `ramdisk_profile` lists the
+/// server with its SSH access and the node image; `siteboot host provision` kexecs it over SSH
+/// into the deploy ramdisk (its token in the initrd; the ramdisk reaches the appliance from
+/// QEMU's user-mode network, an address with no MAC known there, by that token alone), which
+/// writes the image and reboots into it. The user-data, cloud-config run by the new OS's
+/// cloud-init, keeps the server as its operator had it: its host key (the same pinned key
+/// logs in again, which the Kubernetes flow after this relies on), root's authorized keys and
+/// the operator's file; the adoption's file is gone with the old disk.
+async fn standalone_reimage(
+    lab: &ProviderLab,
+    keys: &Keys,
+    node: &NodeImage,
+    ramdisk: &Ramdisk,
+) -> anyhow::Result<()> {
+    let ssh = |command: &'static str| on_server(&lab.lab, keys, command);
+    let host_key = ssh("cat /etc/ssh/ssh_host_ed25519_key").await?;
+    let indented = |text: &str, by: usize| {
+        text.lines().map(|l| format!("{}{l}\n", " ".repeat(by))).collect::<String>()
+    };
+    let authorized = keys.read("siteboot.pub")? + &keys.read("operator.pub")?;
+    let user_data = format!(
+        "#cloud-config\ndisable_root: false\nssh_deletekeys: true\nssh_genkeytypes: []\n\
+         ssh_keys:\n  ed25519_private: |\n{}  ed25519_public: {}\n\
+         write_files:\n\
+         \x20 - path: /root/.ssh/authorized_keys\n    permissions: '0600'\n    content: |\n{}\
+         \x20 - path: {OPERATOR_DATA}\n    content: \"kept\\n\"\n\
+         \x20 - path: /root/reimaged\n    content: \"by the standalone appliance\\n\"\n",
+        indented(&host_key, 4),
+        keys.read("host.pub")?.trim(),
+        indented(&authorized, 6),
+    );
+    let dir = tempfile::tempdir()?;
+    let user_data_file = dir.path().join("user-data");
+    std::fs::write(&user_data_file, user_data)?;
+    let mut config = standalone_config(keys, &user_data_file)?;
+    config["profiles"]["ramdisk"] = json!({
+        "kernel": "ramdisk/vmlinuz",
+        "initrds": ["ramdisk/initrd.img"],
+        "cmdline": "console=ttyS0 no_timer_check",
+    });
+    config["ramdisk_profile"] = json!("ramdisk");
+    config["hosts"][0]["image"] = json!({
+        "url": format!("http://{STANDALONE_ADDRESS}:{}/files/node.raw.zst", appliance::HTTP_PORT),
+        "checksum": format!("sha256:{}", node.sha256),
+    });
+    let app = Appliance::start(&lab.lab, config)?;
+    let root = app.http_root();
+    std::fs::create_dir_all(root.join("ramdisk"))?;
+    std::fs::copy(&ramdisk.kernel, root.join("ramdisk/vmlinuz"))?;
+    std::fs::copy(&ramdisk.initramfs, root.join("ramdisk/initrd.img"))?;
+    std::fs::copy(node.compressed(), root.join("node.raw.zst"))?;
+    let phases = async {
+        let provisioned = cli_output(host_command(&app, "provision")?.output().await?)?;
+        anyhow::ensure!(
+            provisioned.contains("Provision succeeded; now Provisioned"),
+            "{provisioned}"
+        );
+        eprintln!("bootstrap join: standalone: the server reimaged (kexec over SSH)");
+        // Its new OS up, with the pinned host key (the operator's known_hosts is strict).
+        let on_new_os = "cat /root/reimaged; cat /srv/data/keep; \
+                         test -e /root/standalone-runs && echo 'the old disk is still there'; \
+                         grep -o '\"provider-id\": \"[^\"]*\"' /run/cloud-init/instance-data.json | head -1";
+        let seen =
+            wait::until_async("the reimaged server over SSH", JOIN_TIMEOUT, EVERY, || async {
+                ssh(on_new_os).await.ok()
+            })
+            .await?;
+        let expected = format!(
+            "by the standalone appliance\nkept\n\"provider-id\": \"siteboot://standalone/{ADOPTED}\"\n"
+        );
+        anyhow::ensure!(seen == expected, "on the reimaged server:\n{seen}");
+        Ok(())
+    };
+    let result = phases.await;
+    if result.is_err() {
+        app.print_log();
+    }
+    result
+}
+
+/// A standalone appliance's config (at [`STANDALONE_ADDRESS`], DHCP off) listing the existing
+/// server with its SSH access and `user_data`.
+fn standalone_config(
+    keys: &Keys,
+    user_data: &std::path::Path,
+) -> anyhow::Result<serde_json::Value> {
+    let mut config = appliance::lab_config("off");
+    config["address"] = json!(STANDALONE_ADDRESS);
+    config["hosts"] = json!([{
+        "mac": ADOPTED_MAC,
+        "profile": LAB_PROFILE,
+        "name": ADOPTED,
+        "user_data": user_data,
+        "ssh": {
+            "address": "127.0.0.1",
+            "port": ADOPTED_SSH_PORT,
+            "private_key_file": keys.path("siteboot"),
+            "host_key": keys.read("host.pub")?.trim(),
+        },
+    }]);
+    Ok(config)
+}
+
+/// `siteboot host <operation> adopted` against `app`, following it for up to 20 minutes.
+fn host_command(app: &Appliance, operation: &str) -> anyhow::Result<tokio::process::Command> {
+    let mut command = tokio::process::Command::new(appliance::binary()?);
+    command.args(["host", operation, ADOPTED, "--timeout", "1200s", "--config"]);
+    command.arg(app.config_path()).kill_on_drop(true);
+    Ok(command)
+}
+
 /// What a `siteboot host` command printed, if it succeeded.
 fn cli_output(output: std::process::Output) -> anyhow::Result<String> {
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
@@ -420,7 +513,7 @@ async fn adopted(
     server: &ServerVm,
     keys: &Keys,
     joined: &tokio::sync::Notify,
-    test_os: &TestOsImage,
+    (node_image, ramdisk, test_os): (&NodeImage, &Ramdisk, &TestOsImage),
 ) -> anyhow::Result<()> {
     let ssh = |command: &'static str| on_server(&lab.lab, keys, command);
     learn_host_key(server, keys).await?;
@@ -516,6 +609,7 @@ async fn adopted(
     // and resets it. (Here, not before the first claim: the reset removes the CNI configuration
     // the node image ships, which only kubeadm's template below writes again.)
     standalone(lab, keys).await?;
+    standalone_reimage(lab, keys, node_image, ramdisk).await?;
 
     // Claimed again, by a Machine of kubeadm's bootstrap provider: its data joins with
     // `kubeadm join`, and names no provider-id: siteboot sets the Node's, found by the system

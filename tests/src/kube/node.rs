@@ -23,6 +23,8 @@ const BUILDER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/build-nod
 /// What starts the image's checklist line on the console.
 pub const CHECKLIST: &str = "NODE-CHECKLIST";
 const MEMORY_MB: u32 = 2048;
+/// What a server's disk has beyond the node image.
+const SERVER_DISK_ROOM: u64 = 1 << 30;
 const CPUS: u32 = 2;
 
 /// A built node image: `disk.raw` (a GPT disk that boots under BIOS and UEFI) and
@@ -173,6 +175,10 @@ impl ServerVm {
         let disk = dir.path().join("disk.raw");
         run(Command::new("cp").arg("--sparse=always").arg(image.disk()).arg(&disk))?;
         install(&disk, dir.path(), files)?;
+        // Larger than the image, as a server's disk is: reimaged, its NoCloud seed goes after
+        // the image's partitions. (Sparse: the room costs nothing until written.)
+        let file = std::fs::OpenOptions::new().write(true).open(&disk)?;
+        file.set_len(file.metadata()?.len() + SERVER_DISK_ROOM)?;
         // A system UUID of its own, as a server has (siteboot finds its Node by it).
         let uuid = format!("00000000-0000-4000-8000-{}", mac.replace(':', "").to_lowercase());
         let boot = DiskBoot {
