@@ -309,7 +309,7 @@ fn boot(s: &Shared, runtime: &tokio::runtime::Runtime) -> Result<()> {
         std::thread::sleep(Duration::from_secs(1));
     };
     s.boots.fetch_add(1, Ordering::AcqRel);
-    if script.lines().any(|l| l.split_whitespace().next() == Some("exit")) {
+    if first_try(&script).any(|c| c.split_whitespace().next() == Some("exit")) {
         s.note("booting the local disk".into());
         s.set_phase(Phase::Os);
         while !s.interrupted() {
@@ -346,12 +346,18 @@ fn boot(s: &Shared, runtime: &tokio::runtime::Runtime) -> Result<()> {
     Ok(())
 }
 
-/// The kernel and initrd URLs of an iPXE script siteboot wrote, and the kernel command line
-/// as the ramdisk agent reads it.
+/// The commands iPXE runs of a script siteboot wrote when every fetch succeeds: those before
+/// the first label (the retries), each without what it does if it fails (`|| goto ...`).
+fn first_try(script: &str) -> impl Iterator<Item = &str> {
+    script.lines().take_while(|l| !l.starts_with(':')).map(|l| l.split(" || ").next().unwrap_or(l))
+}
+
+/// The kernel and initrd URLs of an iPXE script siteboot wrote ([`first_try`]), and the kernel
+/// command line as the ramdisk agent reads it.
 fn parse_script(script: &str) -> Result<(Vec<String>, Cmdline)> {
     let mut files = Vec::new();
-    for line in script.lines() {
-        let words: Vec<&str> = line.split_whitespace().collect();
+    for command in first_try(script) {
+        let words: Vec<&str> = command.split_whitespace().collect();
         match words.as_slice() {
             ["kernel", url, ..] => files.push((*url).to_owned()),
             ["initrd", "--name", _, url] => files.push((*url).to_owned()),
@@ -374,11 +380,9 @@ pub fn http_get(ns: &Netns, url: &str) -> Result<(u16, String)> {
 /// The kernel command of a ramdisk script siteboot served, as iPXE runs it (what the script
 /// does if it fails left out).
 pub fn kernel_line(script: &str) -> Result<&str> {
-    let line = script
-        .lines()
-        .find(|l| l.starts_with("kernel "))
-        .with_context(|| format!("no kernel line in:\n{script}"))?;
-    Ok(line.split(" || ").next().unwrap_or(line))
+    first_try(script)
+        .find(|c| c.starts_with("kernel "))
+        .with_context(|| format!("no kernel line in:\n{script}"))
 }
 
 /// The kernel command line of a ramdisk script siteboot served, parsed as the agent does.

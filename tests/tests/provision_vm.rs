@@ -407,13 +407,15 @@ async fn inspected(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<V
     };
     let machine = Machine { firmware: s.firmware, disks_mib: s.disks_mib, memory_mib, cpus };
     let domain = env.libvirt.define_with(s.name, s.mac, s.bridge, &machine)?;
-    // All the VM's packets on the segment but the image's bulk (full-size segments from the
-    // HTTP port): where a token in clear would be. The BIOS VM's network boots are the
-    // control: the capture must see their tokens.
+    // All the VM's packets on the segment but the bulk of the files (full-size segments from
+    // the HTTP port, except each response's first: its headers and the start of its body, all
+    // of a boot script's first try): where a token in clear would be. The BIOS VM's network
+    // boots are the control: the capture must see their tokens.
     let capture = (s.boot_method == BootMethod::VirtualMedia || s.name == "bios")
         .then(|| {
             let filter = format!(
-                "ether host {} and not (tcp src port {} and greater 1400)",
+                "ether host {} and (not (tcp src port {} and greater 1400) \
+                 or tcp[((tcp[12:1] & 0xf0) >> 2):4] = 0x48545450)",
                 s.mac,
                 appliance::HTTP_PORT
             );
