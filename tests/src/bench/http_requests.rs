@@ -122,14 +122,16 @@ fn measure(
 }
 
 /// siteboot with one listed host on a kernel profile (the script names its kernel, initrd and
-/// command line), DHCP off. The per-address cap is the number of connections: every bench
-/// connection comes from one address, and nginx has no such cap.
+/// command line), DHCP off. Every bench connection comes from one address, and nginx has no
+/// per-address cap, so siteboot's is the number of connections plus one: the probe's connection,
+/// closed by the client just before the load's connections open, holds its slot until the
+/// server reads that close, and a load connection over the cap is closed on arrival.
 fn start_siteboot(lab: &Lab, root: &Path, connections: usize) -> Result<Appliance> {
     let config = json!({
         "interface": BRIDGE,
         "address": SERVER_ADDRESS,
         "dhcp": { "mode": "off" },
-        "http": { "port": PORT, "root": root, "max_connections_per_address": connections },
+        "http": { "port": PORT, "root": root, "max_connections_per_address": connections + 1 },
         "profiles": {
             "debian-live": {
                 "kernel": "debian/vmlinuz",
