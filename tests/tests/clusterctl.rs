@@ -10,12 +10,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use kube::api::{DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{DynamicObject, ListParams};
 use serde_json::{Value, json};
 use siteboot_controller::manifests::{BOOT_PLANE_ACCOUNT, CLUSTERCTL_PROVIDER, crds};
 use siteboot_tests::kube::KubeEnv;
 use siteboot_tests::kube::capi::{CAPI, create_namespace, wait_object};
-use siteboot_tests::kube::clusterctl::Clusterctl;
+use siteboot_tests::kube::clusterctl::{Clusterctl, apply};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 const INFRA: &str = "infrastructure.cluster.x-k8s.io/v1alpha1";
@@ -117,7 +117,7 @@ async fn steps(env: &KubeEnv) -> Result<()> {
 
     let generated = generate_cluster(&clusterctl, "edge-1", None, "10.99.0.50")?;
     create_namespace(env, "metal").await?;
-    let applied = apply(env, &generated).await?;
+    let applied = apply(env, "metal", &generated).await?;
     ensure!(
         applied
             == [
@@ -136,7 +136,7 @@ async fn steps(env: &KubeEnv) -> Result<()> {
     // The ClusterClass flavor: clusterctl adds the class to the Cluster, and the topology
     // controller makes the control plane and the workers from the class's templates.
     let generated = generate_cluster(&clusterctl, "edge-2", Some("clusterclass"), "10.99.0.51")?;
-    let applied = apply(env, &generated).await?;
+    let applied = apply(env, "metal", &generated).await?;
     ensure!(
         applied.contains(&"ClusterClass/siteboot-kubeadm".to_owned())
             && applied.contains(&"Cluster/edge-2".to_owned()),
@@ -153,7 +153,7 @@ fn generate_cluster(
     flavor: Option<&str>,
     endpoint: &str,
 ) -> Result<Vec<u8>> {
-    let mut args = vec!["generate", "cluster", name, "--infrastructure", "siteboot"];
+    let mut args = vec!["--infrastructure", "siteboot"];
     args.extend(flavor.map(|f| ["--flavor", f]).into_iter().flatten());
     args.extend([
         "--target-namespace",
@@ -165,41 +165,15 @@ fn generate_cluster(
         "--worker-machine-count",
         "2",
     ]);
-    let generated = clusterctl.run(
-        clusterctl
-            .command(&args)
-            .env("SITEBOOT_CONTROL_PLANE_ENDPOINT_HOST", endpoint)
-            .env("SITEBOOT_IMAGE_URL", "http://10.99.0.1:8080/files/os.raw")
-            .env("SITEBOOT_IMAGE_CHECKSUM", CHECKSUM),
-    )?;
-    ensure!(
-        generated.status.success(),
-        "clusterctl {} failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&generated.stderr)
-    );
-    Ok(generated.stdout)
-}
-
-/// Applies every object of a `clusterctl generate cluster` output in namespace metal; returns
-/// `Kind/name` of each, in order.
-async fn apply(env: &KubeEnv, generated: &[u8]) -> Result<Vec<String>> {
-    let params = PatchParams::apply("clusterctl-test").force();
-    let mut applied = Vec::new();
-    for document in serde_norway::Deserializer::from_slice(generated) {
-        let object: Value = serde::Deserialize::deserialize(document)?;
-        let (api_version, kind) = (
-            object["apiVersion"].as_str().context("apiVersion")?,
-            object["kind"].as_str().context("kind")?,
-        );
-        let name = object["metadata"]["name"].as_str().context("name")?;
-        env.api(api_version, kind, Some("metal"))
-            .patch(name, &params, &Patch::Apply(&object))
-            .await
-            .with_context(|| format!("applying {kind} {name}"))?;
-        applied.push(format!("{kind}/{name}"));
-    }
-    Ok(applied)
+    clusterctl.generate_cluster(
+        name,
+        &args,
+        &[
+            ("SITEBOOT_CONTROL_PLANE_ENDPOINT_HOST", endpoint),
+            ("SITEBOOT_IMAGE_URL", "http://10.99.0.1:8080/files/os.raw"),
+            ("SITEBOOT_IMAGE_CHECKSUM", CHECKSUM),
+        ],
+    )
 }
 
 /// The topology of edge-2 (class siteboot-kubeadm): a KubeadmControlPlane of 3 whose kubelets

@@ -247,6 +247,27 @@ impl Clusterctl {
         Ok(output)
     }
 
+    /// `clusterctl generate cluster <name> <args>` with the template variables `variables`:
+    /// the YAML it printed.
+    pub fn generate_cluster(
+        &self,
+        name: &str,
+        args: &[&str],
+        variables: &[(&str, &str)],
+    ) -> Result<Vec<u8>> {
+        let mut command = self.command(&["generate", "cluster", name]);
+        command.args(args).envs(variables.iter().copied());
+        let generated = self.run(&mut command)?;
+        if !generated.status.success() {
+            bail!(
+                "clusterctl generate cluster {name} {} failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&generated.stderr)
+            );
+        }
+        Ok(generated.stdout)
+    }
+
     /// siteboot installed on `env` as a site operator installs it: the release folder the binary
     /// under test writes (`siteboot manifests --output-dir`) as a local provider repository, the
     /// core provider recorded, cert-manager's CRDs, then `clusterctl init --infrastructure
@@ -374,4 +395,25 @@ fn core_version(capi_module_dir: &Path) -> Result<String> {
         Some((_, version)) => Ok(version.to_owned()),
         None => bail!("{} is not a module cache directory", capi_module_dir.display()),
     }
+}
+
+/// Applies every object of a `clusterctl generate cluster` output in namespace `ns` (server-side,
+/// as `kubectl apply --server-side` would); returns `Kind/name` of each, in order.
+pub async fn apply(env: &KubeEnv, ns: &str, generated: &[u8]) -> Result<Vec<String>> {
+    let params = PatchParams::apply("clusterctl-test").force();
+    let mut applied = Vec::new();
+    for document in serde_norway::Deserializer::from_slice(generated) {
+        let object: Value = serde::Deserialize::deserialize(document)?;
+        let (api_version, kind) = (
+            object["apiVersion"].as_str().context("apiVersion")?,
+            object["kind"].as_str().context("kind")?,
+        );
+        let name = object["metadata"]["name"].as_str().context("name")?;
+        env.api(api_version, kind, Some(ns))
+            .patch(name, &params, &Patch::Apply(&object))
+            .await
+            .with_context(|| format!("applying {kind} {name}"))?;
+        applied.push(format!("{kind}/{name}"));
+    }
+    Ok(applied)
 }
