@@ -94,6 +94,40 @@ impl Netns {
         peer.ip(&["link", "set", peer_if, "up"])?;
         Ok(local)
     }
+
+    /// Lets the machine's own processes reach `address`, an address on one of this
+    /// namespace's bridges (a VM's): a veth pair from the machine into the namespace, a /32
+    /// route to `address` through it, and the namespace masquerading what it forwards, so the
+    /// VM answers an address on its own segment and needs no route back. All of it goes with
+    /// the namespace (deleting one end of a veth pair deletes the other, and its routes).
+    pub fn route_from_machine(&self, address: &str) -> Result<()> {
+        let n = self.next_link.fetch_add(1, Ordering::Relaxed);
+        // Unique on the machine: the pid, as the namespace's own name has it.
+        let (outside, inside) = (format!("sbm{}x{n}", std::process::id()), format!("fm{n}"));
+        let subnet = format!("10.253.{n}");
+        run(Command::new("ip").args([
+            "link", "add", &outside, "type", "veth", "peer", "name", &inside, "netns", &self.name,
+        ]))?;
+        run(Command::new("ip").args(["addr", "add", &format!("{subnet}.1/30"), "dev", &outside]))?;
+        run(Command::new("ip").args(["link", "set", &outside, "up"]))?;
+        self.ip(&["addr", "add", &format!("{subnet}.2/30"), "dev", &inside])?;
+        self.ip(&["link", "set", &inside, "up"])?;
+        run(self.command("sysctl").args(["-qw", "net.ipv4.ip_forward=1"]))?;
+        let from = format!("{subnet}.1");
+        run(self.command("iptables").args([
+            "-t",
+            "nat",
+            "-A",
+            "POSTROUTING",
+            "-s",
+            &from,
+            "-j",
+            "MASQUERADE",
+        ]))?;
+        let to = format!("{address}/32");
+        // Replace: a killed run's route may outlive it while its processes hold its namespace.
+        run(Command::new("ip").args(["route", "replace", &to, "via", &format!("{subnet}.2")]))
+    }
 }
 
 impl Netns {

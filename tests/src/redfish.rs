@@ -200,6 +200,19 @@ impl Libvirt {
         Ok(domain)
     }
 
+    /// Gives `domain`'s running QEMU the CPU weight of `nice` (-20 to 19) against the rest of
+    /// the machine. libvirt starts each QEMU in a session of its own, and with autogroups
+    /// (`kernel.sched_autogroup_enabled`, on in Debian) the kernel shares the CPUs between
+    /// sessions first: a thread's own nice counts only within its session, so the session's is
+    /// set. A power cycle through the BMC starts a new QEMU, at 0 again.
+    pub fn favour(&self, domain: &Domain, nice: i32) -> Result<()> {
+        let pid_file = format!("/var/run/libvirt/qemu/{}.pid", domain.name);
+        let pid =
+            std::fs::read_to_string(&pid_file).with_context(|| format!("reading {pid_file}"))?;
+        let autogroup = format!("/proc/{}/autogroup", pid.trim());
+        std::fs::write(&autogroup, nice.to_string()).with_context(|| format!("writing {autogroup}"))
+    }
+
     /// What libvirt says of `domain`'s state: `running`, `shut off`, ...
     pub fn state(&self, domain: &Domain) -> Result<String> {
         Ok(self.virsh(&["domstate", &domain.name])?.trim().to_owned())

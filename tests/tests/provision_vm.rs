@@ -9,9 +9,9 @@
 //! boots its disk -> its Machine deleted -> wiped (the disk files hold no partition table or
 //! signature) -> Host deleted -> powered off.
 //!
-//! One lab (one management cluster that is also the workload cluster, with its controller
-//! manager and scheduler, prepared for `kubeadm join`; the CAPI core and kubeadm bootstrap
-//! managers; one libvirt + sushy-tools) for every VM, and the VMs run at once:
+//! One lab (one management cluster that is also the workers' workload cluster, with its
+//! controller manager and scheduler, prepared for `kubeadm join`; the CAPI core, kubeadm
+//! bootstrap and kubeadm control plane managers; one libvirt + sushy-tools) for every VM:
 //!
 //! - `workers`: a BIOS VM and a UEFI (OVMF) VM, the two hosts of a MachineDeployment of 2 with
 //!   siteboot's bootstrap provider, get the node image: each joins as a Node with the Host's
@@ -27,6 +27,12 @@
 //!   and runs the cluster's bootstrap Secret (a script).
 //! - `failures`: a BIOS VM goes through what fails: an unreachable BMC, an image that does not
 //!   match its sha256, a ramdisk that dies during an operation.
+//! - `control-plane`: the default flavor, as `clusterctl generate cluster` makes it from
+//!   siteboot's template, on a BIOS VM: its KubeadmControlPlane claims the host, which is imaged
+//!   with the node image and runs `kubeadm init` with nothing pulled, keepalived holding the
+//!   endpoint; KCP Available, the Node Ready in that workload cluster with the Host's
+//!   providerID; the Cluster deleted, the host wiped. It runs before `workers`: two cores do not
+//!   run a TCG control plane and two imaging workers at once.
 //!
 //! The two-disk VM boots from virtual media (`spec.bootMethod: VirtualMedia`, issue 22 item
 //! 3): each operation's ramdisk comes in an ISO the emulator fetches from the appliance and
@@ -61,7 +67,8 @@ use siteboot_tests::appliance;
 use siteboot_tests::clients::{Dnsmasq, PacketCapture};
 use siteboot_tests::kube::Peers;
 use siteboot_tests::kube::bootstrap;
-use siteboot_tests::kube::capi::{wait_gone, wait_object};
+use siteboot_tests::kube::capi::{CAPI, wait_gone, wait_object};
+use siteboot_tests::kube::clusterctl::{Clusterctl, apply};
 use siteboot_tests::kube::node::{
     CHECKLIST, KubeletOn, NodeImage, WORKLOAD_IMAGE, checklist, joined_checklist,
     ready_and_matched, workload_deployment,
@@ -96,6 +103,23 @@ const SILENCE: Duration = Duration::from_secs(150);
 const CONSOLE_LINES: usize = 25;
 /// The failure scenario's Host, domain, template and MachineDeployment.
 const FAILURES: &str = "failures";
+/// The default flavor's workload cluster (`clusterctl generate cluster`), on one control-plane
+/// host: the scenario [`CONTROL_PLANE`] (its Host and domain too).
+const FLAVOR_CLUSTER: &str = "edge";
+const CONTROL_PLANE: &str = "control-plane";
+/// The label the flavor's control-plane SitebootMachineTemplate selects hosts by.
+const ROLE_LABEL: &str = "siteboot.dev/role";
+/// The flavor's control-plane endpoint: a free address on the lab's segment, outside the DHCP
+/// pool, which keepalived holds on the control-plane host.
+const ENDPOINT: &str = "10.99.0.250";
+/// From the flavor's apply to KubeadmControlPlane Available: the claim, the imaging, the first
+/// boot and `kubeadm init` under TCG (about 4.5 minutes here; development runs took up to 10).
+const CONTROL_PLANE_TIMEOUT: Duration = Duration::from_secs(25 * 60);
+const KCP_API: &str = "controlplane.cluster.x-k8s.io/v1beta2";
+/// The control-plane VM's CPU weight (see `Libvirt::favour`): ahead of the small test-OS VMs
+/// that boot beside it, and of the other tests CI runs at the same time. Development runs
+/// without it, with workers imaging beside it, saw its etcd and apiserver miss their deadlines.
+const CONTROL_PLANE_NICE: i32 = -10;
 
 /// One VM's run through the whole lifecycle.
 struct Scenario {
@@ -120,18 +144,21 @@ struct Scenario {
 enum Os {
     /// The test OS with the cluster's bootstrap Secret (a script): it prints what it read and
     /// powers off.
-    TestOs,
+    Test,
     /// The node image with SitebootConfig bootstrap data, as one of the [`WORKERS`]: it joins
     /// the workload cluster, its Node gets the Host's providerID from the meta-data and runs
     /// pods, and its Machine's deletion drains it before the host is wiped.
     Node,
+    /// The node image with the default flavor's KubeadmControlPlane data: `kubeadm init`, with
+    /// the control plane's images from the image and keepalived holding [`ENDPOINT`].
+    ControlPlane,
 }
 
 impl Scenario {
     /// Its Host's [`VM_LABEL`], which its MachineDeployment's template selects.
     fn pool(&self) -> &'static str {
         match self.os {
-            Os::TestOs => self.name,
+            Os::Test | Os::ControlPlane => self.name,
             Os::Node => WORKERS,
         }
     }
@@ -143,7 +170,7 @@ const ROUTED_BRIDGE: &str = "br1";
 const ROUTED_GATEWAY: &str = "10.98.0.1";
 const ROUTED_RANGE: &str = "10.98.0.100,10.98.0.150,255.255.255.0,1h";
 
-fn scenarios() -> [Scenario; 3] {
+fn scenarios() -> [Scenario; 4] {
     [
         // The node image (1.5 GiB) on a larger disk: the agent grows its root partition.
         Scenario {
@@ -182,7 +209,20 @@ fn scenarios() -> [Scenario; 3] {
             boot_mode: None,
             boot_method: BootMethod::VirtualMedia,
             bridge: ROUTED_BRIDGE,
-            os: Os::TestOs,
+            os: Os::Test,
+        },
+        // Room for the control plane's images, imported at its first boot, and etcd's data.
+        Scenario {
+            name: CONTROL_PLANE,
+            mac: "52:54:00:00:09:05",
+            firmware: Firmware::Bios,
+            disks_mib: &[4096],
+            hints: None,
+            root: 0,
+            boot_mode: Some(BootMode::Legacy),
+            boot_method: BootMethod::Network,
+            bridge: appliance::BRIDGE,
+            os: Os::ControlPlane,
         },
     ]
 }
@@ -200,7 +240,7 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     .unwrap();
     // The workload cluster's CSR approval and signing, Deployments and scheduling.
     lab.env.start_control_plane().await.unwrap();
-    lab.env.start_kubeadm_bootstrap_provider().await.unwrap();
+    lab.env.start_kubeadm_providers().await.unwrap();
     lab.install_ramdisk(&ramdisk).unwrap();
     let image = lab.serve_image("test-os", &os).unwrap();
     let node_image =
@@ -213,11 +253,16 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
         &[format!("--dhcp-range={ROUTED_RANGE}"), format!("--dhcp-option=3,{ROUTED_GATEWAY}")],
     )
     .unwrap();
+    // The machine's lock is held from here: the route below is this lab's alone.
     let libvirt = Libvirt::start(&lab.lab).unwrap();
+    // Cluster API's managers run on the machine and reach the flavor's control plane there.
+    lab.lab.route_from_machine(ENDPOINT).unwrap();
     let sushy =
         Sushy::start(SushyOptions { user: USER, tls: None, netns: Some(&lab.lab) }).unwrap();
     lab.create_cluster(CLUSTER, BOOTSTRAP).await.unwrap();
     lab.env.prepare_kubeadm_join(&lab.lab, appliance::ADDRESS, NS, CLUSTER).await.unwrap();
+    let clusterctl_dir = tempfile::tempdir().unwrap();
+    let flavor = flavor(&lab, &node_image, clusterctl_dir.path()).unwrap();
 
     let scenarios = scenarios();
     let timelines: Vec<Timeline> = scenarios.iter().map(|_| Timeline::start()).collect();
@@ -231,14 +276,22 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
         node_image: &node_image,
         node: &node,
         routed_dhcp: &routed_dhcp,
+        flavor: &flavor,
     };
-    let (workers, alone): (Vec<_>, Vec<_>) =
-        scenarios.iter().zip(&timelines).partition(|(s, _)| s.os == Os::Node);
-    let runs = alone
-        .into_iter()
+    let of = |os: Os| scenarios.iter().zip(&timelines).filter(move |(s, _)| s.os == os);
+    let workers: Vec<_> = of(Os::Node).collect();
+    let (control, control_timeline) = of(Os::ControlPlane).next().expect("a control plane");
+    let alone = of(Os::Test)
         .map(|(s, timeline)| timed(s.name, run(&env, s, timeline)))
-        .chain([timed(WORKERS, workers_run(&env, &workers)), timed(FAILURES, failures(&env))]);
-    let results = futures_util::future::join_all(runs).await;
+        .chain([timed(FAILURES, failures(&env))]);
+    // The control plane first, then the workers: two cores run one TCG control plane, or two
+    // imaging and joining workers, not both at once (docs/testing.md).
+    let in_turn = async {
+        let control = timed(CONTROL_PLANE, control_plane(&env, control, control_timeline)).await;
+        vec![control, timed(WORKERS, workers_run(&env, &workers)).await]
+    };
+    let (alone, in_turn) = tokio::join!(futures_util::future::join_all(alone), in_turn);
+    let results: Vec<_> = alone.into_iter().chain(in_turn).collect();
     let mut failed = Vec::new();
     for (name, result, took) in &results {
         match result {
@@ -387,6 +440,8 @@ struct Env<'a> {
     /// The SitebootMachine `image` that writes the node image.
     node_image: &'a Value,
     node: &'a NodeImage,
+    /// The default flavor's cluster, as `clusterctl generate cluster` printed it ([`flavor`]).
+    flavor: &'a [u8],
 }
 
 /// A VM registered as a Host and inspected: Available.
@@ -402,8 +457,9 @@ struct Vm {
 /// returns once the ramdisk inspected it and the Host is Available with its hardware.
 async fn inspected(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<Vm> {
     let (memory_mib, cpus) = match s.os {
-        Os::TestOs => (512, 1),
+        Os::Test => (512, 1),
         Os::Node => (2048, 2),
+        Os::ControlPlane => (3072, 2),
     };
     let machine = Machine { firmware: s.firmware, disks_mib: s.disks_mib, memory_mib, cpus };
     let domain = env.libvirt.define_with(s.name, s.mac, s.bridge, &machine)?;
@@ -433,10 +489,14 @@ async fn inspected(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<V
 
     let hosts = env.lab.hosts();
     let mut host = Host::new(s.name, HostSpec::new(s.mac));
-    host.metadata.labels = Some(BTreeMap::from([
+    let mut labels = BTreeMap::from([
         (SITE_LABEL.to_owned(), SITE.to_owned()),
         (VM_LABEL.to_owned(), s.pool().to_owned()),
-    ]));
+    ]);
+    if s.os == Os::ControlPlane {
+        labels.insert(ROLE_LABEL.to_owned(), "control-plane".to_owned());
+    }
+    host.metadata.labels = Some(labels);
     let address = env.sushy.address(&domain);
     host.spec.bmc = Some(Bmc {
         credentials_name: env.lab.bmc_credentials(s.name, &address, USER).await?,
@@ -509,6 +569,166 @@ async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
         }
         _ => deleted(env, s, &vm.domain, timeline).await,
     }
+}
+
+/// The default flavor as a user generates it: `clusterctl generate cluster` from the release's
+/// template (the committed one, which `clusterctl.rs` checks is what siteboot writes), with one
+/// control-plane machine, no workers, [`ENDPOINT`] and the node image; then [`slow_machine`].
+fn flavor(lab: &ProviderLab, node_image: &Value, dir: &Path) -> Result<Vec<u8>> {
+    let release = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/clusterctl/infrastructure-siteboot")
+        .join(format!("v{}", env!("CARGO_PKG_VERSION")));
+    let clusterctl =
+        Clusterctl::new(&lab.env, dir, &release.join("infrastructure-components.yaml"))?;
+    let template = release.join("cluster-template.yaml");
+    let version = lab.env.kubernetes_version()?;
+    let (url, checksum) = (
+        node_image["url"].as_str().context("the node image's url")?,
+        node_image["checksum"].as_str().context("the node image's checksum")?,
+    );
+    let generated = clusterctl.generate_cluster(
+        FLAVOR_CLUSTER,
+        &[
+            "--from",
+            template.to_str().context("a UTF-8 path")?,
+            "--target-namespace",
+            NS,
+            "--kubernetes-version",
+            &version,
+            "--control-plane-machine-count",
+            "1",
+            "--worker-machine-count",
+            "0",
+        ],
+        &[
+            ("SITEBOOT_CONTROL_PLANE_ENDPOINT_HOST", ENDPOINT),
+            ("SITEBOOT_IMAGE_URL", url),
+            ("SITEBOOT_IMAGE_CHECKSUM", checksum),
+        ],
+    )?;
+    let mut documents = Vec::new();
+    for document in serde_norway::Deserializer::from_slice(&generated) {
+        let mut object: Value = serde::Deserialize::deserialize(document)?;
+        if object["kind"] == "KubeadmControlPlane" {
+            slow_machine(&mut object["spec"]["kubeadmConfigSpec"]);
+        }
+        documents.push(serde_norway::to_string(&object)?);
+    }
+    Ok(documents.join("---\n").into_bytes())
+}
+
+/// Where [`slow_machine`]'s kubeadm patches are written on the control-plane host.
+const PATCHES: &str = "/etc/kubernetes/siteboot-test-patches";
+
+/// What a control plane under TCG on two shared cores needs and one on real hardware does not
+/// (docs/air-gapped.md): kubeadm's waits raised, and the static pods' probes relaxed by kubeadm
+/// patches (with kubeadm's defaults the kubelet restarted the apiserver before it first
+/// answered). Added to the generated KubeadmControlPlane's `kubeadmConfigSpec`.
+fn slow_machine(spec: &mut Value) {
+    let timeouts = json!({
+        "controlPlaneComponentHealthCheckSeconds": 1200,
+        "kubernetesAPICallSeconds": 900,
+        "etcdAPICallSeconds": 900,
+    });
+    for configuration in ["initConfiguration", "joinConfiguration"] {
+        spec[configuration]["timeouts"] = timeouts.clone();
+        spec[configuration]["patches"] = json!({ "directory": PATCHES });
+    }
+    let files = spec["files"].as_array_mut().expect("the flavor writes files");
+    for component in ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"] {
+        let patch = json!({ "spec": { "containers": [{
+            "name": component,
+            "startupProbe": { "failureThreshold": 120, "timeoutSeconds": 30 },
+            "livenessProbe": { "failureThreshold": 30, "timeoutSeconds": 30 },
+        }] } });
+        files.push(json!({
+            "path": format!("{PATCHES}/{component}+strategic.json"),
+            "content": patch.to_string(),
+        }));
+    }
+}
+
+/// The default flavor on one host: the generated cluster applied, its KubeadmControlPlane
+/// claims the host, which is imaged with the node image and runs `kubeadm init` from KCP's data
+/// with nothing pulled; keepalived holds [`ENDPOINT`] on it. KCP becomes Available; the
+/// workload cluster's kubeconfig (KCP's Secret, through the endpoint) lists the host's Node,
+/// Ready, with the Host's providerID, and its Machine is Running with it as nodeRef. The
+/// Cluster is then deleted: the host is wiped and Available again, and its Host deleted.
+async fn control_plane(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
+    let vm = inspected(env, s, timeline).await?;
+    // Whichever QEMU the BMC started last: the host's boots, the ramdisk's and its disk's.
+    let favoured = async {
+        loop {
+            let _ = env.libvirt.favour(&vm.domain, CONTROL_PLANE_NICE);
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+    };
+    tokio::select! {
+        result = control_plane_run(env, s, &vm, timeline) => result,
+        () = favoured => unreachable!("favours until the run ends"),
+    }
+}
+
+/// [`control_plane`]'s steps once the host is inspected.
+async fn control_plane_run(
+    env: &Env<'_>,
+    s: &Scenario,
+    vm: &Vm,
+    timeline: &Timeline,
+) -> Result<()> {
+    let applied = apply(&env.lab.env, NS, env.flavor).await?;
+    timeline.mark(&format!("the flavor applied: {}", applied.join(", ")));
+    let kcps = env.lab.env.api(KCP_API, "KubeadmControlPlane", Some(NS));
+    let kcp = format!("{FLAVOR_CLUSTER}-control-plane");
+    let available = siteboot_tests::wait::for_async(
+        "the KubeadmControlPlane to be Available",
+        CONTROL_PLANE_TIMEOUT,
+        || async { kcps.get(&kcp).await.ok().filter(|o| condition_true(o, "Available")) },
+    )
+    .await;
+    if let Err(e) = available {
+        let status = kcps.get(&kcp).await.map(|o| o.data["status"].to_string());
+        return Err(with_console(e.context(format!("its status: {status:?}")), &vm.domain));
+    }
+    timeline.mark("KubeadmControlPlane Available");
+
+    let secrets: Api<Secret> = Api::namespaced(env.lab.env.client(), NS);
+    let secret = secrets.get(&format!("{FLAVOR_CLUSTER}-kubeconfig")).await?;
+    let value = secret.data.as_ref().and_then(|d| d.get("value")).context("no kubeconfig")?;
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(std::str::from_utf8(&value.0)?)?;
+    let server = kubeconfig.clusters.first().and_then(|c| c.cluster.as_ref()?.server.clone());
+    let want = format!("https://{ENDPOINT}:6443");
+    ensure!(server.as_deref() == Some(want.as_str()), "the kubeconfig's server: {server:?}");
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+    let nodes: Api<Node> = Api::all(kube::Client::try_from(config)?);
+    let node = siteboot_tests::wait::for_async("its Node to be Ready", POWER_TIMEOUT, || async {
+        let listed = nodes.list(&ListParams::default()).await.ok()?.items;
+        listed.into_iter().find(|n| {
+            let conditions = n.status.as_ref().and_then(|s| s.conditions.as_ref());
+            conditions.is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        })
+    })
+    .await?;
+    let provider_id = node.spec.as_ref().and_then(|s| s.provider_id.clone());
+    ensure!(provider_id == Some(self::provider_id(s)), "the Node's providerID: {provider_id:?}");
+    let machine = claiming_machine(env, s.name).await?;
+    machine_running_on(env, &machine.name_any(), &node.name_any()).await?;
+    timeline.mark("its Node Ready in the workload cluster, with the Host's providerID");
+
+    env.lab
+        .env
+        .api(CAPI, "Cluster", Some(NS))
+        .delete(FLAVOR_CLUSTER, &DeleteParams::default())
+        .await?;
+    timeline.mark("Cluster deleted");
+    wiped(env, s, vm, None, timeline).await?;
+    deleted(env, s, &vm.domain, timeline).await
+}
+
+/// Whether `object`'s status has condition `kind` True.
+fn condition_true(object: &DynamicObject, kind: &str) -> bool {
+    let conditions = object.data["status"]["conditions"].as_array();
+    conditions.is_some_and(|c| c.iter().any(|c| c["type"] == kind && c["status"] == "True"))
 }
 
 /// The two workers: one MachineDeployment of 2 with a SitebootConfigTemplate claims both
