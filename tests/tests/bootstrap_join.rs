@@ -210,12 +210,14 @@ async fn join_from_the_data(
     let mut nspawn_vm = NodeVm::boot(image, ns, NSPAWN, &nspawn_data, &meta).unwrap();
 
     // 1. A Machine deleted before its host boots: its token goes, and no longer authenticates.
-    let deleted_token = must(bootstrap::machine_token(env, NS, deleted).await, env).await;
-    assert_eq!(bootstrap::token_status(env, &deleted_token.token).await.unwrap(), 200);
+    let deleted_token =
+        must(bootstrap::machine_token(env, &env.client(), NS, deleted).await, env).await;
+    let kubeconfig = env.admin_kubeconfig();
+    assert_eq!(bootstrap::token_status(kubeconfig, &deleted_token.token).await.unwrap(), 200);
     machines.delete(&deleted.name_any(), &DeleteParams::default()).await.unwrap();
     wait_gone(&tokens, &format!("bootstrap-token-{}", deleted_token.id), TIMEOUT).await.unwrap();
     wait_gone(&machines, &deleted.name_any(), TIMEOUT).await.unwrap();
-    bootstrap::wait_token_refused(env, &deleted_token.token, TIMEOUT).await.unwrap();
+    bootstrap::wait_token_refused(kubeconfig, &deleted_token.token, TIMEOUT).await.unwrap();
 
     progress("a deleted Machine's token is gone");
 

@@ -152,7 +152,7 @@ fn generate_cluster(
     name: &str,
     flavor: Option<&str>,
     endpoint: &str,
-) -> Result<Vec<u8>> {
+) -> Result<Vec<Value>> {
     let mut args = vec!["--infrastructure", "siteboot"];
     args.extend(flavor.map(|f| ["--flavor", f]).into_iter().flatten());
     args.extend([

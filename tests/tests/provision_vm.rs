@@ -28,10 +28,12 @@
 //! - `failures`: a BIOS VM goes through what fails: an unreachable BMC, an image that does not
 //!   match its sha256, a ramdisk that dies during an operation.
 //! - `control-plane`: the default flavor, as `clusterctl generate cluster` makes it from
-//!   siteboot's template, on a BIOS VM: its KubeadmControlPlane claims the host, which is imaged
-//!   with the node image and runs `kubeadm init` with nothing pulled, keepalived holding the
-//!   endpoint; KCP Available, the Node Ready in that workload cluster with the Host's
-//!   providerID; the Cluster deleted, the host wiped. It runs before `workers`: two cores do not
+//!   siteboot's template, on a BIOS VM and the `bios` worker: its KubeadmControlPlane claims the
+//!   first host, which is imaged with the node image and runs `kubeadm init` with nothing
+//!   pulled, keepalived holding the endpoint; KCP Available, the Node Ready in that workload
+//!   cluster with the Host's providerID. The flavor's worker Machine then claims `bios`, which
+//!   SitebootConfig's data joins to that cluster, and a pod runs there. The Cluster is deleted,
+//!   both hosts wiped; `bios` then serves `workers`. It runs before `workers`: two cores do not
 //!   run a TCG control plane and two imaging workers at once.
 //!
 //! The two-disk VM boots from virtual media (`spec.bootMethod: VirtualMedia`, issue 22 item
@@ -49,7 +51,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
@@ -103,12 +105,15 @@ const SILENCE: Duration = Duration::from_secs(150);
 const CONSOLE_LINES: usize = 25;
 /// The failure scenario's Host, domain, template and MachineDeployment.
 const FAILURES: &str = "failures";
-/// The default flavor's workload cluster (`clusterctl generate cluster`), on one control-plane
-/// host: the scenario [`CONTROL_PLANE`] (its Host and domain too).
+/// The default flavor's workload cluster (`clusterctl generate cluster`): one control-plane
+/// host, the scenario [`CONTROL_PLANE`] (its Host and domain too), and one worker.
 const FLAVOR_CLUSTER: &str = "edge";
 const CONTROL_PLANE: &str = "control-plane";
-/// The label the flavor's control-plane SitebootMachineTemplate selects hosts by.
+/// The label the flavor's SitebootMachineTemplates select hosts by, and its two values there
+/// (the template's defaults).
 const ROLE_LABEL: &str = "siteboot.dev/role";
+const CONTROL_PLANE_ROLE: &str = "control-plane";
+const WORKER_ROLE: &str = "worker";
 /// The flavor's control-plane endpoint: a free address on the lab's segment, outside the DHCP
 /// pool, which keepalived holds on the control-plane host.
 const ENDPOINT: &str = "10.99.0.250";
@@ -137,6 +142,8 @@ struct Scenario {
     /// The bridge of its segment: the appliance's ([`appliance::BRIDGE`]), or the routed one.
     bridge: &'static str,
     os: Os,
+    /// Its Host's [`ROLE_LABEL`]: which of the default flavor's pools may claim it.
+    role: Option<&'static str>,
 }
 
 /// What a scenario's host runs once provisioned.
@@ -184,6 +191,8 @@ fn scenarios() -> [Scenario; 4] {
             boot_method: BootMethod::Network,
             bridge: appliance::BRIDGE,
             os: Os::Node,
+            // The default flavor's worker first, then one of the workers.
+            role: Some(WORKER_ROLE),
         },
         Scenario {
             name: "uefi",
@@ -196,6 +205,7 @@ fn scenarios() -> [Scenario; 4] {
             boot_method: BootMethod::Network,
             bridge: appliance::BRIDGE,
             os: Os::Node,
+            role: None,
         },
         // Without the hint the agent would take the smaller disk that holds the image: vda.
         // UEFI: OVMF tries each disk in boot order; SeaBIOS boots only the first hard disk.
@@ -210,6 +220,7 @@ fn scenarios() -> [Scenario; 4] {
             boot_method: BootMethod::VirtualMedia,
             bridge: ROUTED_BRIDGE,
             os: Os::Test,
+            role: None,
         },
         // Room for the control plane's images, imported at its first boot, and etcd's data.
         Scenario {
@@ -223,6 +234,7 @@ fn scenarios() -> [Scenario; 4] {
             boot_method: BootMethod::Network,
             bridge: appliance::BRIDGE,
             os: Os::ControlPlane,
+            role: Some(CONTROL_PLANE_ROLE),
         },
     ]
 }
@@ -279,16 +291,31 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
         flavor: &flavor,
     };
     let of = |os: Os| scenarios.iter().zip(&timelines).filter(move |(s, _)| s.os == os);
-    let workers: Vec<_> = of(Os::Node).collect();
-    let (control, control_timeline) = of(Os::ControlPlane).next().expect("a control plane");
+    let control = of(Os::ControlPlane).next().expect("a control plane");
+    let (flavor_worker, worker) = match of(Os::Node).collect::<Vec<_>>()[..] {
+        [a, b] if a.0.role == Some(WORKER_ROLE) => (a, b),
+        _ => panic!("two workers, the first the flavor's"),
+    };
     let alone = of(Os::Test)
         .map(|(s, timeline)| timed(s.name, run(&env, s, timeline)))
         .chain([timed(FAILURES, failures(&env))]);
-    // The control plane first, then the workers: two cores run one TCG control plane, or two
-    // imaging and joining workers, not both at once (docs/testing.md).
+    // The flavor's cluster first, then the workers: two cores run one TCG control plane and one
+    // imaging and joining worker, not two of them beside it (docs/testing.md).
     let in_turn = async {
-        let control = timed(CONTROL_PLANE, control_plane(&env, control, control_timeline)).await;
-        vec![control, timed(WORKERS, workers_run(&env, &workers)).await]
+        let (name, result, took) =
+            timed(CONTROL_PLANE, control_plane(&env, control, flavor_worker)).await;
+        let (control, workers) = match result {
+            Ok(vm) => {
+                let (a, a_timeline) = flavor_worker;
+                let run = workers_run(&env, (a, vm, a_timeline), worker);
+                (Ok(()), timed(WORKERS, run).await)
+            }
+            Err(e) => {
+                let not_run = anyhow!("not run: {CONTROL_PLANE} failed first");
+                (Err(e), (WORKERS, Err(not_run), Duration::ZERO))
+            }
+        };
+        vec![(name, control, took), workers]
     };
     let (alone, in_turn) = tokio::join!(futures_util::future::join_all(alone), in_turn);
     let results: Vec<_> = alone.into_iter().chain(in_turn).collect();
@@ -304,7 +331,11 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
     // where those hosts' boots stopped.
     let in_failed = |s: &Scenario| {
         results.iter().any(|(name, result, _)| {
-            result.is_err() && (*name == s.name || (*name == WORKERS && s.os == Os::Node))
+            let worker_in = |scenario| *name == scenario && s.role == Some(WORKER_ROLE);
+            result.is_err()
+                && (*name == s.name
+                    || (*name == WORKERS && s.os == Os::Node)
+                    || worker_in(CONTROL_PLANE))
         })
     };
     let (first, then): (Vec<_>, Vec<_>) =
@@ -337,10 +368,10 @@ async fn vms_are_inspected_provisioned_wiped_and_powered_off_through_redfish() {
 }
 
 /// A scenario's run, named and timed (they run at once, in one task).
-fn timed<'a>(
+fn timed<'a, T: 'a>(
     name: &'a str,
-    run: impl std::future::Future<Output = Result<()>> + 'a,
-) -> futures_util::future::LocalBoxFuture<'a, (&'a str, Result<()>, Duration)> {
+    run: impl std::future::Future<Output = Result<T>> + 'a,
+) -> futures_util::future::LocalBoxFuture<'a, (&'a str, Result<T>, Duration)> {
     Box::pin(async move {
         let started = Instant::now();
         (name, run.await, started.elapsed())
@@ -441,7 +472,7 @@ struct Env<'a> {
     node_image: &'a Value,
     node: &'a NodeImage,
     /// The default flavor's cluster, as `clusterctl generate cluster` printed it ([`flavor`]).
-    flavor: &'a [u8],
+    flavor: &'a [Value],
 }
 
 /// A VM registered as a Host and inspected: Available.
@@ -493,8 +524,8 @@ async fn inspected(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<V
         (SITE_LABEL.to_owned(), SITE.to_owned()),
         (VM_LABEL.to_owned(), s.pool().to_owned()),
     ]);
-    if s.os == Os::ControlPlane {
-        labels.insert(ROLE_LABEL.to_owned(), "control-plane".to_owned());
+    if let Some(role) = s.role {
+        labels.insert(ROLE_LABEL.to_owned(), role.to_owned());
     }
     host.metadata.labels = Some(labels);
     let address = env.sushy.address(&domain);
@@ -573,8 +604,10 @@ async fn run(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
 
 /// The default flavor as a user generates it: `clusterctl generate cluster` from the release's
 /// template (the committed one, which `clusterctl.rs` checks is what siteboot writes), with one
-/// control-plane machine, no workers, [`ENDPOINT`] and the node image; then [`slow_machine`].
-fn flavor(lab: &ProviderLab, node_image: &Value, dir: &Path) -> Result<Vec<u8>> {
+/// control-plane machine, one worker, [`ENDPOINT`] and the node image; then [`slow_machine`],
+/// and the workers' SitebootConfigTemplate given [`node_config`] (the checks' labels, taint and
+/// shortest token lifetime).
+fn flavor(lab: &ProviderLab, node_image: &Value, dir: &Path) -> Result<Vec<Value>> {
     let release = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../deploy/clusterctl/infrastructure-siteboot")
         .join(format!("v{}", env!("CARGO_PKG_VERSION")));
@@ -586,7 +619,7 @@ fn flavor(lab: &ProviderLab, node_image: &Value, dir: &Path) -> Result<Vec<u8>> 
         node_image["url"].as_str().context("the node image's url")?,
         node_image["checksum"].as_str().context("the node image's checksum")?,
     );
-    let generated = clusterctl.generate_cluster(
+    let mut generated = clusterctl.generate_cluster(
         FLAVOR_CLUSTER,
         &[
             "--from",
@@ -598,7 +631,7 @@ fn flavor(lab: &ProviderLab, node_image: &Value, dir: &Path) -> Result<Vec<u8>> 
             "--control-plane-machine-count",
             "1",
             "--worker-machine-count",
-            "0",
+            "1",
         ],
         &[
             ("SITEBOOT_CONTROL_PLANE_ENDPOINT_HOST", ENDPOINT),
@@ -606,15 +639,14 @@ fn flavor(lab: &ProviderLab, node_image: &Value, dir: &Path) -> Result<Vec<u8>> 
             ("SITEBOOT_IMAGE_CHECKSUM", checksum),
         ],
     )?;
-    let mut documents = Vec::new();
-    for document in serde_norway::Deserializer::from_slice(&generated) {
-        let mut object: Value = serde::Deserialize::deserialize(document)?;
+    for object in &mut generated {
         if object["kind"] == "KubeadmControlPlane" {
             slow_machine(&mut object["spec"]["kubeadmConfigSpec"]);
+        } else if object["kind"] == "SitebootConfigTemplate" {
+            object["spec"]["template"]["spec"] = node_config();
         }
-        documents.push(serde_norway::to_string(&object)?);
     }
-    Ok(documents.join("---\n").into_bytes())
+    Ok(generated)
 }
 
 /// Where [`slow_machine`]'s kubeadm patches are written on the control-plane host.
@@ -648,14 +680,22 @@ fn slow_machine(spec: &mut Value) {
     }
 }
 
-/// The default flavor on one host: the generated cluster applied, its KubeadmControlPlane
-/// claims the host, which is imaged with the node image and runs `kubeadm init` from KCP's data
-/// with nothing pulled; keepalived holds [`ENDPOINT`] on it. KCP becomes Available; the
-/// workload cluster's kubeconfig (KCP's Secret, through the endpoint) lists the host's Node,
-/// Ready, with the Host's providerID, and its Machine is Running with it as nodeRef. The
-/// Cluster is then deleted: the host is wiped and Available again, and its Host deleted.
-async fn control_plane(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Result<()> {
-    let vm = inspected(env, s, timeline).await?;
+/// The default flavor on two hosts, `s` and the worker `w` (inspected beside it): the
+/// generated cluster applied, its KubeadmControlPlane claims `s`, which is imaged with the node
+/// image and runs `kubeadm init` from KCP's data with nothing pulled; keepalived holds
+/// [`ENDPOINT`] on it. KCP becomes Available; the workload cluster's kubeconfig (KCP's Secret,
+/// through the endpoint) lists the host's Node, Ready, with the Host's providerID, and its
+/// Machine is Running with it as nodeRef. The flavor's worker Machine then claims `w`, which
+/// SitebootConfig's data joins to that cluster ([`joined`]), and a pod runs there. The Cluster
+/// is then deleted: both hosts are wiped and Available again, and `s`'s Host deleted. Returns
+/// `w`'s VM, Available for the workers.
+async fn control_plane(
+    env: &Env<'_>,
+    (s, timeline): (&Scenario, &Timeline),
+    (w, w_timeline): (&Scenario, &Timeline),
+) -> Result<Vm> {
+    let (vm, w_vm) =
+        futures_util::try_join!(inspected(env, s, timeline), inspected(env, w, w_timeline))?;
     // Whichever QEMU the BMC started last: the host's boots, the ramdisk's and its disk's.
     let favoured = async {
         loop {
@@ -664,17 +704,17 @@ async fn control_plane(env: &Env<'_>, s: &Scenario, timeline: &Timeline) -> Resu
         }
     };
     tokio::select! {
-        result = control_plane_run(env, s, &vm, timeline) => result,
+        result = control_plane_run(env, (s, &vm, timeline), (w, &w_vm, w_timeline)) => result?,
         () = favoured => unreachable!("favours until the run ends"),
     }
+    Ok(w_vm)
 }
 
-/// [`control_plane`]'s steps once the host is inspected.
+/// [`control_plane`]'s steps once the hosts are inspected.
 async fn control_plane_run(
     env: &Env<'_>,
-    s: &Scenario,
-    vm: &Vm,
-    timeline: &Timeline,
+    (s, vm, timeline): (&Scenario, &Vm, &Timeline),
+    (w, w_vm, w_timeline): (&Scenario, &Vm, &Timeline),
 ) -> Result<()> {
     let applied = apply(&env.lab.env, NS, env.flavor).await?;
     timeline.mark(&format!("the flavor applied: {}", applied.join(", ")));
@@ -692,36 +732,40 @@ async fn control_plane_run(
     }
     timeline.mark("KubeadmControlPlane Available");
 
-    let secrets: Api<Secret> = Api::namespaced(env.lab.env.client(), NS);
-    let secret = secrets.get(&format!("{FLAVOR_CLUSTER}-kubeconfig")).await?;
-    let value = secret.data.as_ref().and_then(|d| d.get("value")).context("no kubeconfig")?;
-    let kubeconfig = kube::config::Kubeconfig::from_yaml(std::str::from_utf8(&value.0)?)?;
-    let server = kubeconfig.clusters.first().and_then(|c| c.cluster.as_ref()?.server.clone());
-    let want = format!("https://{ENDPOINT}:6443");
-    ensure!(server.as_deref() == Some(want.as_str()), "the kubeconfig's server: {server:?}");
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-    let nodes: Api<Node> = Api::all(kube::Client::try_from(config)?);
-    let node = siteboot_tests::wait::for_async("its Node to be Ready", POWER_TIMEOUT, || async {
-        let listed = nodes.list(&ListParams::default()).await.ok()?.items;
-        listed.into_iter().find(|n| {
-            let conditions = n.status.as_ref().and_then(|s| s.conditions.as_ref());
-            conditions.is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-        })
+    let edge = Workload::of_cluster(env, FLAVOR_CLUSTER).await?;
+    let nodes: Api<Node> = Api::all(edge.client.clone());
+    let provider_id = self::provider_id(s);
+    let name = wait_node(&nodes, "a Node with the Host's providerID", POWER_TIMEOUT, |n| {
+        n.spec.as_ref().and_then(|s| s.provider_id.as_deref()) == Some(provider_id.as_str())
     })
     .await?;
-    let provider_id = node.spec.as_ref().and_then(|s| s.provider_id.clone());
-    ensure!(provider_id == Some(self::provider_id(s)), "the Node's providerID: {provider_id:?}");
+    ready_and_matched(&nodes, &name, POWER_TIMEOUT).await?;
     let machine = claiming_machine(env, s.name).await?;
-    machine_running_on(env, &machine.name_any(), &node.name_any()).await?;
+    machine_running_on(env, &machine.name_any(), &name).await?;
     timeline.mark("its Node Ready in the workload cluster, with the Host's providerID");
 
-    env.lab
-        .env
-        .api(CAPI, "Cluster", Some(NS))
-        .delete(FLAVOR_CLUSTER, &DeleteParams::default())
-        .await?;
-    timeline.mark("Cluster deleted");
-    wiped(env, s, vm, None, timeline).await?;
+    // The flavor's worker: claimed once the control plane was initialized (its data waits for
+    // that), joined by SitebootConfig's data with a token siteboot made in this cluster.
+    let join = Join { crash: false, console_from: 0 };
+    let w_node = joined(env, &edge, w, w_vm, w_timeline, join).await?;
+    let deployments: Api<Deployment> = Api::namespaced(edge.client.clone(), edge.namespace);
+    let tolerations = json!([{ "key": "dedicated", "value": "ml", "effect": "NoSchedule" }]);
+    let deployment = workload_deployment(WORKLOAD, tolerations);
+    deployments.create(&PostParams::default(), &deployment).await?;
+    workload_running(&edge, Some(&w_node)).await?;
+    w_timeline.mark("the Deployment's pod Running on the Node, in the flavor's cluster");
+
+    let clusters = env.lab.env.api(CAPI, "Cluster", Some(NS));
+    clusters.delete(FLAVOR_CLUSTER, &DeleteParams::default()).await?;
+    for timeline in [timeline, w_timeline] {
+        timeline.mark("Cluster deleted");
+    }
+    futures_util::try_join!(
+        wiped(env, s, vm, None, timeline),
+        wiped(env, w, w_vm, None, w_timeline)
+    )?;
+    // Nothing of the flavor's is left to claim the worker's host again.
+    wait_gone(&clusters, FLAVOR_CLUSTER, POWER_TIMEOUT).await?;
     deleted(env, s, &vm.domain, timeline).await
 }
 
@@ -731,20 +775,59 @@ fn condition_true(object: &DynamicObject, kind: &str) -> bool {
     conditions.is_some_and(|c| c.iter().any(|c| c["type"] == kind && c["status"] == "True"))
 }
 
-/// The two workers: one MachineDeployment of 2 with a SitebootConfigTemplate claims both
-/// hosts, and each joins as a Node. A Deployment's pod runs on one of them; that worker's
+/// A cluster the workers join, where the test reads their Nodes and runs its pod: the
+/// management cluster as [`CLUSTER`]'s hosted control plane, or the default flavor's.
+struct Workload {
+    /// An admin kubeconfig's text, with its user's credentials inline.
+    kubeconfig: String,
+    client: kube::Client,
+    /// Where the test's Deployment runs.
+    namespace: &'static str,
+}
+
+impl Workload {
+    /// The management cluster, which is [`CLUSTER`]'s workload cluster too.
+    fn hosted(env: &Env<'_>) -> Self {
+        let kube = &env.lab.env;
+        Self {
+            kubeconfig: kube.admin_kubeconfig().to_owned(),
+            client: kube.client(),
+            namespace: NS,
+        }
+    }
+
+    /// `cluster`'s, by the kubeconfig its control plane provider wrote (`<cluster>-kubeconfig`),
+    /// whose server must be [`ENDPOINT`].
+    async fn of_cluster(env: &Env<'_>, cluster: &str) -> Result<Self> {
+        let secrets: Api<Secret> = Api::namespaced(env.lab.env.client(), NS);
+        let secret = secrets.get(&format!("{cluster}-kubeconfig")).await?;
+        let text = bootstrap::secret_text(&secret, "value");
+        let parsed = kube::config::Kubeconfig::from_yaml(&text)?;
+        let server = parsed.clusters.first().and_then(|c| c.cluster.as_ref()?.server.clone());
+        let want = format!("https://{ENDPOINT}:6443");
+        ensure!(server.as_deref() == Some(want.as_str()), "the kubeconfig's server: {server:?}");
+        let config = kube::Config::from_custom_kubeconfig(parsed, &Default::default()).await?;
+        let client = kube::Client::try_from(config)?;
+        Ok(Self { kubeconfig: text, client, namespace: "default" })
+    }
+}
+
+/// The two workers, `a` (inspected before, and Available again after serving the default
+/// flavor's cluster) and `b`: one MachineDeployment of 2 with a SitebootConfigTemplate claims
+/// both hosts, and each joins [`CLUSTER`] (hosted by the management cluster) as a Node. A Deployment's pod runs on one of them; that worker's
 /// Machine is deleted (chosen with Cluster API's delete-machine annotation, the MachineDeployment
 /// scaled to 1): its Node is drained and the pod comes back on the other Node; its host is
 /// wiped and Available again, its Host kept. A MachineHealthCheck then replaces the other
 /// worker, powered off behind Cluster API's back; the spare Host is deleted, the
 /// MachineDeployment rolled out to kubeadm's bootstrap provider on the one host left
 /// ([`kubeadm_rollout`]), then scaled to 0: drained, wiped, and that Host deleted too.
-async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Result<()> {
-    let [(a, a_timeline), (b, b_timeline)] = workers else {
-        bail!("{} workers, want 2", workers.len())
-    };
-    let (a_vm, b_vm) =
-        futures_util::try_join!(inspected(env, a, a_timeline), inspected(env, b, b_timeline))?;
+async fn workers_run(
+    env: &Env<'_>,
+    (a, a_vm, a_timeline): (&Scenario, Vm, &Timeline),
+    (b, b_timeline): (&Scenario, &Timeline),
+) -> Result<()> {
+    let b_vm = inspected(env, b, b_timeline).await?;
+    let hosted = Workload::hosted(env);
     let config = bootstrap::create_config_template(&env.lab.env, NS, WORKERS, node_config());
     let config = json!({ "bootstrap": config.await? });
     let spec = json!({ "image": env.node_image, "hostSelector": { "matchLabels": { VM_LABEL: WORKERS } } });
@@ -754,19 +837,20 @@ async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Resul
         timeline.mark("MachineDeployment of 2 created");
     }
     let join = |s: &Scenario| Join { crash: s.name == CRASHED_WHILE_IMAGING, console_from: 0 };
+    // `a`'s console already holds the checklist of its join to the flavor's cluster.
+    let a_join = Join { console_from: a_vm.domain.console().lines().count(), ..join(a) };
     let (a_node, b_node) = futures_util::try_join!(
-        joined(env, a, &a_vm, a_timeline, join(a)),
-        joined(env, b, &b_vm, b_timeline, join(b))
+        joined(env, &hosted, a, &a_vm, a_timeline, a_join),
+        joined(env, &hosted, b, &b_vm, b_timeline, join(b))
     )?;
 
     // A Deployment's pod, placed by the scheduler on either Node.
-    let client = env.lab.env.client();
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let deployments: Api<Deployment> = Api::namespaced(hosted.client.clone(), hosted.namespace);
     let tolerations = json!([{ "key": "dedicated", "value": "ml", "effect": "NoSchedule" }]);
     let deployment = workload_deployment(WORKLOAD, tolerations);
     deployments.create(&PostParams::default(), &deployment).await?;
-    let (_, on) = workload_running(env, None).await?;
-    let mut workers = [(a, &a_vm, *a_timeline, a_node), (b, &b_vm, *b_timeline, b_node)];
+    let (_, on) = workload_running(&hosted, None).await?;
+    let mut workers = [(a, &a_vm, a_timeline, a_node), (b, &b_vm, b_timeline, b_node)];
     if workers[1].3 == on {
         workers.swap(0, 1);
     }
@@ -786,7 +870,7 @@ async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Resul
     first_timeline.mark("its Machine chosen for deletion, the MachineDeployment scaled to 1");
     drained(env, &first_node).await?;
     first_timeline.mark("drained: the pod evicted, the Node still there");
-    workload_running(env, Some(&second_node)).await?;
+    workload_running(&hosted, Some(&second_node)).await?;
     second_timeline.mark("the Deployment's pod Running here, moved from the drained Node");
     crash_during(env, first, "wiping", first_timeline).await?;
     wiped(env, first, first_vm, Some(&first_node), first_timeline).await?;
@@ -817,15 +901,15 @@ async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Resul
     let (host, vm, timeline) = workers[reused];
     timeline.mark("claimed by the replacement Machine");
     let join = Join { crash: false, console_from: console_from[reused] };
-    let replacement = joined(env, host, vm, timeline, join).await?;
-    workload_running(env, Some(&replacement)).await?;
+    let replacement = joined(env, &hosted, host, vm, timeline, join).await?;
+    workload_running(&hosted, Some(&replacement)).await?;
     timeline.mark("the Deployment's pod Running on the replacement");
 
     // The spare goes: the rollout has exactly as many hosts as replicas, so the old Machine's
     // host is the new one's.
     let (spare, spare_vm, spare_timeline) = workers[1 - reused];
     deleted(env, spare, &spare_vm.domain, spare_timeline).await?;
-    let kubeadm_node = kubeadm_rollout(env, host, vm, timeline, &replacement).await?;
+    let kubeadm_node = kubeadm_rollout(env, &hosted, host, vm, timeline, &replacement).await?;
 
     env.lab.scale(WORKERS, 0).await?;
     timeline.mark("scaled to 0");
@@ -844,6 +928,7 @@ async fn workers_run(env: &Env<'_>, workers: &[(&Scenario, &Timeline)]) -> Resul
 /// Returns the new Node's name.
 async fn kubeadm_rollout(
     env: &Env<'_>,
+    hosted: &Workload,
     s: &Scenario,
     vm: &Vm,
     timeline: &Timeline,
@@ -868,7 +953,7 @@ async fn kubeadm_rollout(
     timeline.mark("drained: the pod evicted, the Node still there");
     wiped(env, s, vm, Some(old_node), timeline).await?;
     wait_gone(&env.lab.api("Machine"), &old.name_any(), POWER_TIMEOUT).await?;
-    kubeadm_joined(env, s, vm, timeline, console_from).await
+    kubeadm_joined(env, hosted, s, vm, timeline, console_from).await
 }
 
 /// The host claimed by a Machine with CABPK's data, imaged, and joined with `kubeadm join`;
@@ -876,6 +961,7 @@ async fn kubeadm_rollout(
 /// and the workload's pod runs there. Returns the Node's name.
 async fn kubeadm_joined(
     env: &Env<'_>,
+    hosted: &Workload,
     s: &Scenario,
     vm: &Vm,
     timeline: &Timeline,
@@ -919,7 +1005,7 @@ async fn kubeadm_joined(
         .collect();
     ensure!(!writers.is_empty() && !writers.contains(&"kubelet"), "providerID by {writers:?}");
     machine_running_on(env, &machine.name_any(), &name).await?;
-    workload_running(env, Some(&name)).await?;
+    workload_running(hosted, Some(&name)).await?;
     timeline.mark("the Deployment's pod Running on the kubeadm-joined Node");
     Ok(name)
 }
@@ -979,18 +1065,20 @@ struct Join {
 /// the node joins (see [`node_joined`]). Returns its Node's name.
 async fn joined(
     env: &Env<'_>,
+    workload: &Workload,
     s: &Scenario,
     vm: &Vm,
     timeline: &Timeline,
     join: Join,
 ) -> Result<String> {
     let machine = claiming_machine(env, s.name).await?;
-    let token = bootstrap::machine_token(&env.lab.env, NS, &machine).await?;
+    let token = bootstrap::machine_token(&env.lab.env, &workload.client, NS, &machine).await?;
     if join.crash {
         crash_during(env, s, "writing image", timeline).await?;
     }
     let console = (&vm.domain, join.console_from);
-    let node = node_joined(env, s, &machine.name_any(), console, &token, timeline).await?;
+    let name = machine.name_any();
+    let node = node_joined(env, workload, s, &name, console, &token, timeline).await?;
     // Before the ramdisk rebooted, siteboot made the disk the BMC's next boot: the host went
     // there without a network boot (which on UEFI tries PXE and HTTP over IPv6 first).
     let boot = &emulator(env, &vm.domain, "")?["Boot"];
@@ -1132,6 +1220,7 @@ async fn claiming_machine(env: &Env<'_>, host: &str) -> Result<DynamicObject> {
 /// `console_from` lines. Returns the Node's name.
 async fn node_joined(
     env: &Env<'_>,
+    workload: &Workload,
     s: &Scenario,
     machine: &str,
     (domain, console_from): (&Domain, usize),
@@ -1145,8 +1234,7 @@ async fn node_joined(
     timeline.mark("first boot of the disk: cloud-init ran the data, the kubelet joined");
     let found = checklist(&line);
     ensure!(found == joined_checklist(KubeletOn::Host), "the node's checklist: {line}");
-    let kube = &env.lab.env;
-    let client = kube.client();
+    let client = workload.client.clone();
 
     let requester = format!("system:bootstrap:{}", token.id);
     let csrs: Api<CertificateSigningRequest> = Api::all(client.clone());
@@ -1183,9 +1271,9 @@ async fn node_joined(
 
     let tokens: Api<Secret> = Api::namespaced(client.clone(), "kube-system");
     wait_gone(&tokens, &format!("bootstrap-token-{}", token.id), POWER_TIMEOUT).await?;
-    bootstrap::wait_token_refused(kube, &token.token, POWER_TIMEOUT).await?;
-    let config =
-        kube.api(bootstrap::BOOTSTRAP, "SitebootConfig", Some(NS)).get(&token.config).await?;
+    bootstrap::wait_token_refused(&workload.kubeconfig, &token.token, POWER_TIMEOUT).await?;
+    let configs = env.lab.env.api(bootstrap::BOOTSTRAP, "SitebootConfig", Some(NS));
+    let config = configs.get(&token.config).await?;
     ensure!(bootstrap::condition(&config, "Ready").0 == json!("True"), "the config is not Ready");
 
     Ok(name)
@@ -1219,8 +1307,8 @@ async fn machine_running_on(env: &Env<'_>, machine: &str, node: &str) -> Result<
 /// being deleted; returns its name and Node. No registry is reachable: its sandbox (pause) and
 /// its container come from the images node-images.service loaded; its address from the image's
 /// bridge CNI.
-async fn workload_running(env: &Env<'_>, node: Option<&str>) -> Result<(String, String)> {
-    let pods: Api<Pod> = Api::namespaced(env.lab.env.client(), NS);
+async fn workload_running(workload: &Workload, node: Option<&str>) -> Result<(String, String)> {
+    let pods: Api<Pod> = Api::namespaced(workload.client.clone(), workload.namespace);
     let lp = ListParams::default().labels(&format!("app={WORKLOAD}"));
     let what = format!("the {WORKLOAD} pod Running on {}", node.unwrap_or("a Node"));
     let pod = siteboot_tests::wait::for_async(&what, PHASE_TIMEOUT, || async {

@@ -122,11 +122,13 @@ pub struct MachineToken {
     pub expiration: Option<u64>,
 }
 
-/// The bootstrap token of `machine`, which has its data. Fails unless the data carries the
-/// token the config's status records: one token per config (a status written from a stale
-/// read once recorded a second token in its place, so the data's was never extended).
+/// The bootstrap token of `machine`, which has its data: its config and data in the management
+/// cluster `env`, its token Secret in the workload cluster `workload`. Fails unless the data
+/// carries the token the config's status records: one token per config (a status written from
+/// a stale read once recorded a second token in its place, so the data's was never extended).
 pub async fn machine_token(
     env: &KubeEnv,
+    workload: &kube::Client,
     ns: &str,
     machine: &DynamicObject,
 ) -> Result<MachineToken> {
@@ -142,7 +144,7 @@ pub async fn machine_token(
         token.starts_with(&format!("{id}.")),
         "the data's token is {token}, the status's id {id}"
     );
-    let tokens = kube::Api::<Secret>::namespaced(env.client(), "kube-system");
+    let tokens = kube::Api::<Secret>::namespaced(workload.clone(), "kube-system");
     let expiration = match tokens.get_opt(&format!("bootstrap-token-{id}")).await? {
         Some(secret) => {
             let at: k8s_openapi::jiff::Timestamp = secret_text(&secret, "expiration").parse()?;
@@ -194,14 +196,14 @@ pub async fn provision(env: &KubeEnv, ns: &str, machine: &DynamicObject) -> Resu
     Ok(provider_id)
 }
 
-/// Waits until the apiserver refuses `token` (401). The apiserver caches a token it accepted
-/// for 10 s (its authenticators' success cache), so a token deleted just after a use still
-/// works that long.
-pub async fn wait_token_refused(env: &KubeEnv, token: &str, timeout: Duration) -> Result<()> {
+/// Waits until the apiserver of `kubeconfig` (an admin's, whose user is replaced) refuses
+/// `token` (401). The apiserver caches a token it accepted for 10 s (its authenticators'
+/// success cache), so a token deleted just after a use still works that long.
+pub async fn wait_token_refused(kubeconfig: &str, token: &str, timeout: Duration) -> Result<()> {
     let last = std::sync::Mutex::new(None);
     let refused =
         wait::until_async("the token to get 401", timeout, Duration::from_secs(1), || async {
-            let status = token_status(env, token).await;
+            let status = token_status(kubeconfig, token).await;
             let refused = matches!(status, Ok(401));
             *last.lock().unwrap() = Some(status.map_err(|e| format!("{e:#}")));
             refused.then_some(())
@@ -210,10 +212,11 @@ pub async fn wait_token_refused(env: &KubeEnv, token: &str, timeout: Duration) -
     refused.with_context(|| format!("last answer: {:?}", last.lock().unwrap()))
 }
 
-/// `GET /api` with `token` as the bearer token: 200 while the apiserver accepts it, 401 once
-/// it does not (deleted or expired).
-pub async fn token_status(env: &KubeEnv, token: &str) -> Result<u16> {
-    let mut kubeconfig: Value = serde_norway::from_str(env.admin_kubeconfig())?;
+/// `GET /api` on the apiserver of `kubeconfig` with `token` as the bearer token (in place of
+/// the kubeconfig's user): 200 while the apiserver accepts it, 401 once it does not (deleted or
+/// expired).
+pub async fn token_status(kubeconfig: &str, token: &str) -> Result<u16> {
+    let mut kubeconfig: Value = serde_norway::from_str(kubeconfig)?;
     kubeconfig["users"][0]["user"] = json!({ "token": token });
     let kubeconfig: kube::config::Kubeconfig = serde_json::from_value(kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;

@@ -254,7 +254,7 @@ impl Clusterctl {
         name: &str,
         args: &[&str],
         variables: &[(&str, &str)],
-    ) -> Result<Vec<u8>> {
+    ) -> Result<Vec<Value>> {
         let mut command = self.command(&["generate", "cluster", name]);
         command.args(args).envs(variables.iter().copied());
         let generated = self.run(&mut command)?;
@@ -265,7 +265,8 @@ impl Clusterctl {
                 String::from_utf8_lossy(&generated.stderr)
             );
         }
-        Ok(generated.stdout)
+        let text = std::str::from_utf8(&generated.stdout)?;
+        super::manifests::yaml_documents(text).context("clusterctl printed no YAML")
     }
 
     /// siteboot installed on `env` as a site operator installs it: the release folder the binary
@@ -399,18 +400,17 @@ fn core_version(capi_module_dir: &Path) -> Result<String> {
 
 /// Applies every object of a `clusterctl generate cluster` output in namespace `ns` (server-side,
 /// as `kubectl apply --server-side` would); returns `Kind/name` of each, in order.
-pub async fn apply(env: &KubeEnv, ns: &str, generated: &[u8]) -> Result<Vec<String>> {
+pub async fn apply(env: &KubeEnv, ns: &str, generated: &[Value]) -> Result<Vec<String>> {
     let params = PatchParams::apply("clusterctl-test").force();
     let mut applied = Vec::new();
-    for document in serde_norway::Deserializer::from_slice(generated) {
-        let object: Value = serde::Deserialize::deserialize(document)?;
+    for object in generated {
         let (api_version, kind) = (
             object["apiVersion"].as_str().context("apiVersion")?,
             object["kind"].as_str().context("kind")?,
         );
         let name = object["metadata"]["name"].as_str().context("name")?;
         env.api(api_version, kind, Some(ns))
-            .patch(name, &params, &Patch::Apply(&object))
+            .patch(name, &params, &Patch::Apply(object))
             .await
             .with_context(|| format!("applying {kind} {name}"))?;
         applied.push(format!("{kind}/{name}"));
