@@ -146,7 +146,7 @@ async fn steps(env: &KubeEnv) -> Result<()> {
 }
 
 /// `clusterctl generate cluster <name>` (in `--flavor`) with 3 control-plane machines and 2
-/// workers in namespace metal: the YAML it printed.
+/// workers in namespace metal: the documents it printed.
 fn generate_cluster(
     clusterctl: &Clusterctl,
     name: &str,

@@ -471,7 +471,8 @@ struct Env<'a> {
     /// The SitebootMachine `image` that writes the node image.
     node_image: &'a Value,
     node: &'a NodeImage,
-    /// The default flavor's cluster, as `clusterctl generate cluster` printed it ([`flavor`]).
+    /// The default flavor's cluster: the documents `clusterctl generate cluster` printed, as
+    /// [`flavor`] edits them.
     flavor: &'a [Value],
 }
 

@@ -248,7 +248,7 @@ impl Clusterctl {
     }
 
     /// `clusterctl generate cluster <name> <args>` with the template variables `variables`:
-    /// the YAML it printed.
+    /// the documents it printed, parsed.
     pub fn generate_cluster(
         &self,
         name: &str,
@@ -266,7 +266,7 @@ impl Clusterctl {
             );
         }
         let text = std::str::from_utf8(&generated.stdout)?;
-        super::manifests::yaml_documents(text).context("clusterctl printed no YAML")
+        super::manifests::yaml_documents(text).context("clusterctl's output is not YAML")
     }
 
     /// siteboot installed on `env` as a site operator installs it: the release folder the binary
