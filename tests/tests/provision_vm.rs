@@ -820,9 +820,9 @@ impl Workload {
 /// API's delete-machine annotation, the MachineDeployment scaled to 1): its Node is drained and
 /// the pod comes back on the other Node; its host is wiped and Available again, its Host kept.
 /// A MachineHealthCheck then replaces the other worker, powered off behind Cluster API's back;
-/// the spare Host is deleted, the
-/// MachineDeployment rolled out to kubeadm's bootstrap provider on the one host left
-/// ([`kubeadm_rollout`]), then scaled to 0: drained, wiped, and that Host deleted too.
+/// the spare Host is deleted, the MachineDeployment rolled out to kubeadm's bootstrap provider
+/// on the one host left ([`kubeadm_rollout`]), then scaled to 0: drained, wiped, and that Host
+/// deleted too.
 async fn workers_run(
     env: &Env<'_>,
     (a, a_vm, a_timeline): (&Scenario, Vm, &Timeline),
