@@ -14,7 +14,7 @@ use serde_json::json;
 use siteboot_tests::appliance::{self, Appliance};
 use siteboot_tests::clients::Dnsmasq;
 use siteboot_tests::initramfs;
-use siteboot_tests::netns::Netns;
+use siteboot_tests::netns::{self, Netns};
 use siteboot_tests::process::Supervised;
 use siteboot_tests::vm::{Firmware, Vm, VmConfig};
 
@@ -87,7 +87,7 @@ fn boot_from_siteboot(firmware: Firmware, dhcp: Dhcp, mac: &str) {
     .unwrap();
     std::fs::rename(&aside, &kernel).unwrap();
     let marker = vm.wait_for_console("SITEBOOT-TEST: callback", BOOT_TIMEOUT).unwrap();
-    assert_eq!(marker, "SITEBOOT-TEST: callback ok");
+    assert_eq!(marker, "SITEBOOT-TEST: callback ok", "{}", why_refused(&ns, &siteboot));
 
     // Linux's own DHCP: from siteboot in full mode, from the site's server in proxy mode.
     let lease = vm.wait_for_console("SITEBOOT-TEST: lease", Duration::from_secs(1)).unwrap();
@@ -154,6 +154,17 @@ fn boot_from_siteboot(firmware: Firmware, dhcp: Dhcp, mac: &str) {
         );
     }
     vm.wait_exit(Duration::from_secs(30)).expect("the VM powers off after the callback");
+}
+
+/// What says why a report was refused, without the log's DEBUG lines (the harness's timeline
+/// polls flood them): siteboot's other lines, its neighbour table, and the leases.
+fn why_refused(ns: &Netns, siteboot: &Appliance) -> String {
+    let log = siteboot.log();
+    let lines: Vec<&str> = log.lines().filter(|l| !l.contains(" DEBUG ")).collect();
+    let neighbours = netns::output(ns.command("ip").args(["neigh", "show"]));
+    let leases = std::fs::read_to_string(siteboot.state_dir().join("leases.log"));
+    let lines = lines.join("\n");
+    format!("siteboot's log but DEBUG:\n{lines}\nneighbours: {neighbours:?}\nleases: {leases:?}")
 }
 
 /// The site's existing DHCP server: dnsmasq in its own namespace joined to the bridge, handing
