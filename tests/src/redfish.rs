@@ -268,6 +268,15 @@ impl Domain {
         )
     }
 
+    /// The lines of its second serial port (the node image's journal, every boot's) that
+    /// contain `pattern`: what one unit printed, which the printed tail may have lost among the
+    /// others' lines.
+    pub fn journal_lines(&self, pattern: &str) -> Vec<String> {
+        let journal = std::fs::read(&self.second).unwrap_or_default();
+        let journal = String::from_utf8_lossy(&journal);
+        journal.lines().filter(|line| line.contains(pattern)).map(str::to_owned).collect()
+    }
+
     /// The last `lines` lines of its serial console.
     pub fn console_tail(&self, lines: usize) -> String {
         let console = tail(&self.console, CONSOLE_TAIL_BYTES);

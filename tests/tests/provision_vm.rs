@@ -125,6 +125,8 @@ const KCP_API: &str = "controlplane.cluster.x-k8s.io/v1beta2";
 /// that boot beside it, and of the other tests CI runs at the same time. Development runs
 /// without it, with workers imaging beside it, saw its etcd and apiserver miss their deadlines.
 const CONTROL_PLANE_NICE: i32 = -10;
+/// How many of cloud-init's journal lines a failed bootstrap's error holds.
+const CLOUD_INIT_LINES: usize = 40;
 
 /// One VM's run through the whole lifecycle.
 struct Scenario {
@@ -717,6 +719,7 @@ async fn control_plane_run(
     (s, vm, timeline): (&Scenario, &Vm, &Timeline),
     (w, w_vm, w_timeline): (&Scenario, &Vm, &Timeline),
 ) -> Result<()> {
+    let console_from = vm.domain.console().lines().count();
     let applied = apply(&env.lab.env, NS, env.flavor).await?;
     timeline.mark(&format!("the flavor applied: {}", applied.join(", ")));
     let kcps = env.lab.env.api(KCP_API, "KubeadmControlPlane", Some(NS));
@@ -725,8 +728,11 @@ async fn control_plane_run(
         "the KubeadmControlPlane to be Available",
         CONTROL_PLANE_TIMEOUT,
         || async { kcps.get(&kcp).await.ok().filter(|o| condition_true(o, "Available")) },
-    )
-    .await;
+    );
+    let available = tokio::select! {
+        available = available => available,
+        failed = cloud_init_failed(&vm.domain, console_from) => Err(failed),
+    };
     if let Err(e) = available {
         let status = kcps.get(&kcp).await.map(|o| o.data["status"].to_string());
         return Err(with_console(e.context(format!("its status: {status:?}")), &vm.domain));
@@ -768,6 +774,26 @@ async fn control_plane_run(
     // Nothing of the flavor's is left to claim the worker's host again.
     wait_gone(&clusters, FLAVOR_CLUSTER, POWER_TIMEOUT).await?;
     deleted(env, s, &vm.domain, timeline).await
+}
+
+/// Returns an error once `domain`'s console (after its first `from` lines) shows a checklist
+/// whose cloud-init did not end `done` (its bootstrap data failed, which no wait need outlast),
+/// with the last lines cloud-init's commands printed in the journal (kubeadm's error among them).
+async fn cloud_init_failed(domain: &Domain, from: usize) -> anyhow::Error {
+    loop {
+        // No checklist yet: the data is still running.
+        let Ok(line) = wait_console(domain, from, &[CHECKLIST]).await else { continue };
+        let ended = checklist(&line).get("cloud-init").cloned().unwrap_or_default();
+        if ended == "done" {
+            return std::future::pending().await;
+        }
+        let printed = domain.journal_lines("cloud-init[");
+        let printed = printed[printed.len().saturating_sub(CLOUD_INIT_LINES)..].join("\n");
+        return anyhow!(
+            "{}'s cloud-init ended {ended:?}: {line}\nthe last of what it printed:\n{printed}",
+            domain.name
+        );
+    }
 }
 
 /// Whether `object`'s status has condition `kind` True.
