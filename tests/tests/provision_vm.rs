@@ -125,8 +125,8 @@ const KCP_API: &str = "controlplane.cluster.x-k8s.io/v1beta2";
 /// that boot beside it, and of the other tests CI runs at the same time. Development runs
 /// without it, with workers imaging beside it, saw its etcd and apiserver miss their deadlines.
 const CONTROL_PLANE_NICE: i32 = -10;
-/// How many of cloud-init's journal lines a failed bootstrap's error holds.
-const CLOUD_INIT_LINES: usize = 40;
+/// How many journal lines a failure's error quotes (of cloud-init's commands, of a unit).
+const JOURNAL_LINES: usize = 40;
 
 /// One VM's run through the whole lifecycle.
 struct Scenario {
@@ -787,13 +787,34 @@ async fn cloud_init_failed(domain: &Domain, from: usize) -> anyhow::Error {
         if ended == "done" {
             return std::future::pending().await;
         }
-        let printed = domain.journal_lines("cloud-init[");
-        let printed = printed[printed.len().saturating_sub(CLOUD_INIT_LINES)..].join("\n");
+        let printed = journal_tail(domain, "cloud-init[");
         return anyhow!(
             "{}'s cloud-init ended {ended:?}: {line}\nthe last of what it printed:\n{printed}",
             domain.name
         );
     }
+}
+
+/// The last [`JOURNAL_LINES`] lines of `domain`'s journal that contain `pattern`.
+fn journal_tail(domain: &Domain, pattern: &str) -> String {
+    let lines = domain.journal_lines(pattern);
+    lines[lines.len().saturating_sub(JOURNAL_LINES)..].join("\n")
+}
+
+/// Fails unless the checklist `line` of `domain`'s console is a joined host's
+/// ([`joined_checklist`]), with the journal's last lines naming each item that differs (a
+/// unit's name: a failed unit's own error is among them).
+fn joined_as_expected(domain: &Domain, line: &str) -> Result<()> {
+    let (found, expected) = (checklist(line), joined_checklist(KubeletOn::Host));
+    let differing: Vec<String> = expected
+        .iter()
+        .filter(|(item, value)| found.get(*item) != Some(value))
+        .map(|(item, _)| {
+            format!("the journal's lines with {item:?}:\n{}", journal_tail(domain, item))
+        })
+        .collect();
+    ensure!(differing.is_empty(), "the node's checklist: {line}\n{}", differing.join("\n"));
+    Ok(())
 }
 
 /// Whether `object`'s status has condition `kind` True.
@@ -1009,8 +1030,7 @@ async fn kubeadm_joined(
     let line = wait_console(&vm.domain, console_from, &[CHECKLIST]);
     let line = line.await.map_err(|e| with_console(e, &vm.domain))?;
     timeline.mark("first boot of the disk: cloud-init ran kubeadm join");
-    let found = checklist(&line);
-    ensure!(found == joined_checklist(KubeletOn::Host), "the node's checklist: {line}");
+    joined_as_expected(&vm.domain, &line)?;
     let provider_id = provider_id(s);
     let nodes: Api<Node> = Api::all(kube.client());
     let name = wait_node(&nodes, "a Node with the VM's system UUID", PHASE_TIMEOUT, |n| {
@@ -1260,8 +1280,7 @@ async fn node_joined(
     let line = wait_console(domain, console_from, &[CHECKLIST]);
     let line = line.await.map_err(|e| with_console(e, domain))?;
     timeline.mark("first boot of the disk: cloud-init ran the data, the kubelet joined");
-    let found = checklist(&line);
-    ensure!(found == joined_checklist(KubeletOn::Host), "the node's checklist: {line}");
+    joined_as_expected(domain, &line)?;
     let client = workload.client.clone();
 
     let requester = format!("system:bootstrap:{}", token.id);
